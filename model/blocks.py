@@ -1,0 +1,106 @@
+"""Building blocks shared by every family: norm, MLP, rotary embedding, and the layer stack."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.config import ModelConfig
+from model.interface import CausalLM, LMOutput
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP; the hidden width is rounded to a multiple of 64 for matmul-friendly shapes."""
+
+    def __init__(self, dim: int, ratio: float):
+        super().__init__()
+        hidden = max(64, round(dim * ratio * 2 / 3 / 64) * 64)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, head_dim/2] for absolute positions (any offset, so streaming works)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [B, T, H, D] by the position angles."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+class StackedLM(CausalLM):
+    """Token embedding, a stack of residual blocks, final norm and LM head.
+
+    Each block is called as `block(x, state) -> (x, state)`; the stack's state is the list of
+    the blocks' states, so a family only has to say what one block carries.
+    """
+
+    def __init__(self, config: ModelConfig, make_block: Callable[[int], nn.Module]):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(make_block(i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.activation_checkpointing = False
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.init_std
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> list[Any]:
+        return [getattr(b, "init_state", lambda *_: None)(batch_size, device) for b in self.blocks]
+
+    def forward(self, input_ids: torch.Tensor, state: list[Any] | None = None) -> LMOutput:
+        x = self.embed(input_ids)
+        states = state if state is not None else [None] * len(self.blocks)
+        new_states = []
+        for block, block_state in zip(self.blocks, states, strict=True):
+            if self.activation_checkpointing and self.training:
+                x, block_state = checkpoint(block, x, block_state, use_reentrant=False)
+            else:
+                x, block_state = block(x, block_state)
+            new_states.append(block_state)
+        return LMOutput(self.head(self.norm(x)), new_states)
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (the embedding lookup does not)."""
+        total = sum(p.numel() for p in self.blocks.parameters()) + self.head.weight.numel()
+        return total

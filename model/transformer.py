@@ -1,0 +1,61 @@
+"""Softmax-attention Transformer baseline (pre-norm, rotary, SwiGLU), same sizes as the others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables
+from model.config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention through torch's fused SDPA.
+
+    Streaming state is the number of tokens seen so far (positions continue across calls); the
+    baseline keeps no KV cache, so a piece attends only within itself — by design it is the
+    fixed-window model the recurrent families are compared against.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_base = config.n_heads, config.head_dim, config.rope_base
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+        cos, sin = rotary_tables(torch.arange(offset, offset + T, device=x.device), self.head_dim, self.rope_base)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
+
+    def forward(self, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, int]:
+        offset = 0 if state is None else int(state)
+        x = x + self.attn(self.attn_norm(x), offset)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, offset + x.shape[1]
+
+
+class Transformer(StackedLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, lambda _: TransformerBlock(config))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 per matmul parameter, plus causal attention: QK^T and AV over on average T/2 keys."""
+        c = self.config
+        attention = 2 * 2 * c.n_layers * c.d_model * (seq_len / 2)
+        return 6.0 * self.matmul_params() + 3 * attention
