@@ -5,7 +5,54 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-ModelKind = Literal["transformer"]
+ModelKind = Literal["transformer", "vort", "pl", "exp", "m5"]
+
+
+@dataclasses.dataclass
+class VortConfig:
+    """The VORT family (kinds vort, pl, exp, m5): feature map, router, SOE banks, scan.
+
+    docs/vort.md explains each choice. The kernel baselines use only the fields that concern
+    them (pl: `pl_alpha`; exp: nothing kernel-specific; m5: `m5_timescales`).
+    """
+
+    n_features: int = 64
+    feature_map: Literal["fixed", "learned"] = "fixed"
+    feature_seed: int = 0
+    temperature: float = 2.0
+    rotary: bool = True
+    delta: float = 0.1
+    n_banks: int = 8
+    soe_horizon: int = 524288
+    soe_eps: float = 1e-3
+    pl_alpha: float = 0.5
+    m5_timescales: list[float] = dataclasses.field(default_factory=lambda: [4.0, 32.0, 256.0, 2048.0, 16384.0])
+    probe_rank: int = 32
+    probe_classes: int = 256
+    alpha_bins: int = 20
+    eps: float = 1e-6
+    chunk_size: int = 64
+    scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
+
+    def __post_init__(self) -> None:
+        for key in ("n_features", "n_banks", "soe_horizon", "probe_rank", "probe_classes", "alpha_bins", "chunk_size"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ValueError(f"{key}: must be >= 1, got {value}")
+        if self.n_banks < 2:
+            raise ValueError(f"n_banks: must be >= 2 (interpolation needs two banks), got {self.n_banks}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta: must be in (0, 1), got {self.delta}")
+        if not self.delta <= self.pl_alpha <= 1:
+            raise ValueError(f"pl_alpha: must be in [delta={self.delta}, 1], got {self.pl_alpha}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+        if not 0 < self.soe_eps < 1:
+            raise ValueError(f"soe_eps: must be in (0, 1), got {self.soe_eps}")
+        if self.eps <= 0:
+            raise ValueError(f"eps: must be > 0, got {self.eps}")
+        if len(self.m5_timescales) != 5 or min(self.m5_timescales) <= 0:
+            raise ValueError(f"m5_timescales: must be 5 positive numbers of tokens, got {self.m5_timescales}")
 
 
 @dataclasses.dataclass
@@ -27,6 +74,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    vort: VortConfig = dataclasses.field(default_factory=VortConfig)
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
