@@ -12,6 +12,7 @@ the loader turns that into a `ConfigError` carrying the full dotted key and its 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -22,6 +23,7 @@ import yaml
 from model.config import ModelConfig
 
 COMMAND_LINE = "<command line>"
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
@@ -350,6 +352,8 @@ def _convert(tp: Any, value: Any, key: str, sources: dict[str, str]) -> Any:
             raise _Mismatch(key, _type_name(tp), value)
         return value
     if tp is float:
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _Mismatch(key, _type_name(tp), value)
         return float(value)

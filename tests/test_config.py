@@ -1,0 +1,133 @@
+"""The config system: inheritance, overrides, and a clear error for each kind of bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pretrain.config import ConfigError, RunConfig, dump_config, load_config
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    text = "run:\n  name: base\n  seed: 7\ntrain:\n  lr: 0.001\n  steps: 10\nmodel:\n  d_model: 64\n"
+    write(tmp_path / "base.yaml", text)
+    return tmp_path / "base.yaml"
+
+
+def test_defaults_validate() -> None:
+    assert isinstance(RunConfig(), RunConfig)
+
+
+def test_child_inherits_and_overrides_parent(tmp_path: Path, base: Path) -> None:
+    child = write(tmp_path / "child.yaml", "extends: base.yaml\ntrain:\n  steps: 20\n")
+    cfg = load_config(child)
+    assert cfg.run.name == "base" and cfg.run.seed == 7  # inherited
+    assert cfg.train.lr == 0.001  # inherited, sibling of an overridden key
+    assert cfg.train.steps == 20  # overridden
+
+
+def test_multi_level_and_list_extends(tmp_path: Path, base: Path) -> None:
+    write(tmp_path / "mid.yaml", "extends: base.yaml\nmodel:\n  n_layers: 3\n")
+    write(tmp_path / "other.yaml", "engine:\n  kind: deepspeed\n")
+    top = write(tmp_path / "top.yaml", "extends: [mid.yaml, other.yaml]\nmodel:\n  n_heads: 2\n")
+    cfg = load_config(top)
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads) == (64, 3, 2)
+    assert cfg.engine.kind == "deepspeed"
+
+
+def test_dotted_overrides_are_typed(base: Path) -> None:
+    overrides = ["train.lr=3e-4", "train.weight_decay=1E-2", "model.n_layers=4", "engine.kind=fsdp"]
+    cfg = load_config(base, [*overrides, "train.max_runtime=null"])
+    assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.train.weight_decay == pytest.approx(0.01)
+    assert cfg.model.n_layers == 4 and cfg.engine.kind == "fsdp" and cfg.train.max_runtime is None
+
+
+def test_int_accepted_where_float_expected(base: Path) -> None:
+    assert load_config(base, ["train.lr=1"]).train.lr == 1.0
+
+
+def test_list_of_sections(tmp_path: Path) -> None:
+    cfg_path = write(
+        tmp_path / "d.yaml", "data:\n  train:\n    - {path: a, weight: 2}\n    - {path: b}\n  valid: [v]\n"
+    )
+    cfg = load_config(cfg_path)
+    assert [(s.path, s.weight) for s in cfg.data.train] == [("a", 2.0), ("b", 1.0)]
+
+
+def test_resolved_config_round_trips(tmp_path: Path, base: Path) -> None:
+    cfg = load_config(base, ["train.steps=33"])
+    dump_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "fragments"),
+    [
+        ("train:\n  lrr: 0.1\n", [], ["train.lrr", "unknown key", "lr"]),
+        ("bogus: 1\n", [], ["bogus", "unknown key"]),
+        ("train:\n  steps: ten\n", [], ["train.steps", "expected an integer", "'ten'"]),
+        ("train:\n  steps: 1.5\n", [], ["train.steps", "expected an integer"]),
+        ("log:\n  wandb: 1\n", [], ["log.wandb", "expected a boolean"]),
+        ("engine:\n  kind: horovod\n", [], ["engine.kind", "'single'", "'deepspeed'", "'fsdp'"]),
+        ("train:\n  lr: -1\n", [], ["train.lr", "must be > 0"]),
+        ("train:\n  global_batch: 10\n  micro_batch: 4\n", [], ["train.global_batch", "multiple of micro_batch"]),
+        ("model:\n  d_model: 30\n  n_heads: 4\n", [], ["model.n_heads", "divide"]),
+        ("data:\n  train: [{weight: 1}]\n", [], ["data.train", "path"]),
+        ("train: 3\n", [], ["train", "expected a mapping"]),
+        ("", ["train.lr=abc"], ["<command line>", "train.lr", "expected a number"]),
+        ("", ["train.nope=1"], ["<command line>", "train.nope", "unknown key"]),
+        ("", ["trainlr"], ["<command line>", "key=value"]),
+    ],
+)
+def test_bad_input_names_key_file_and_expectation(
+    tmp_path: Path, text: str, overrides: list[str], fragments: list[str]
+) -> None:
+    path = write(tmp_path / "bad.yaml", text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    message = str(err.value)
+    if "<command line>" not in fragments:
+        assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_error_names_the_file_that_set_the_key(tmp_path: Path, base: Path) -> None:
+    write(tmp_path / "parent.yaml", "train:\n  warmup_steps: -3\n")
+    child = write(tmp_path / "child.yaml", "extends: parent.yaml\ntrain:\n  steps: 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(child)
+    assert "parent.yaml" in str(err.value) and "train.warmup_steps" in str(err.value)
+
+
+def test_missing_file_and_cycle(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    write(tmp_path / "a.yaml", "extends: b.yaml\n")
+    write(tmp_path / "b.yaml", "extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_yaml_is_read_safely(tmp_path: Path) -> None:
+    path = write(tmp_path / "evil.yaml", "run: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_every_shipped_config_validates() -> None:
+    root = Path(__file__).resolve().parents[1] / "configs"
+    shipped = [p for p in root.rglob("*.yaml") if "extends" in p.read_text() or "model:" in p.read_text()]
+    for path in shipped:
+        data = yaml.safe_load(path.read_text()) or {}
+        if set(data) - {"extends"} <= set(RunConfig.__dataclass_fields__):
+            load_config(path)
