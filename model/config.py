@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-ModelKind = Literal["transformer", "vort", "pl", "exp", "m5"]
+ModelKind = Literal["transformer", "vort", "pl", "exp", "m5", "pmnet"]
 
 
 @dataclasses.dataclass
@@ -56,6 +56,43 @@ class VortConfig:
 
 
 @dataclasses.dataclass
+class PMNetConfig:
+    """The PMNet family: sliding-window attention plus a hierarchical unit-phasor memory.
+
+    docs/pmnet.md explains each choice. `memory_every = 0` gives the SWA-only ablation; the two
+    `update_memory_*` switches freeze the memory (reads still happen) for the paper's ablation.
+    """
+
+    window: int = 64
+    memory_every: int = 1
+    branching: int = 4
+    depth: int = 3
+    memory_dim: int = 64
+    segment_len: int = 256
+    route_temperature: float = 0.1
+    update_memory_train: bool = True
+    update_memory_eval: bool = True
+    scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
+
+    def __post_init__(self) -> None:
+        for key in ("window", "depth", "memory_dim", "segment_len"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ValueError(f"{key}: must be >= 1, got {value}")
+        if self.memory_every < 0:
+            raise ValueError(f"memory_every: must be >= 0 (0 disables the memory), got {self.memory_every}")
+        if self.branching < 2:
+            raise ValueError(f"branching: must be >= 2, got {self.branching}")
+        if self.route_temperature <= 0:
+            raise ValueError(f"route_temperature: must be > 0, got {self.route_temperature}")
+
+    @property
+    def n_slots(self) -> int:
+        """Slots in the tree with its root: 1 + N + N^2 + ... + N^depth."""
+        return (self.branching ** (self.depth + 1) - 1) // (self.branching - 1)
+
+
+@dataclasses.dataclass
 class ModelConfig:
     """Architecture of one causal language model.
 
@@ -75,6 +112,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     vort: VortConfig = dataclasses.field(default_factory=VortConfig)
+    pmnet: PMNetConfig = dataclasses.field(default_factory=PMNetConfig)
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
