@@ -1,0 +1,245 @@
+"""Shard files and the manifest: format, deterministic writing, verified reading.
+
+A shard is a webdataset-style POSIX tar holding one sample whose key is the shard's name:
+
+- ``<key>.tokens.npy``  the content tokens of all its documents back to back (no EOS), in the
+  manifest's dtype (uint8 for byte-level, uint16/uint32 for sentencepiece);
+- ``<key>.lengths.npy`` the documents' token counts (uint32 or uint64), in order.
+
+Both are plain ``.npy`` (read with ``allow_pickle=False`` semantics: the header is parsed and the
+data taken with ``np.frombuffer``, no copy). The tar data offsets are 512-aligned and npy headers
+pad to 64 bytes, so the arrays are aligned in the shard buffer. Tar headers are fixed (mtime 0,
+uid/gid 0, empty owner names, mode 0444) so the same content gives byte-identical shards.
+
+The manifest (``manifest.json`` beside the shards) lists every shard with its path relative to the
+manifest, token and document counts, byte size and sha256, plus the tokenizer identity, the
+dtype, totals, build parameters and build statistics. Its ``fingerprint`` (sha256 of tokenizer
+identity + shard hashes) names the dataset's content independently of where it is stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+from fsspec.core import url_to_fs
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "recurrent-pretrain-shards"
+MANIFEST_VERSION = 1
+
+
+class ShardError(RuntimeError):
+    """A shard could not be read or failed verification; the message names the file."""
+
+
+class ManifestError(ValueError):
+    """A manifest is missing, unreadable or malformed; the message names the file."""
+
+
+@dataclass
+class Manifest:
+    """In-memory manifest. ``shards`` entries: ``path`` (relative), ``tokens``, ``documents``,
+    ``bytes``, ``sha256``. ``url`` is where the manifest was loaded from (not serialized)."""
+
+    tokenizer: dict[str, Any]
+    dtype: str
+    shards: list[dict[str, Any]]
+    build: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    url: str = ""
+
+    @property
+    def total_tokens(self) -> int:
+        """Content tokens over all shards (EOS separators not counted)."""
+        return sum(int(s["tokens"]) for s in self.shards)
+
+    @property
+    def total_documents(self) -> int:
+        """Documents over all shards."""
+        return sum(int(s["documents"]) for s in self.shards)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over tokenizer identity and shard hashes: the dataset's location-free identity."""
+        h = hashlib.sha256(json.dumps(self.tokenizer, sort_keys=True).encode())
+        h.update(self.dtype.encode())
+        for s in self.shards:
+            h.update(bytes.fromhex(s["sha256"]))
+        return h.hexdigest()
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (sorted keys, fixed indentation, trailing newline)."""
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "tokenizer": self.tokenizer,
+            "dtype": self.dtype,
+            "total_tokens": self.total_tokens,
+            "total_documents": self.total_documents,
+            "num_shards": len(self.shards),
+            "fingerprint": self.fingerprint,
+            "build": self.build,
+            "stats": self.stats,
+            "shards": self.shards,
+        }
+        return json.dumps(doc, sort_keys=True, indent=1) + "\n"
+
+    def shard_url(self, i: int) -> str:
+        """Absolute URL of shard ``i`` (shard paths are relative to the manifest's directory)."""
+        return join_url(manifest_dir(self.url), self.shards[i]["path"])
+
+
+def manifest_dir(url: str) -> str:
+    """Directory URL of a manifest URL (or the URL itself when it names a directory)."""
+    return url.rsplit("/", 1)[0] if url.endswith(".json") else url.rstrip("/")
+
+
+def join_url(base: str, rel: str) -> str:
+    """``base/rel`` for local paths and URLs alike."""
+    return f"{base.rstrip('/')}/{rel}"
+
+
+def manifest_url(source: str) -> str:
+    """Accept a manifest file URL or the directory holding ``manifest.json``."""
+    return source if source.endswith(".json") else join_url(source, MANIFEST_NAME)
+
+
+def load_manifest(source: str) -> Manifest:
+    """Read and validate a manifest from a directory or ``.json`` URL (any fsspec protocol)."""
+    url = manifest_url(source)
+    try:
+        with fsspec.open(url, "rb") as f:
+            raw = f.read()
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"cannot read manifest {url!r}: {exc}") from exc
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"manifest {url!r} is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f"{url!r} is not a {MANIFEST_FORMAT} manifest")
+    if doc.get("version") != MANIFEST_VERSION:
+        raise ManifestError(f"manifest {url!r} has version {doc.get('version')}, expected {MANIFEST_VERSION}")
+    try:
+        shards = doc["shards"]
+        for s in shards:
+            for key in ("path", "tokens", "documents", "sha256"):
+                if key not in s:
+                    raise KeyError(key)
+        manifest = Manifest(
+            tokenizer=doc["tokenizer"],
+            dtype=doc["dtype"],
+            shards=shards,
+            build=doc.get("build", {}),
+            stats=doc.get("stats", {}),
+            url=url,
+        )
+        np.dtype(manifest.dtype)
+    except (KeyError, TypeError) as exc:
+        raise ManifestError(f"manifest {url!r} is malformed: missing {exc}") from exc
+    if not shards:
+        raise ManifestError(f"manifest {url!r} lists no shards")
+    return manifest
+
+
+def save_manifest(manifest: Manifest, output: str) -> str:
+    """Write ``manifest.json`` into the output directory URL; returns its URL."""
+    url = join_url(output, MANIFEST_NAME)
+    with fsspec.open(url, "wb") as f:
+        f.write(manifest.to_json().encode())
+    return url
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    """``.npy`` serialization of a 1-D array (deterministic header)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _tar_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(payload)
+    info.mtime = 0
+    info.mode = 0o444
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(payload))
+
+
+def encode_shard(key: str, tokens: np.ndarray, lengths: np.ndarray) -> bytes:
+    """Serialize one shard (see module docstring) to deterministic tar bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        _tar_member(tar, f"{key}.tokens.npy", _npy_bytes(tokens))
+        _tar_member(tar, f"{key}.lengths.npy", _npy_bytes(lengths))
+    return buf.getvalue()
+
+
+def _npy_view(buf: bytes, offset: int, size: int, url: str, member: str) -> np.ndarray:
+    """Zero-copy view of an ``.npy`` payload at ``buf[offset:offset+size]`` (no pickles)."""
+    header = io.BytesIO(buf[offset : offset + min(size, 4096)])
+    try:
+        version = np.lib.format.read_magic(header)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(header)
+    except ValueError as exc:
+        raise ShardError(f"shard {url!r}: member {member!r} is not a valid .npy: {exc}") from exc
+    if dtype.hasobject or len(shape) != 1 or fortran:
+        raise ShardError(f"shard {url!r}: member {member!r} must be a 1-D numeric array")
+    start = offset + header.tell()
+    count = int(shape[0])
+    if start + count * dtype.itemsize > offset + size:
+        raise ShardError(f"shard {url!r}: member {member!r} is shorter than its header says")
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=start)
+
+
+def decode_shard(buf: bytes, url: str) -> tuple[np.ndarray, np.ndarray]:
+    """Parse shard bytes into ``(tokens, lengths)`` views; corrupt or truncated tars raise ShardError."""
+    members: dict[str, tuple[int, int]] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(buf), mode="r:") as tar:
+            for info in tar:
+                if info.isfile():
+                    if info.offset_data + info.size > len(buf):
+                        raise ShardError(f"shard {url!r} is truncated (member {info.name!r} cut off)")
+                    members[info.name.split(".", 1)[-1]] = (info.offset_data, info.size)
+    except (tarfile.TarError, EOFError) as exc:
+        raise ShardError(f"shard {url!r} is not a readable tar (corrupt or truncated): {exc}") from exc
+    for part in ("tokens.npy", "lengths.npy"):
+        if part not in members:
+            raise ShardError(f"shard {url!r} has no '*.{part}' member (truncated or not a shard)")
+    tokens = _npy_view(buf, *members["tokens.npy"], url, "tokens.npy")
+    lengths = _npy_view(buf, *members["lengths.npy"], url, "lengths.npy")
+    if int(lengths.sum(dtype=np.int64)) != tokens.size:
+        raise ShardError(f"shard {url!r}: document lengths sum to {int(lengths.sum())}, tokens {tokens.size}")
+    return tokens, lengths
+
+
+def read_bytes(url: str, retries: int = 2) -> tuple[bytes, int]:
+    """Read a whole file through fsspec, retrying transient ``OSError``s; returns ``(data, retries_used)``.
+
+    A missing file is not retried. Failures raise ``ShardError`` naming the URL.
+    """
+    last: Exception | None = None
+    for attempt in range(retries + 1):
+        try:
+            fs, path = url_to_fs(url)
+            return fs.cat_file(path), attempt
+        except FileNotFoundError as exc:
+            raise ShardError(f"shard {url!r} is missing: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            last = exc
+    raise ShardError(f"cannot read shard {url!r} after {retries + 1} attempts: {last}") from last
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex sha256 of a byte string."""
+    return hashlib.sha256(data).hexdigest()
