@@ -1,0 +1,233 @@
+"""PackedStream: global order, exact resume across world sizes / workers / batch sizes, mixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline.build import build_shards
+from data_pipeline.shards import load_manifest
+from data_pipeline.stream import PackedStream, StreamLoader, tokenizer_info
+from data_pipeline.tokenizer import BYTE_VOCAB_SIZE, EOS_ID
+
+SEQ = 16
+
+
+def _corpus(root: Path, n_docs: int, seed: int) -> list[bytes]:
+    """Random documents of varied length (some longer than a shard), one .txt file each."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    docs = []
+    for i in range(n_docs):
+        data = rng.integers(0, 256, size=int(rng.integers(1, 120)), dtype=np.uint8).tobytes()
+        (root / f"doc{i:04d}.txt").write_bytes(data)
+        docs.append(data)
+    return docs
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("stream")
+    docs_a = _corpus(root / "a", 60, seed=1)
+    docs_b = _corpus(root / "b", 30, seed=2)
+    build_shards([str(root / "a" / "*.txt")], str(root / "shards_a"), shard_tokens=300)
+    build_shards([str(root / "b" / "*.txt")], str(root / "shards_b"), shard_tokens=200)
+    return {"a": str(root / "shards_a"), "b": str(root / "shards_b"), "docs_a": docs_a, "docs_b": docs_b}
+
+
+def _stream(data: dict, rank: int = 0, world: int = 1, **kw) -> PackedStream:
+    sources = kw.pop("sources", [(data["a"], 1.0)])
+    return PackedStream(sources, seq_len=SEQ, seed=7, rank=rank, world_size=world, shuffle_buffer=8, **kw)
+
+
+def _take(stream: PackedStream, n: int) -> list[dict]:
+    it = iter(stream)
+    return [next(it) for _ in range(n)]
+
+
+def _ids(samples: list[dict]) -> list[tuple[int, tuple[int, ...]]]:
+    return [(int(s["index"]), tuple(s["input_ids"].tolist())) for s in samples]
+
+
+def test_sample_structure_and_tokenizer_info(data: dict) -> None:
+    s = _stream(data, doc_boundaries=True)
+    sample = next(iter(s))
+    assert sample["input_ids"].dtype == torch.int64 and sample["input_ids"].shape == (SEQ,)
+    assert sample["labels"].shape == (SEQ,)
+    assert torch.equal(sample["input_ids"][1:], sample["labels"][:-1])
+    assert int(sample["input_ids"].max()) < BYTE_VOCAB_SIZE
+    assert sample["doc_start"].dtype == torch.bool
+    info = tokenizer_info(data["a"])
+    assert info["kind"] == "bytes" and info["vocab_size"] == BYTE_VOCAB_SIZE and info["eos_id"] == EOS_ID
+    assert s.vocab_size == BYTE_VOCAB_SIZE
+
+
+def test_unshuffled_stream_is_documents_with_eos(data: dict) -> None:
+    """Packing is exact: consecutive samples overlap by one token and rebuild docs + EOS in order."""
+    s = _stream(data, shuffle=False)
+    n = s.samples_per_epoch()[0]
+    samples = _take(s, n)
+    rebuilt = [t for smp in samples for t in smp["input_ids"].tolist()] + [int(samples[-1]["labels"][-1])]
+    expected = [t for d in data["docs_a"] for t in [*d, EOS_ID]]
+    assert rebuilt == expected[: len(rebuilt)]
+    assert len(expected) - len(rebuilt) < SEQ
+
+
+def test_shuffled_epoch_is_a_permutation(data: dict) -> None:
+    s = _stream(data)
+    n = s.samples_per_epoch()[0]
+    source = s._sources[0]
+    assert sorted(source._sample_in_epoch(0, q) for q in range(n)) == list(range(n))
+    assert sorted(source._sample_in_epoch(1, q) for q in range(n)) == list(range(n))
+    epoch0 = _ids(_take(_stream(data), n))
+    unshuffled = _ids(_take(_stream(data, shuffle=False), n))
+    assert [x for _, x in epoch0] != [x for _, x in unshuffled]
+
+
+def test_same_global_order_at_any_world_size(data: dict) -> None:
+    reference = _ids(_take(_stream(data), 36))
+    for world in (2, 3, 4):
+        merged: list = []
+        per_rank = [_ids(_take(_stream(data, r, world), 36 // world)) for r in range(world)]
+        for j in range(36 // world):
+            merged.extend(per_rank[r][j] for r in range(world))
+        assert merged == reference
+
+
+@pytest.mark.parametrize("resume_world", [1, 2, 3])
+def test_exact_resume_from_world_2(data: dict, resume_world: int) -> None:
+    """Save after 5 samples per rank at world 2; resume at 1, 2, 3: exactly the rest, in order."""
+    reference = _ids(_take(_stream(data), 40))
+    ranks = [_stream(data, r, 2) for r in range(2)]
+    before = [_take(s, 5) for s in ranks]
+    states = [s.state_dict() for s in ranks]
+    assert states[0] == states[1] and states[0]["consumed"] == 10
+    seen = sorted(x for b in before for x in _ids(b))
+    assert seen == reference[:10]
+    resumed = []
+    for r in range(resume_world):
+        s = _stream(data, r, resume_world)
+        s.load_state_dict(states[0])
+        resumed.append(_ids(_take(s, 6)))
+    after = sorted(x for chunk in resumed for x in chunk)
+    assert after == reference[10 : 10 + 6 * resume_world]
+    for r in range(resume_world):
+        assert resumed[r] == reference[10 + r : 10 + 6 * resume_world : resume_world]
+
+
+def test_reiterating_in_process_continues(data: dict) -> None:
+    s = _stream(data)
+    first = _ids(_take(s, 3))
+    second = _ids(_take(s, 3))
+    assert first + second == _ids(_take(_stream(data), 6))
+
+
+def _loader_ids(loader: StreamLoader, batches: int) -> list[int]:
+    out: list[int] = []
+    for i, batch in enumerate(loader):
+        out.extend(batch["index"].tolist())
+        if i + 1 == batches:
+            break
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_workers_and_batch_size_change_on_resume(data: dict) -> None:
+    """DataLoader workers return the rank's samples in order; resume with other workers/batch/world."""
+    world = 2
+    loaders = [StreamLoader(_stream(data, r, world, batch_size=3), num_workers=2) for r in range(world)]
+    got = [_loader_ids(ld, 3) for ld in loaders]
+    for r in range(world):
+        assert got[r] == list(range(r, 18, world))
+    state = loaders[0].state_dict()
+    assert state["consumed"] == 18 and state == loaders[1].state_dict()
+    resumed = [StreamLoader(_stream(data, r, 3, batch_size=2), num_workers=w) for r, w in zip(range(3), (0, 3, 1))]
+    for r, ld in enumerate(resumed):
+        ld.load_state_dict(state)
+        assert _loader_ids(ld, 2) == list(range(18 + r, 18 + 12, 3))
+    reference = {x[0]: x[1] for x in _ids(_take(_stream(data), 30))}
+    ld = StreamLoader(_stream(data, 1, 3, batch_size=2), num_workers=2)
+    ld.load_state_dict(state)
+    batch = next(iter(ld))
+    assert [tuple(row) for row in batch["input_ids"].tolist()] == [reference[19], reference[22]]
+
+
+def test_max_samples_stops_all_ranks(data: dict) -> None:
+    got = [[int(x["index"]) for x in _stream(data, r, 3, max_samples=10)] for r in range(3)]
+    assert sorted(i for g in got for i in g) == list(range(10))
+
+
+def test_doc_start_marks_tokens_after_eos(data: dict) -> None:
+    s = _stream(data, doc_boundaries=True)
+    for sample in _take(s, 30):
+        ids, starts = sample["input_ids"], sample["doc_start"]
+        assert torch.equal(starts[1:], ids[:-1] == EOS_ID)
+    first = next(iter(_stream(data, doc_boundaries=True, shuffle=False)))
+    assert bool(first["doc_start"][0])
+
+
+def test_multiple_epochs_repeat_with_new_order(data: dict) -> None:
+    s = _stream(data)
+    n = s.samples_per_epoch()[0]
+    samples = _take(s, 2 * n)
+    e0 = sorted(x for _, x in _ids(samples[:n]))
+    e1 = sorted(x for _, x in _ids(samples[n:]))
+    assert len(e0) == len(e1) == n
+    assert s.epochs() == [2.0]
+
+
+def test_mixture_weights_are_exact_per_block(data: dict) -> None:
+    sources = [(data["a"], 3.0), (data["b"], 1.0)]
+    s = _stream(data, sources=sources, mix_block=8)
+    samples = _take(s, 64)
+    src = [int(x["source"]) for x in samples]
+    for b in range(8):
+        assert src[8 * b : 8 * b + 8].count(0) == 6
+    assert src != sorted(src)
+    # each source's samples are that source's own stream, in order
+    a_stream = _ids(_take(_stream(data), 48))
+    assert [x[1] for x, s_ in zip(_ids(samples), src) if s_ == 0] == [x[1] for x in a_stream]
+    again = _take(_stream(data, sources=sources, mix_block=8), 64)
+    assert _ids(again) == _ids(samples)
+
+
+def test_mixture_change_on_resume_continues_each_source(data: dict) -> None:
+    old = _stream(data, sources=[(data["a"], 1.0), (data["b"], 1.0)], mix_block=8)
+    before = _take(old, 20)
+    state = old.state_dict()
+    new = _stream(data, sources=[(data["a"], 9.0), (data["b"], 1.0)], mix_block=10)
+    new.load_state_dict(state)
+    after = _take(new, 30)
+    assert [int(x["index"]) for x in after] == list(range(20, 50))
+    for k in (0, 1):
+        got = [tuple(x["input_ids"].tolist()) for x in before + after if int(x["source"]) == k]
+        only = _stream(data, sources=[(data["a" if k == 0 else "b"], 1.0)])
+        assert got == [tuple(x["input_ids"].tolist()) for x in _take(only, len(got))]
+    assert sum(int(x["source"]) == 0 for x in after) == 27
+
+
+def test_resume_with_other_seq_len_is_an_error(data: dict) -> None:
+    state = _stream(data).state_dict()
+    other = PackedStream([(data["a"], 1.0)], seq_len=SEQ + 1, seed=7, shuffle_buffer=8)
+    with pytest.raises(ValueError, match="seq_len"):
+        other.load_state_dict(state)
+
+
+def test_memory_filesystem(tmp_path: Path) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 256, size=50, dtype=np.uint8).tobytes() for _ in range(6)]
+    for i, d in enumerate(docs):
+        fs.pipe(f"/dp_in/{i}.txt", d)
+    m = build_shards(["memory://dp_in/*.txt"], "memory://dp_out", shard_tokens=100)
+    assert len(m.shards) == 3 and load_manifest("memory://dp_out").total_tokens == 300
+    s = PackedStream([("memory://dp_out", 1.0)], seq_len=8, seed=0, shuffle=False)
+    first = next(iter(s))
+    assert first["input_ids"].tolist() == list(docs[0][:8])
+    fs.rm("/dp_in", recursive=True)
+    fs.rm("/dp_out", recursive=True)
