@@ -16,8 +16,15 @@ def _transformer(config: ModelConfig) -> CausalLM:
     return Transformer(config)
 
 
+def _pmnet(config: ModelConfig) -> CausalLM:
+    from model.pmnet import PMNet
+
+    return PMNet(config)
+
+
 FAMILIES: dict[str, Callable[[ModelConfig], CausalLM]] = {
     "transformer": _transformer,
+    "pmnet": _pmnet,
 }
 
 

@@ -1,0 +1,179 @@
+"""PMNet: byte-level LM with sliding-window attention and a hierarchical unit-phasor memory.
+
+A block is pre-norm sliding-window attention, then (in the blocks `memory_every` selects) the
+phasor memory of model/pmnet_memory.py, then a SwiGLU MLP. The streaming state of a block is its
+position, the last window-1 keys/values and the memory phases, so a long byte stream processed
+piecewise gives the outputs it gives processed whole, in memory that does not grow with its length.
+
+`python -m model.pmnet --config configs/model/pmnet-119m.yaml` prints the parameter count and
+FLOPs per token; add `--fwd-bwd` to time one forward+backward pass on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import yaml
+from torch import nn
+
+from model.attention_window import SlidingWindowAttention
+from model.blocks import RMSNorm, StackedLM, SwiGLU
+from model.config import ModelConfig, PMNetConfig
+from model.pmnet_memory import MemoryState, PhasorMemory
+
+
+class PMNetBlockState(NamedTuple):
+    """What one block carries between calls (keys/values None before the first token)."""
+
+    position: int
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    memory: MemoryState | None
+
+
+def has_memory(layer: int, config: PMNetConfig) -> bool:
+    """Memory in every `memory_every`-th block, the last block of each group; none when 0."""
+    return config.memory_every > 0 and (layer + 1) % config.memory_every == 0
+
+
+class PMNetBlock(nn.Module):
+    """Pre-norm residual block: sliding-window attention, optional phasor memory, SwiGLU MLP."""
+
+    def __init__(self, config: ModelConfig, with_memory: bool):
+        super().__init__()
+        pm = config.pmnet
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = SlidingWindowAttention(config.d_model, config.n_heads, pm.window, config.rope_base)
+        self.memory_norm = RMSNorm(config.d_model, config.norm_eps) if with_memory else None
+        self.memory = (
+            PhasorMemory(
+                config.d_model, pm.memory_dim, pm.branching, pm.depth, pm.segment_len, pm.route_temperature,
+                pm.update_memory_train, pm.update_memory_eval, pm.scan_backend,
+            )
+            if with_memory
+            else None
+        )
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> PMNetBlockState:
+        memory = self.memory.init_state(batch_size, device) if self.memory is not None else None
+        return PMNetBlockState(0, None, None, memory)
+
+    def forward(self, x: torch.Tensor, state: PMNetBlockState | None) -> tuple[torch.Tensor, PMNetBlockState]:
+        if state is None:
+            state = self.init_state(x.shape[0], x.device)
+        attended, keys, values = self.attn(self.attn_norm(x), state.keys, state.values, state.position)
+        x = x + attended
+        memory = state.memory
+        if self.memory is not None:
+            read, memory = self.memory(self.memory_norm(x), memory, state.position)
+            x = x + read
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, PMNetBlockState(state.position + x.shape[1], keys, values, memory)
+
+
+class PMNet(StackedLM):
+    """The PMNet language model (kind "pmnet"); `memory_every = 0` is the SWA-only ablation."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, lambda i: PMNetBlock(config, has_memory(i, config.pmnet)))
+
+    def memories(self) -> list[PhasorMemory]:
+        return [b.memory for b in self.blocks if b.memory is not None]
+
+    def set_reference(self, enabled: bool) -> None:
+        """Route and scan token by token with the sequential reference scan (for tests)."""
+        for memory in self.memories():
+            memory.reference = enabled
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul parameter, windowed attention, the memory's own work.
+
+        Attention counts the useful work only (QK^T and AV over the mean number of keys a query
+        sees, min(t+1, window) averaged over the sequence), not the masked half of each block.
+        Memory per token and level: routing scores over `branching` children (2 * 2M each), the
+        demodulated read (cos/sin counted as one op each) and the write; x3 for forward+backward.
+        """
+        c, pm = self.config, self.config.pmnet
+        W = min(pm.window, seq_len)
+        mean_keys = (W * (W + 1) / 2 + (seq_len - W) * W) / seq_len
+        attention = 3 * 2 * 2 * c.n_layers * c.d_model * mean_keys
+        memories = self.memories()
+        anchors = sum(m.anchors.numel() for m in memories)
+        M, L = pm.memory_dim, pm.depth + 1
+        per_memory = 2 * pm.depth * pm.branching * 2 * M + L * (4 * M) + L * M
+        return 6.0 * (self.matmul_params() - anchors) + attention + 3 * len(memories) * per_memory
+
+    def stats(self) -> dict[str, Any]:
+        """Slot usage (share of path writes per slot), collisions per slot (mean writers per segment
+        that wrote it), leaf-usage entropy (1 = uniform), and the gradient norm that reached the
+        memory writes in the last backward (all memory blocks together)."""
+        memories = self.memories()
+        if not memories:
+            return {}
+        writes = sum(m.slot_writes.cpu() for m in memories)
+        segments = sum(m.slot_segments.cpu() for m in memories)
+        out: dict[str, Any] = {
+            "pmnet/slot_usage": writes / writes.sum().clamp_min(1.0) * memories[0].n_levels,
+            "pmnet/collisions": writes / segments.clamp_min(1.0),
+        }
+        leaves = writes[-memories[0].branching ** memories[0].depth :]
+        if leaves.sum() > 0:
+            p = leaves / leaves.sum()
+            out["pmnet/leaf_entropy"] = float(-(p * p.clamp_min(1e-12).log()).sum() / math.log(len(leaves)))
+        grads = [m.last_write_grad_sq for m in memories if m.last_write_grad_sq is not None]
+        if grads:
+            out["pmnet/memory_write_grad_norm"] = float(torch.stack(grads).sum().sqrt())
+        return out
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """A ModelConfig from a YAML file holding a `model:` mapping (or the mapping itself)."""
+    tree = yaml.safe_load(Path(path).read_text()) or {}
+    tree = tree.get("model", tree)
+    sections = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    kwargs = dict(tree)
+    if "pmnet" in kwargs:
+        kwargs["pmnet"] = PMNetConfig(**kwargs["pmnet"])
+    unknown = set(kwargs) - set(sections)
+    if unknown:
+        raise ValueError(f"{path}: unknown model keys {sorted(unknown)}")
+    return ModelConfig(**kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML file with a `model:` section")
+    parser.add_argument("--seq-len", type=int, default=4096, help="context length for FLOPs and timing")
+    parser.add_argument("--fwd-bwd", action="store_true", help="time one forward+backward pass (batch 1, CPU)")
+    args = parser.parse_args(argv)
+    config = load_model_config(args.config)
+    torch.manual_seed(0)
+    model = PMNet(config)
+    print(f"config            {args.config}")
+    print(f"parameters        {model.num_parameters():,}")
+    print(f"  non-embedding   {model.num_parameters(exclude_embeddings=True):,}")
+    print(f"  memory          {sum(p.numel() for m in model.memories() for p in m.parameters()):,}")
+    print(f"memory blocks     {len(model.memories())} of {config.n_layers}, {config.pmnet.n_slots} slots each")
+    flops = model.flops_per_token(args.seq_len)
+    print(f"FLOPs/token       {flops:.4g} (training, fwd+bwd, seq_len {args.seq_len})")
+    if args.fwd_bwd:
+        ids = torch.randint(0, config.vocab_size, (1, args.seq_len + 1))
+        start = time.perf_counter()
+        loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
+        forward_s = time.perf_counter() - start
+        loss.backward()
+        total_s = time.perf_counter() - start
+        print(f"fwd+bwd           {total_s:.1f} s (forward {forward_s:.1f} s), loss {loss.item():.3f}, "
+              f"{torch.get_num_threads()} threads")
+
+
+if __name__ == "__main__":
+    main()

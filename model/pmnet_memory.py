@@ -1,0 +1,198 @@
+"""The hierarchical unit-phasor memory of PMNet: tree routing, phase writes, demodulated reads.
+
+The memory is a tree of `depth` levels below a root, `branching` children per node; slot ids are
+laid out level by level (root 0, then level 1, ...). Every slot holds a phase vector in
+[0, 2*pi)^memory_dim (fp32, wrapped) and a learnable anchor. A token walks one root-to-leaf path:
+at each level it scores the current node's children by cosine similarity between its query phasor
+and the child's key — the child's state as a unit phasor plus its anchor — and takes the best one.
+It reads every slot on its path (phase before its own write, demodulated by its query phase) and
+adds its increment to each of them. The scan itself is `kernels.phasor_scan`.
+
+Routing sees the memory state at the start of the token's segment (a fixed chunk of absolute
+positions, `segment_len`), so routes within a segment are computed in parallel; reads are
+token-exact through the scan. docs/pmnet.md gives the reasons.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+import kernels
+
+
+class MemoryState(NamedTuple):
+    """Phases [B, n_slots, memory_dim] after the last token, and at the start of its segment."""
+
+    memory: torch.Tensor
+    segment_memory: torch.Tensor
+
+
+def scale_gradient(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Value x exactly, gradient scaled by `scale`: sg(x) + (scale*x - sg(scale*x)).
+
+    This is the stop-gradient construction x*scale + sg(x - x*scale) rearranged so that the forward
+    value is bit-identical to x (y - y is exactly zero in floating point).
+    """
+    scaled = x * scale
+    return x.detach() + (scaled - scaled.detach())
+
+
+def collision_counts(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writers per slot: (counts [B, n_slots], s [B, T, L] = writers of the slot each write goes to).
+
+    Counted over the tokens of `slots` [B, T, L] in each batch row (one segment).
+    """
+    B = slots.shape[0]
+    flat = slots.reshape(B, -1)
+    counts = torch.zeros(B, n_slots, device=slots.device, dtype=torch.float32)
+    counts.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float32))
+    return counts, counts.gather(1, flat).view(slots.shape)
+
+
+def normalise_collisions(delta: torch.Tensor, slots: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """Segment-aware gradient normalisation of writes delta [B, T, L, M] going to slots [B, T, L].
+
+    Forward value unchanged; the gradient of each write divided by sqrt(s), s = the number of
+    writers of its slot among these tokens: dM_eff = dM/sqrt(s) + sg(dM - dM/sqrt(s)).
+    """
+    _, s = collision_counts(slots, n_slots)
+    return scale_gradient(delta, s.rsqrt()[..., None])
+
+
+def straight_through_one(p: torch.Tensor) -> torch.Tensor:
+    """1 in value, with the gradient of p: the weight that makes a hard choice trainable."""
+    return 1.0 + (p - p.detach())
+
+
+class PhasorMemory(nn.Module):
+    """One block's phasor memory. Input: the pre-normed hidden states; output: a residual update.
+
+    `reference = True` switches to the sequential reference (token-by-token routing and scan with
+    kernels.phasor_scan(backend="reference")); tests compare it with the fast path.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        memory_dim: int,
+        branching: int,
+        depth: int,
+        segment_len: int,
+        route_temperature: float,
+        update_train: bool,
+        update_eval: bool,
+        scan_backend: str,
+    ):
+        super().__init__()
+        self.memory_dim, self.branching, self.depth = memory_dim, branching, depth
+        self.n_levels = depth + 1
+        self.n_slots = (branching ** (depth + 1) - 1) // (branching - 1)
+        self.segment_len, self.temperature = segment_len, route_temperature
+        self.update_train, self.update_eval = update_train, update_eval
+        self.scan_backend = scan_backend
+        self.reference = False
+        offsets = [(branching**h - 1) // (branching - 1) for h in range(depth + 1)]
+        self.register_buffer("level_offsets", torch.tensor(offsets), persistent=False)
+        self.query = nn.Linear(d_model, memory_dim, bias=False)
+        self.write = nn.Linear(d_model, memory_dim, bias=False)
+        self.out = nn.Linear(self.n_levels * 2 * memory_dim, d_model, bias=False)
+        # A complex anchor per slot (real and imaginary halves), comparable in size to a unit phasor
+        # state so that, at the start when every state is 0, the anchors alone separate siblings.
+        self.anchors = nn.Parameter(torch.randn(self.n_slots, 2 * memory_dim))
+        self.last_write_grad_sq: torch.Tensor | None = None
+        self.slot_writes = torch.zeros(self.n_slots)
+        self.slot_segments = torch.zeros(self.n_slots)
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> MemoryState:
+        zeros = torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32)
+        return MemoryState(zeros, zeros)
+
+    def slot_keys(self, segment_memory: torch.Tensor) -> torch.Tensor:
+        """Unit routing keys [B, n_slots, 2M]: the slot's state as a phasor plus its anchor, normalised."""
+        keys = torch.cat((segment_memory.cos(), segment_memory.sin()), dim=-1) + self.anchors.float()
+        return keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+
+    def route(self, query_phasor: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Walk the tree: slots [B, T, L] on each token's path and straight-through gates [B, T, L].
+
+        query_phasor [B, T, 2M] has unit norm; keys [B, n_slots, 2M]. At each level only the current
+        node's `branching` children are scored (O(depth * branching) per token); the forward choice
+        is the argmax, the gate is 1 in value with the gradient of the chosen child's softmax weight.
+        """
+        B, T, _ = query_phasor.shape
+        batch = torch.arange(B, device=keys.device)[:, None, None]
+        children_local = torch.arange(self.branching, device=keys.device)
+        node = torch.zeros(B, T, dtype=torch.long, device=keys.device)
+        slots = [node]
+        gates = [query_phasor.new_ones(B, T)]
+        for level in range(1, self.n_levels):
+            children = node[..., None] * self.branching + children_local  # local ids at this level
+            child_keys = keys[batch, self.level_offsets[level] + children]  # [B, T, N, 2M]
+            scores = torch.einsum("btd,btnd->btn", query_phasor, child_keys)
+            probs = torch.softmax(scores / self.temperature, dim=-1)
+            choice = scores.argmax(dim=-1)
+            gates.append(straight_through_one(probs.gather(-1, choice[..., None]).squeeze(-1)))
+            node = node * self.branching + choice
+            slots.append(self.level_offsets[level] + node)
+        return torch.stack(slots, dim=-1), torch.stack(gates, dim=-1)
+
+    def _record_write_grad(self, grad: torch.Tensor) -> None:
+        self.last_write_grad_sq = grad.detach().float().pow(2).sum()
+
+    def forward(self, h: torch.Tensor, state: MemoryState, position: int) -> tuple[torch.Tensor, MemoryState]:
+        """Read and write the memory for h [B, T, d] at absolute positions position.. ."""
+        B, T, _ = h.shape
+        L, M = self.n_levels, self.memory_dim
+        phase_q = self.query(h).float()
+        query_phasor = torch.cat((phase_q.cos(), phase_q.sin()), dim=-1) / math.sqrt(M)
+        if self.update_train if self.training else self.update_eval:
+            increment = self.write(h).float()
+            if increment.requires_grad:
+                increment.register_hook(self._record_write_grad)
+        else:
+            increment = phase_q.new_zeros(B, T, M)
+        memory, segment_memory = state
+        writes = torch.zeros(self.n_slots, device=h.device)
+        segments = torch.zeros(self.n_slots, device=h.device)
+        features = []
+        start = 0
+        while start < T:
+            into_segment = (position + start) % self.segment_len
+            if into_segment == 0:
+                segment_memory = memory
+            stop = min(T, start + self.segment_len - into_segment)
+            keys = self.slot_keys(segment_memory)
+            delta_all = increment[:, start:stop, None, :].expand(B, stop - start, L, M)
+            if self.reference:
+                routed = [self.route(query_phasor[:, t : t + 1], keys) for t in range(start, stop)]
+                slots = torch.cat([r[0] for r in routed], dim=1)
+                gates = torch.cat([r[1] for r in routed], dim=1)
+                delta = normalise_collisions(delta_all, slots, self.n_slots)
+                reads = []
+                for t in range(stop - start):
+                    read, memory = kernels.phasor_scan(
+                        delta[:, t : t + 1], slots[:, t : t + 1], self.n_slots,
+                        initial_state=memory, output_final_state=True, backend="reference",
+                    )
+                    reads.append(read)
+                read = torch.cat(reads, dim=1)
+            else:
+                slots, gates = self.route(query_phasor[:, start:stop], keys)
+                delta = normalise_collisions(delta_all, slots, self.n_slots)
+                read, memory = kernels.phasor_scan(
+                    delta, slots, self.n_slots, initial_state=memory, output_final_state=True, backend=self.scan_backend
+                )
+            demod = read - phase_q[:, start:stop, None, :]
+            features.append(torch.cat((demod.cos(), demod.sin()), dim=-1) * gates[..., None])
+            with torch.no_grad():
+                counts, _ = collision_counts(slots, self.n_slots)
+                writes += counts.sum(0)
+                segments += (counts > 0).sum(0)
+            start = stop
+        self.slot_writes, self.slot_segments = writes, segments
+        out = self.out(torch.cat(features, dim=1).reshape(B, T, L * 2 * M).to(h.dtype))
+        return out, MemoryState(memory, segment_memory)
