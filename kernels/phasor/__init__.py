@@ -1,0 +1,48 @@
+"""The phasor scan: public entry point and backend dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import resolve_backend
+from kernels.phasor.naive import phasor_scan_reference
+from kernels.phasor.segment import PhasorScanSegmented
+
+
+def phasor_scan(
+    delta: torch.Tensor,
+    slots: torch.Tensor,
+    n_slots: int,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-slot running phase sums (PMNet's memory read/write).
+
+    delta [B, T, L, M] are phase increments, slots [B, T, L] integer slot ids in [0, n_slots) (levels
+    of one token never share a slot), initial_state [B, n_slots, M]. Returns read [B, T, L, M]: the phase
+    of slot slots[b,t,l] before token t writes, i.e. wrap(init + increments from tokens j < t), and, if
+    ``output_final_state``, the fp32 final phases [B, n_slots, M]. wrap maps to [0, 2*pi) and counts as
+    the identity for gradients. Differentiable in delta and initial_state.
+    """
+    if delta.dim() != 4 or slots.shape != delta.shape[:3]:
+        raise ValueError(
+            f"delta must be [B, T, L, M] and slots [B, T, L]; got {tuple(delta.shape)}, {tuple(slots.shape)}"
+        )
+    if slots.dtype.is_floating_point:
+        raise ValueError("slots must be an integer tensor")
+    batch, _, _, width = delta.shape
+    if initial_state is not None and initial_state.shape != (batch, n_slots, width):
+        raise ValueError(f"initial_state must be [B, n_slots, M] = {(batch, n_slots, width)}")
+    which = resolve_backend(backend, delta)
+    if which == "reference":
+        return phasor_scan_reference(delta, slots, n_slots, initial_state, output_final_state)
+    init = initial_state if initial_state is not None else delta.new_zeros(batch, n_slots, width, dtype=torch.float32)
+    if which == "triton":
+        from kernels.phasor.triton import PhasorScanTriton
+
+        fn = PhasorScanTriton
+    else:
+        fn = PhasorScanSegmented
+    read, final = fn.apply(delta, slots, n_slots, init)
+    return read, (final if output_final_state else None)

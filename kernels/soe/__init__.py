@@ -1,0 +1,73 @@
+"""The SOE scan: public entry point and backend dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import resolve_backend
+from kernels.soe.chunk import SoeScanChunked
+from kernels.soe.naive import soe_scan_reference
+
+State = tuple[torch.Tensor, torch.Tensor]
+
+
+def _check(q, k, v, coef, log_lam, initial_state) -> None:
+    batch, seq_len, heads, feat = q.shape
+    n_terms = log_lam.shape[-1]
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != (batch, seq_len, heads):
+        raise ValueError(f"v must be [B, T, H, D] matching q, got {tuple(v.shape)}")
+    if coef.shape != (batch, seq_len, heads, n_terms):
+        raise ValueError(f"coef must be [B, T, H, S] = {(batch, seq_len, heads, n_terms)}, got {tuple(coef.shape)}")
+    if log_lam.shape != (heads, n_terms):
+        raise ValueError(f"log_lam must be [H, S] = {(heads, n_terms)}, got {tuple(log_lam.shape)}")
+    if initial_state is not None:
+        g, b = initial_state
+        if g.shape != (batch, heads, n_terms, feat, v.shape[-1]) or b.shape != (batch, heads, n_terms, feat):
+            raise ValueError("initial_state must be (G [B, H, S, F, D], b [B, H, S, F])")
+
+
+def soe_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    coef: torch.Tensor,
+    log_lam: torch.Tensor,
+    initial_state: State | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, State | None]:
+    """Multi-term decayed linear attention (VORT's SOE retention).
+
+    Shapes: q, k [B, T, H, F]; v [B, T, H, D]; coef [B, T, H, S]; log_lam [H, S] (<= 0).
+    Per term s: G_{t,s} = lam_s G_{t-1,s} + coef[t,s] k_t v_t^T and b_{t,s} = lam_s b_{t-1,s} + coef[t,s] k_t.
+    Returns o [B, T, H, D] (o_t = sum_s q_t^T G_{t,s}), z [B, T, H] (z_t = sum_s q_t . b_{t,s}) and, if
+    ``output_final_state``, the state (G [B, H, S, F, D], b [B, H, S, F]) in fp32 (float64 for
+    float64 inputs); ``initial_state`` has the
+    same structure. ``backend``: "reference" (sequential), "torch" (chunked, CPU default), "triton"
+    (CUDA default, also runs under TRITON_INTERPRET=1) or "auto".
+    """
+    _check(q, k, v, coef, log_lam, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    which = resolve_backend(backend, q)
+    if which == "reference":
+        return soe_scan_reference(q, k, v, coef, log_lam, initial_state, output_final_state)
+    if initial_state is None:
+        batch, _, heads, feat = q.shape
+        n_terms = log_lam.shape[-1]
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        g0 = q.new_zeros(batch, heads, n_terms, feat, v.shape[-1], dtype=dtype)
+        b0 = q.new_zeros(batch, heads, n_terms, feat, dtype=dtype)
+    else:
+        g0, b0 = initial_state
+    if which == "triton":
+        from kernels.soe.triton import SoeScanTriton
+
+        fn = SoeScanTriton
+    else:
+        fn = SoeScanChunked
+    o, z, g_t, b_t = fn.apply(q, k, v, coef, log_lam, g0, b0, chunk_size)
+    return o, z, ((g_t, b_t) if output_final_state else None)

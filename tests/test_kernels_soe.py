@@ -1,0 +1,155 @@
+"""The SOE scan: the chunked PyTorch backend against the sequential float64 reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import soe_scan
+from kernels._common import resolve_backend
+from kernels.testing import rel_err, soe_inputs, soe_run
+
+FWD_TOL, GRAD_TOL = 1e-4, 1e-3
+
+
+def assert_matches_reference(inputs, backend, chunk_size, **kw):
+    outs, grads = soe_run(inputs, backend, chunk_size=chunk_size, **kw)
+    ref_outs, ref_grads = soe_run(inputs, "reference", dtype=torch.float64)
+    for name, got, want in zip(("o", "z", "G", "b"), outs, ref_outs):
+        assert got.shape == want.shape, name
+        assert rel_err(got, want) <= FWD_TOL, (name, rel_err(got, want))
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, (name, rel_err(grads[name], ref_grads[name]))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    seq_len=st.integers(1, 70),
+    heads=st.integers(1, 2),
+    feat=st.integers(1, 6),
+    dim_v=st.integers(1, 5),
+    n_terms=st.integers(1, 5),
+    chunk_size=st.sampled_from([1, 4, 16, 64]),
+    with_state=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_torch_matches_reference(batch, seq_len, heads, feat, dim_v, n_terms, chunk_size, with_state, seed):
+    inputs = soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed)
+    assert_matches_reference(inputs, "torch", chunk_size)
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "n_terms", "chunk_size", "with_state"),
+    [(1, 1, 64, True), (1, 3, 64, False), (130, 1, 64, True), (200, 8, 64, True), (97, 4, 32, False)],
+)
+def test_torch_edge_shapes(seq_len, n_terms, chunk_size, with_state):
+    inputs = soe_inputs(2, seq_len, 2, 8, 8, n_terms, with_state, seed=seq_len)
+    assert_matches_reference(inputs, "torch", chunk_size)
+
+
+def test_no_decay_is_plain_linear_attention():
+    """lam = 1 and coef = 1: o_t = sum_{j<=t} (q_t . k_j) v_j exactly."""
+    inputs = soe_inputs(1, 50, 1, 4, 3, 1, False, seed=3)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    o, z, _ = soe_scan(q, k, v, torch.ones(1, 50, 1, 1, dtype=q.dtype), torch.zeros(1, 1, dtype=q.dtype), chunk_size=8)
+    scores = torch.einsum("bthf,bjhf->bhtj", q, k).tril()
+    assert torch.allclose(o, torch.einsum("bhtj,bjhd->bthd", scores, v), rtol=1e-10, atol=1e-10)
+    assert torch.allclose(z, scores.sum(-1).transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
+def test_float64_inputs_stay_float64_in_reference():
+    inputs = soe_inputs(1, 5, 1, 2, 2, 2, False, seed=0)
+    o, z, (g, b) = soe_scan(*inputs.values(), output_final_state=True, backend="reference")
+    assert o.dtype == z.dtype == g.dtype == b.dtype == torch.float64
+
+
+def _run_in_pieces(inputs, backend, cuts, chunk_size):
+    leaves = {n: x.float().requires_grad_() for n, x in inputs.items()}
+    state = (leaves["g0"], leaves["b0"]) if "g0" in leaves else None
+    outs = []
+    bounds = [0, *cuts, inputs["q"].shape[1]]
+    for lo, hi in itertools.pairwise(bounds):
+        piece = [leaves[n][:, lo:hi] for n in ("q", "k", "v", "coef")]
+        o, z, state = soe_scan(*piece, leaves["log_lam"], state, True, chunk_size=chunk_size, backend=backend)
+        outs.append((o, z))
+    result = [torch.cat([o for o, _ in outs], 1), torch.cat([z for _, z in outs], 1), *state]
+    gen = torch.Generator().manual_seed(5)
+    loss = sum((r.double() * torch.randn(r.shape, generator=gen, dtype=torch.float64)).sum() for r in result)
+    loss.backward()
+    return [r.detach() for r in result], {n: x.grad for n, x in leaves.items()}
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_carried_state_equals_one_pass(backend, with_state):
+    inputs = soe_inputs(2, 90, 2, 4, 5, 3, with_state, seed=11)
+    whole, whole_grads = _run_in_pieces(inputs, backend, [], chunk_size=16)
+    split, split_grads = _run_in_pieces(inputs, backend, [1, 37, 64], chunk_size=16)
+    for a, b in zip(split, whole):
+        assert rel_err(a, b) <= FWD_TOL
+    for name in whole_grads:
+        assert rel_err(split_grads[name], whole_grads[name]) <= GRAD_TOL, name
+
+
+def test_final_state_only_gradients():
+    """A loss on the final state alone reaches every input, and matches the reference."""
+    inputs = soe_inputs(1, 40, 2, 3, 3, 2, True, seed=4)
+    got, want = {}, {}
+    for backend, store in (("torch", got), ("reference", want)):
+        leaves = {n: x.clone().requires_grad_() for n, x in inputs.items()}
+        _, _, (g, b) = soe_scan(
+            *(leaves[n] for n in ("q", "k", "v", "coef", "log_lam")),
+            (leaves["g0"], leaves["b0"]),
+            True,
+            chunk_size=16,
+            backend=backend,
+        )
+        (g.sum() + 2 * b.sum()).backward()
+        store.update({n: x.grad for n, x in leaves.items()})
+    assert got["q"].abs().max() == 0  # queries do not touch the state
+    for name in ("k", "v", "coef", "log_lam", "g0", "b0"):
+        assert rel_err(got[name], want[name]) <= 1e-8, name
+
+
+def test_backend_selection():
+    cpu = torch.zeros(1)
+    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("reference", cpu) == "reference"
+    meta_cuda = torch.empty(1, device="meta")
+    assert resolve_backend("auto", meta_cuda) == "torch"
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend("cuda", cpu)
+
+
+def test_auto_on_cpu_is_the_chunked_path(monkeypatch):
+    import kernels.soe as soe_module
+
+    calls = []
+    real = soe_module.SoeScanChunked.apply
+    monkeypatch.setattr(soe_module.SoeScanChunked, "apply", lambda *a: calls.append(1) or real(*a))
+    inputs = soe_inputs(1, 3, 1, 2, 2, 2, False, seed=0)
+    soe_scan(*(x.float() for x in inputs.values()))
+    assert calls == [1]
+
+
+def test_shape_errors():
+    inputs = soe_inputs(1, 4, 2, 3, 3, 2, False, seed=0)
+    q, k, v, coef, log_lam = inputs.values()
+    with pytest.raises(ValueError, match="log_lam"):
+        soe_scan(q, k, v, coef, log_lam[:1])
+    with pytest.raises(ValueError, match="coef"):
+        soe_scan(q, k, v, coef[..., :1], log_lam)
+    with pytest.raises(ValueError, match="initial_state"):
+        soe_scan(q, k, v, coef, log_lam, (torch.zeros(1), torch.zeros(1)))
+
+
+@pytest.mark.slow
+def test_torch_matches_reference_long():
+    inputs = soe_inputs(1, 2000, 2, 16, 16, 32, True, seed=9)
+    assert_matches_reference(inputs, "torch", 64)
