@@ -76,7 +76,6 @@ class SlidingWindowAttention(nn.Module):
             q_blocks.transpose(1, 2), k_blocks.transpose(1, 2), v_blocks.transpose(1, 2), attn_mask=mask
         )  # [B, nb, H, W, D]
         y = y.transpose(1, 2).reshape(B, self.n_heads, n_blocks * W, self.head_dim)[:, :, :T]
-        keep = W - 1
-        new_k = k[:, :, k.shape[2] - keep :] if keep else k[:, :, :0]
-        new_v = v[:, :, v.shape[2] - keep :] if keep else v[:, :, :0]
+        first_kept = max(0, k.shape[2] - (W - 1))
+        new_k, new_v = k[:, :, first_kept:], v[:, :, first_kept:]
         return self.out(y.transpose(1, 2).reshape(B, T, -1)), new_k, new_v

@@ -1,0 +1,236 @@
+"""PMNet: sliding-window attention, the phasor memory, and the model's contracts (docs/pmnet.md)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import build_model
+from model.attention_window import SlidingWindowAttention
+from model.blocks import apply_rotary, rotary_tables
+from model.config import ModelConfig, PMNetConfig
+from model.pmnet import PMNet, load_model_config
+from model.pmnet_memory import PhasorMemory, collision_counts, normalise_collisions
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
+
+
+def tiny(**pmnet: object) -> ModelConfig:
+    fields = {"window": 4, "segment_len": 8, "memory_dim": 8, **pmnet}
+    return ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, mlp_ratio=2.0, pmnet=PMNetConfig(**fields))
+
+
+def make_model(seed: int = 0, **pmnet: object) -> PMNet:
+    torch.manual_seed(seed)
+    model = build_model(tiny(**pmnet))
+    assert isinstance(model, PMNet)
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize(("window", "seq_len"), [(1, 7), (4, 13), (5, 5), (8, 3), (6, 40)])
+def test_window_attention_matches_dense_band_and_streams(window: int, seq_len: int) -> None:
+    torch.manual_seed(window * 100 + seq_len)
+    attn = SlidingWindowAttention(16, 2, window, 10000.0)
+    x = torch.randn(2, seq_len, 16)
+    y, _, _ = attn(x, None, None, 0)
+
+    q, k, v = attn.qkv(x).view(2, seq_len, 3, 2, 8).unbind(2)
+    cos, sin = rotary_tables(torch.arange(seq_len), 8, 10000.0)
+    q, k = apply_rotary(q, cos, sin).transpose(1, 2), apply_rotary(k, cos, sin).transpose(1, 2)
+    i = torch.arange(seq_len)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    dense = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=band)
+    torch.testing.assert_close(y, attn.out(dense.transpose(1, 2).reshape(2, seq_len, 16)), rtol=1e-5, atol=1e-6)
+
+    pieces, cache_k, cache_v, offset = [], None, None, 0
+    for n in (1, 3, 2, seq_len):
+        n = min(n, seq_len - offset)
+        if n == 0:
+            break
+        out, cache_k, cache_v = attn(x[:, offset : offset + n], cache_k, cache_v, offset)
+        assert cache_k.shape[2] <= window - 1
+        pieces.append(out)
+        offset += n
+    torch.testing.assert_close(torch.cat(pieces, dim=1), y, rtol=1e-5, atol=1e-6)
+
+
+def test_reference_equals_fast_path_forward_and_gradients() -> None:
+    """Token-by-token routing with the sequential reference scan == segment-parallel fast path."""
+    ids = torch.randint(0, 258, (2, 21), generator=torch.Generator().manual_seed(1))
+    results = []
+    for reference in (True, False):
+        model = make_model(seed=3, scan_backend="torch")
+        model.set_reference(reference)
+        logits, _ = model(ids)
+        (logits.float().pow(2).mean() + logits[:, -1].sum()).backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ref_logits, ref_grads), (fast_logits, fast_grads) = results
+    assert rel_err(fast_logits, ref_logits) < 1e-5
+    for name, grad in ref_grads.items():
+        assert rel_err(fast_grads[name], grad) < 1e-5, name
+    assert ref_grads["blocks.0.memory.write.weight"].abs().sum() > 0
+    assert ref_grads["blocks.0.memory.anchors"].abs().sum() > 0
+
+
+def test_pieces_equal_whole() -> None:
+    model = make_model(seed=4).eval()
+    ids = torch.randint(0, 258, (2, 75), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole, whole_state = model(ids)
+        outs, state, start = [], model.init_state(2), 0
+        for n in (1, 10, 7, 33, 24):
+            out, state = model(ids[:, start : start + n], state)
+            outs.append(out)
+            start += n
+    torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=1e-5, atol=1e-5)
+    for piece_block, whole_block in zip(state, whole_state):
+        assert piece_block.position == whole_block.position == 75
+        torch.testing.assert_close(piece_block.memory.memory, whole_block.memory.memory, rtol=1e-5, atol=1e-5)
+        assert piece_block.keys.shape[2] == model.config.pmnet.window - 1
+
+
+def test_causality() -> None:
+    model = make_model(seed=5).eval()
+    ids = torch.randint(0, 258, (1, 40), generator=torch.Generator().manual_seed(3))
+    changed = ids.clone()
+    changed[:, 21:] = (changed[:, 21:] + 1) % 258
+    with torch.no_grad():
+        a, _ = model(ids)
+        b, _ = model(changed)
+    torch.testing.assert_close(a[:, :21], b[:, :21], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 21:], b[:, 21:])
+
+
+def test_collision_normalisation_forward_exact_gradient_scaled() -> None:
+    """Writers per slot in one segment: slot 0 by all 4 tokens, slot 1 by 1, slot 2 by 3 (s=3 checked too)."""
+    slots = torch.tensor([[[0, 1], [0, 2], [0, 2], [0, 2]]])  # [B=1, T=4, L=2]
+    s = torch.tensor([[[4, 1], [4, 3], [4, 3], [4, 3]]], dtype=torch.float32)
+    counts, per_write = collision_counts(slots, 5)
+    assert torch.equal(per_write, s)
+    assert torch.equal(counts, torch.tensor([[4.0, 1.0, 3.0, 0.0, 0.0]]))
+
+    delta = torch.randn(1, 4, 2, 3, requires_grad=True)
+    upstream = torch.randn(1, 4, 2, 3)
+    effective = normalise_collisions(delta, slots, 5)
+    assert torch.equal(effective, delta)  # forward: the full accumulation, bit for bit
+    (effective * upstream).sum().backward()
+    torch.testing.assert_close(delta.grad, upstream / s.sqrt()[..., None], rtol=1e-6, atol=0)
+    assert torch.equal(delta.grad[:, :, 0], upstream[:, :, 0] / 2)  # s = 4: exactly a half
+
+
+@pytest.mark.parametrize("seq_len", [1, 1000, 20000])
+def test_state_is_unit_phasor_at_any_length(seq_len: int) -> None:
+    torch.manual_seed(6)
+    memory = PhasorMemory(16, 8, 4, 3, 4096, 0.1, True, True, "torch")
+    torch.nn.init.normal_(memory.write.weight, std=3.0)  # large increments: many wraps
+    state = memory.init_state(1)
+    with torch.no_grad():
+        for start in range(0, seq_len, 4096):
+            _, state = memory(torch.randn(1, min(4096, seq_len - start), 16), state, start)
+    for phases in state:
+        assert phases.dtype == torch.float32 and torch.isfinite(phases).all()
+        assert phases.min() >= 0 and phases.max() < 2 * math.pi
+        modulus = torch.complex(phases.cos(), phases.sin()).abs()
+        torch.testing.assert_close(modulus, torch.ones_like(modulus), rtol=0, atol=2e-7)
+
+
+def test_memory_update_switches_and_swa_only() -> None:
+    ids = torch.randint(0, 258, (1, 30), generator=torch.Generator().manual_seed(4))
+    frozen = make_model(update_memory_train=False)
+    _, state = frozen.train()(ids)
+    assert all(float(b.memory.memory.abs().max()) == 0 for b in state)
+    frozen.eval()
+    with torch.no_grad():
+        _, state = frozen(ids)
+    assert all(float(b.memory.memory.abs().max()) > 0 for b in state)
+
+    eval_frozen = make_model(update_memory_eval=False).eval()
+    with torch.no_grad():
+        _, state = eval_frozen(ids)
+    assert all(float(b.memory.memory.abs().max()) == 0 for b in state)
+
+    swa = make_model(memory_every=0)
+    assert swa.memories() == [] and swa.stats() == {}
+    logits, state = swa(ids)
+    assert logits.shape == (1, 30, 258) and all(b.memory is None for b in state)
+    assert swa.num_parameters() < make_model().num_parameters()
+
+
+def test_stats_after_forward_backward() -> None:
+    model = make_model(seed=7)
+    ids = torch.randint(0, 258, (2, 41), generator=torch.Generator().manual_seed(5))
+    loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    stats = model.stats()
+    n_slots = model.config.pmnet.n_slots
+    assert stats["pmnet/slot_usage"].shape == (n_slots,) and stats["pmnet/collisions"].shape == (n_slots,)
+    assert stats["pmnet/slot_usage"][0] == 1.0  # every token's path starts at the root
+    leaves = stats["pmnet/slot_usage"][-64:]
+    torch.testing.assert_close(leaves.sum(), torch.tensor(1.0))
+    assert 0 < stats["pmnet/leaf_entropy"] <= 1
+    assert stats["pmnet/memory_write_grad_norm"] > 0
+    assert stats["pmnet/collisions"][0] == 8.0  # the root is written by the 8 tokens of every full segment
+
+
+def test_flops_per_token() -> None:
+    model = make_model()
+    n = model.matmul_params()
+    assert model.flops_per_token(1) > 6 * (n - sum(m.anchors.numel() for m in model.memories()))
+    assert model.flops_per_token(2) < model.flops_per_token(4)
+    assert model.flops_per_token(4096) <= model.flops_per_token(8192) < model.flops_per_token(4096) * 1.001  # O(W)
+
+
+@pytest.mark.parametrize("name", ["pmnet-tiny", "pmnet-119m", "pmnet-swa-119m"])
+def test_configs_load_through_the_run_config(name: str) -> None:
+    from pretrain.config import load_config
+
+    config = load_config(CONFIGS / f"{name}.yaml").model
+    assert config == load_model_config(CONFIGS / f"{name}.yaml")
+    assert config.kind == "pmnet"
+    if name == "pmnet-119m":
+        with torch.device("meta"):
+            model = build_model(config)
+        assert 117e6 < model.num_parameters() < 121e6
+
+
+def memory_grad_norm(seq_len: int) -> float:
+    """Gradient norm of all memory parameters for mean next-byte loss on a structured byte stream."""
+    torch.manual_seed(8)
+    model = build_model(load_model_config(CONFIGS / "pmnet-tiny.yaml"))
+    gen = torch.Generator().manual_seed(9)
+    motif = torch.randint(0, 256, (300,), generator=gen)
+    stream = motif.repeat(seq_len // 300 + 2)[: seq_len + 1].clone()
+    noise = torch.rand(seq_len + 1, generator=gen) < 0.1
+    stream[noise] = torch.randint(0, 256, (int(noise.sum()),), generator=gen)
+    loss, _ = model.loss(stream[None, :-1], stream[None, 1:])
+    loss.backward()
+    grads = [p.grad for m in model.memories() for p in m.parameters()]
+    return float(torch.stack([g.norm() for g in grads]).norm())
+
+
+@pytest.mark.slow
+def test_memory_gradient_norm_bounded_between_1k_and_16k() -> None:
+    short, long = memory_grad_norm(1024), memory_grad_norm(16384)
+    factor = max(short, long) / min(short, long)
+    assert factor < 4.0, (short, long)
+
+
+@pytest.mark.slow
+def test_119m_forward_backward_on_cpu_at_4096() -> None:
+    torch.manual_seed(0)
+    model = build_model(load_model_config(CONFIGS / "pmnet-119m.yaml"))
+    ids = torch.randint(0, 258, (1, 4097))
+    start = time.perf_counter()
+    loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and time.perf_counter() - start < 600
+    assert all(p.grad is not None for p in model.parameters())
