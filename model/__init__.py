@@ -22,9 +22,19 @@ def _pmnet(config: ModelConfig) -> CausalLM:
     return PMNet(config)
 
 
+def _vort(config: ModelConfig) -> CausalLM:
+    from model.vort import VortLM
+
+    return VortLM(config)
+
+
 FAMILIES: dict[str, Callable[[ModelConfig], CausalLM]] = {
     "transformer": _transformer,
     "pmnet": _pmnet,
+    "vort": _vort,
+    "pl": _vort,
+    "exp": _vort,
+    "m5": _vort,
 }
 
 

@@ -1,0 +1,368 @@
+"""VORT (Variable-Order Retention Transformer) and its kernel baselines pl, exp and m5.
+
+Every family here is the same stack (pre-norm, memory mixer, SwiGLU MLP; see model/blocks.py); they
+differ only in the kernel that weights a past token in the mixer's keyed linear-attention read:
+
+    o_t = sum_{j<=t} w_{t-j}(j) phi(q_t).phi(k_j) v_j / (sum_{j<=t} w_{t-j}(j) phi(q_t).phi(k_j) + eps)
+
+- vort: w_n(j) is the Grünwald–Letnikov power-law weight of the order alpha_j that a router gives
+  token j, in SOE form over nodes shared by every order (model/soe.py), with alpha_j quantised to K
+  banks by linear interpolation between the two neighbouring banks;
+- pl: the same SOE kernel with one fixed order;
+- exp: one exponential per head with a learned decay (RetNet-like);
+- m5: five exponentials with fixed decays and learned positive weights per head.
+
+A kernel is a write coefficient per (token, term) and a log-decay per (head, term), which is exactly
+what `kernels.soe_scan` takes; the state per head is S x F x D whatever the number of banks.
+docs/vort.md gives the design decisions and the parameter/FLOP table.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from model import soe
+from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables
+from model.config import ModelConfig, VortConfig
+
+VORT_KINDS = ("vort", "pl", "exp", "m5")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp64 stays fp64 (tight reference runs); fp32, bf16 and fp16 are computed in fp32."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class VortState(NamedTuple):
+    """What one VORT layer carries between calls: the scan's per-term state and the position."""
+
+    G: torch.Tensor  # [B, H, S, F, D] fp32 (fp64 in a float64 run)
+    b: torch.Tensor  # [B, H, S, F]
+    offset: int  # tokens seen so far (rotary positions continue from here)
+
+
+@functools.lru_cache(maxsize=16)
+def certified_kernel(banks: tuple[float, ...], horizon: int, eps: float) -> soe.SOEKernel:
+    """The certified SOE kernel for these bank orders (cached: the certificate takes seconds)."""
+    return soe.build_kernel(np.asarray(banks, dtype=np.float64), horizon, eps).kernel
+
+
+def bank_orders(cfg: VortConfig) -> tuple[float, ...]:
+    """The K bank orders on [delta, 1], spaced so each interval has about the same blend error."""
+    banks = soe.equidistributed_banks(cfg.n_banks, cfg.delta, cfg.soe_horizon)
+    return tuple(float(a) for a in banks)
+
+
+# ----------------------------------------------------------------------------- feature map
+
+
+def orthogonal_gaussian(n_heads: int, n_features: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """[H, F, D] projections: blocks of orthogonal rows, each row rescaled to a chi(D) norm.
+
+    Each row is then marginally N(0, I) (so phi is unbiased) while rows in a block are orthogonal,
+    which lowers the estimator's variance (Performer's ORF).
+    """
+    heads = []
+    for _ in range(n_heads):
+        rows = []
+        for _ in range(math.ceil(n_features / dim)):
+            gauss = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+            rows.append(torch.linalg.qr(gauss)[0].T)
+        block = torch.cat(rows)[:n_features]
+        norms = torch.randn(n_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+        heads.append(block * norms[:, None])
+    return torch.stack(heads).float()
+
+
+class PositiveRandomFeatures(nn.Module):
+    """phi(x) = exp(W x - |x|^2 / 2) / sqrt(F), so that E[phi(q).phi(k)] = exp(q.k) and phi > 0.
+
+    W is drawn once from `feature_seed` and the layer index. "fixed" keeps it as a buffer (saved in
+    checkpoints, never redrawn); "learned" makes the same draw a trainable parameter. There is no
+    periodic redraw: a carried state built with one W is meaningless under another, so a redraw
+    would break streaming and exact resume.
+    """
+
+    def __init__(self, n_heads: int, head_dim: int, cfg: VortConfig, layer_index: int):
+        super().__init__()
+        generator = torch.Generator().manual_seed(cfg.feature_seed * 100_003 + layer_index)
+        weight = orthogonal_gaussian(n_heads, cfg.n_features, head_dim, generator)
+        if cfg.feature_map == "learned":
+            self.weight = nn.Parameter(weight)
+        else:
+            self.register_buffer("weight", weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, D] -> phi(x) [B, T, H, F], in x's dtype."""
+        proj = torch.einsum("bthd,hfd->bthf", x, self.weight.to(x.dtype))
+        return torch.exp(proj - 0.5 * x.pow(2).sum(-1, keepdim=True)) * self.weight.shape[1] ** -0.5
+
+
+# ----------------------------------------------------------------------------- kernels (memories)
+
+
+class OrderRouter(nn.Module):
+    """alpha_t in [delta, 1] per head from two shallow probes of the layer input.
+
+    - predictive probe: a rank-r softmax head over P classes; its entropy, normalised by log P to
+      [0, 1], is the token's contextual uncertainty;
+    - entity probe: a linear classifier, sigmoid score in (0, 1).
+    alpha = delta + (1 - delta) sigmoid(bias_h + a_h (1 - entropy) + c_h (2 entity - 1)). The gains
+    start positive (confident or entity tokens get a high order, uncertain non-entities a low one,
+    as the paper intends) and the biases spread the heads over the range; all are learned.
+    The probes are plain parameters with their own 1/sqrt(fan-in) init, so they start informative
+    (the stack's small nn.Linear init would start the entropy at its flat maximum, where its
+    gradient vanishes).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, cfg: VortConfig):
+        super().__init__()
+        self.delta = cfg.delta
+        self.probe_down = nn.Parameter(torch.randn(d_model, cfg.probe_rank) / math.sqrt(d_model))
+        self.probe_up = nn.Parameter(torch.randn(cfg.probe_rank, cfg.probe_classes) / math.sqrt(cfg.probe_rank))
+        self.entity_weight = nn.Parameter(torch.randn(d_model) / math.sqrt(d_model))
+        self.entity_bias = nn.Parameter(torch.zeros(()))
+        self.entropy_gain = nn.Parameter(torch.full((n_heads,), 2.0))
+        self.entity_gain = nn.Parameter(torch.full((n_heads,), 2.0))
+        self.bias = nn.Parameter(torch.linspace(-2.0, 2.0, n_heads) if n_heads > 1 else torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> (alpha [B, T, H], entropy [B, T] in [0, 1], entity score [B, T])."""
+        dt = compute_dtype(x)
+        x = x.to(dt)
+        logp = torch.log_softmax(x @ self.probe_down.to(dt) @ self.probe_up.to(dt), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1) / math.log(logp.shape[-1])
+        entity = torch.sigmoid(x @ self.entity_weight.to(dt) + self.entity_bias.to(dt))
+        logit = (self.bias.to(dt) + self.entropy_gain.to(dt) * (1.0 - entropy)[..., None]
+                 + self.entity_gain.to(dt) * (2.0 * entity - 1.0)[..., None])
+        alpha = self.delta + (1.0 - self.delta) * torch.sigmoid(logit)
+        return alpha, entropy, entity
+
+
+class VariableOrderMemory(nn.Module):
+    """The vort kernel: routed orders, K banks of SOE coefficients, interpolation between banks."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = config.vort
+        self.n_heads, self.n_bins = config.n_heads, cfg.alpha_bins
+        log_lambda, coef, banks = certified_kernel(bank_orders(cfg), cfg.soe_horizon, cfg.soe_eps).as_tensors()
+        self.register_buffer("log_lambda", log_lambda)
+        self.register_buffer("bank_coef", coef)
+        self.register_buffer("banks", banks)
+        self.router = OrderRouter(config.d_model, config.n_heads, cfg)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def n_terms(self) -> int:
+        return self.log_lambda.numel()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> (coef [B, T, H, S], log_lam [H, S])."""
+        alpha, _, entity = self.router(x)
+        coef = soe.interpolate_coefficients(alpha, self.banks.to(alpha.dtype), self.bank_coef.to(alpha.dtype))
+        self._last = (alpha.detach(), entity.detach())
+        return coef, self.log_lambda.to(alpha.dtype).expand(self.n_heads, -1)
+
+    def stats(self) -> dict[str, Any]:
+        """Alpha histogram (counts over `alpha_bins` equal bins of [0, 1]), share per bank, probe means."""
+        if self._last is None:
+            return {}
+        alpha, entity = (t.float() for t in self._last)
+        nearest = (alpha[..., None] - self.banks.float()).abs().argmin(-1)
+        share = torch.bincount(nearest.flatten(), minlength=self.banks.numel()).float() / nearest.numel()
+        return {
+            "alpha_hist": torch.histc(alpha, bins=self.n_bins, min=0.0, max=1.0),
+            "alpha_mean": alpha.mean().item(),
+            "bank_share": share,
+            "entity_score": entity.mean().item(),
+        }
+
+
+class FixedOrderMemory(nn.Module):
+    """The pl kernel: the SOE power law of one fixed order for every token."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = config.vort
+        self.n_heads = config.n_heads
+        log_lambda, coef, _ = certified_kernel((cfg.pl_alpha,), cfg.soe_horizon, cfg.soe_eps).as_tensors()
+        self.register_buffer("log_lambda", log_lambda)
+        self.register_buffer("coef", coef[0])
+
+    @property
+    def n_terms(self) -> int:
+        return self.log_lambda.numel()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dt = compute_dtype(x)
+        coef = self.coef.to(dt).expand(*x.shape[:2], self.n_heads, -1)
+        return coef, self.log_lambda.to(dt).expand(self.n_heads, -1)
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class ExpMemory(nn.Module):
+    """The exp kernel: one exponential per head, lambda_h = exp(-1 / tau_h) with tau_h learned.
+
+    Timescales start geometrically spread from 4 tokens to max_seq_len across heads.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        timescales = np.geomspace(4.0, max(8.0, float(config.max_seq_len)), config.n_heads)
+        self.log_timescale = nn.Parameter(torch.tensor(np.log(timescales), dtype=torch.float32))
+
+    n_terms = 1
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dt = compute_dtype(x)
+        log_lam = -torch.exp(-self.log_timescale.to(dt))[:, None]
+        return x.new_ones(*x.shape[:2], self.n_heads, 1, dtype=dt), log_lam
+
+    def stats(self) -> dict[str, Any]:
+        return {"timescale": self.log_timescale.detach().float().exp()}
+
+
+class MixtureMemory(nn.Module):
+    """The m5 kernel: five fixed decays exp(-1 / tau_s) with learned positive weights per head."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        timescales = torch.tensor(config.vort.m5_timescales, dtype=torch.float64)
+        self.register_buffer("log_lambda", (-1.0 / timescales).float())
+        self.raw_weight = nn.Parameter(torch.full((config.n_heads, timescales.numel()), math.log(math.e - 1.0)))
+
+    @property
+    def n_terms(self) -> int:
+        return self.log_lambda.numel()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dt = compute_dtype(x)
+        coef = F.softplus(self.raw_weight.to(dt)).expand(*x.shape[:2], -1, -1)
+        return coef, self.log_lambda.to(dt).expand(self.n_heads, -1)
+
+    def stats(self) -> dict[str, Any]:
+        return {"weights": F.softplus(self.raw_weight.detach().float()).mean(0)}
+
+
+MEMORIES: dict[str, type[nn.Module]] = {
+    "vort": VariableOrderMemory,
+    "pl": FixedOrderMemory,
+    "exp": ExpMemory,
+    "m5": MixtureMemory,
+}
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+class VortLayer(nn.Module):
+    """Keyed linear-attention retrieval through the SOE scan: x [B, T, d] -> [B, T, d].
+
+    q and k get rotary positions, are L2-normalised and scaled to norm sqrt(temperature) (so the
+    approximated score is exp(temperature * cos(q, k)) and the random features stay bounded), then
+    feature-mapped. The kernel's per-token coefficients are folded into the scan's write.
+    `backend` and `chunk_size` select the scan path (set them on the instance to switch).
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        cfg = config.vort
+        self.n_heads, self.head_dim, self.rope_base = config.n_heads, config.head_dim, config.rope_base
+        self.rotary, self.scale, self.eps = cfg.rotary, math.sqrt(cfg.temperature), cfg.eps
+        self.backend, self.chunk_size = cfg.scan_backend, cfg.chunk_size
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.features = PositiveRandomFeatures(config.n_heads, config.head_dim, cfg, layer_index)
+        self.memory = MEMORIES[config.kind](config)
+
+    @property
+    def n_features(self) -> int:
+        return self.features.weight.shape[1]
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> VortState:
+        shape = (batch_size, self.n_heads, self.memory.n_terms, self.n_features)
+        g = torch.zeros(*shape, self.head_dim, device=device)
+        return VortState(g, torch.zeros(shape, device=device), 0)
+
+    def forward(self, x: torch.Tensor, state: VortState | None = None) -> tuple[torch.Tensor, VortState]:
+        B, T, _ = x.shape
+        offset = 0 if state is None else state.offset
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+        if self.rotary:
+            cos, sin = rotary_tables(torch.arange(offset, offset + T, device=x.device), self.head_dim, self.rope_base)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        dt = compute_dtype(x)
+        fq = self.features(F.normalize(q.to(dt), dim=-1) * self.scale)
+        fk = self.features(F.normalize(k.to(dt), dim=-1) * self.scale)
+        coef, log_lam = self.memory(x)
+        initial = None if state is None else (state.G, state.b)
+        num, den, final = kernels.soe_scan(fq, fk, v.to(dt), coef, log_lam, initial_state=initial,
+                                           output_final_state=True, chunk_size=self.chunk_size, backend=self.backend)
+        y = (num / (den[..., None] + self.eps)).to(x.dtype)
+        return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], offset + T)
+
+    def extra_forward_flops(self) -> float:
+        """Forward FLOPs per token not covered by 6 x parameters: fixed features and the chunked scan.
+
+        Scan (per head, chunk c, S terms, F features, D values + 1 normaliser column): cross-chunk
+        read and state write 2 x 2 S F (D+1); inside a chunk the scores 2 c F, the kernel matrix
+        2 c S and the weighted values 2 c (D+1).
+        """
+        F_, D, S, c = self.n_features, self.head_dim, self.memory.n_terms, self.chunk_size
+        scan = 4 * S * F_ * (D + 1) + 2 * c * (F_ + S + D + 1)
+        features = 0 if isinstance(self.features.weight, nn.Parameter) else 2 * 2 * F_ * D
+        return float(self.n_heads * (scan + features))
+
+
+class VortBlock(nn.Module):
+    """Pre-norm residual block: x + layer(norm(x)), then x + SwiGLU(norm(x)) (as the Transformer)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.mix_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mixer = VortLayer(config, layer_index)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> VortState:
+        return self.mixer.init_state(batch_size, device)
+
+    def forward(self, x: torch.Tensor, state: VortState | None) -> tuple[torch.Tensor, VortState]:
+        h, state = self.mixer(self.mix_norm(x), state)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), state
+
+
+class VortLM(StackedLM):
+    """A causal LM of the VORT family; `config.kind` picks the kernel (vort, pl, exp or m5)."""
+
+    def __init__(self, config: ModelConfig):
+        if config.kind not in VORT_KINDS:
+            raise ValueError(f"kind: VortLM builds {', '.join(VORT_KINDS)}, got {config.kind!r}")
+        super().__init__(config, lambda i: VortBlock(config, i))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 per matmul parameter plus 3 x the non-parameter forward work; linear cost, so no seq_len term."""
+        extra = sum(block.mixer.extra_forward_flops() for block in self.blocks)
+        return 6.0 * self.matmul_params() + 3.0 * extra
+
+    def stats(self) -> dict[str, Any]:
+        """`<kind>/layer<i>/<name>` for each layer's kernel statistics from the last forward pass."""
+        out: dict[str, Any] = {}
+        for i, block in enumerate(self.blocks):
+            for name, value in block.mixer.memory.stats().items():
+                out[f"{self.config.kind}/layer{i}/{name}"] = value
+        return out
