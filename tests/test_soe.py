@@ -1,0 +1,251 @@
+"""Tests for the certified SOE power-law kernel (model/soe.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model import soe
+
+SMALL_T = 4096
+
+
+@pytest.fixture(scope="module")
+def small_cert() -> soe.Certificate:
+    """A kernel certified on the default order range for a short horizon (cheap)."""
+    return soe.certify(SMALL_T, 1e-3)
+
+
+# --- Grünwald–Letnikov weights -------------------------------------------------------------------
+
+
+def test_gl_alpha_one_is_all_ones() -> None:
+    n = np.arange(0, 100_000, 997)
+    np.testing.assert_array_equal(soe.gl_weights(n, 1.0), np.ones(n.size))
+
+
+def test_gl_alpha_zero_limit_contracts_to_current_token() -> None:
+    n = np.arange(0, 50)
+    expected = np.zeros(50)
+    expected[0] = 1.0
+    np.testing.assert_array_equal(soe.gl_weights(n, 0.0), expected)
+    tiny = 1e-9
+    w = soe.gl_weights(n, tiny)
+    assert w[0] == 1.0
+    # w_n(alpha) = alpha / n * (1 + O(alpha log n)) as alpha -> 0: small, not divergent.
+    np.testing.assert_allclose(w[1:], tiny / n[1:], rtol=1e-6)
+
+
+def test_gl_matches_product_recurrence_and_scalar_lgamma() -> None:
+    for alpha in (0.05, 0.3, 0.5, 0.77, 0.999):
+        n_max = 400
+        prod = np.empty(n_max + 1)
+        prod[0] = 1.0
+        for k in range(1, n_max + 1):
+            prod[k] = prod[k - 1] * (k - 1 + alpha) / k
+        np.testing.assert_allclose(soe.gl_weights(np.arange(n_max + 1), alpha), prod, rtol=1e-12)
+        for k in (1, 17, 12_345, 524_288):
+            ref = math.exp(math.lgamma(k + alpha) - math.lgamma(alpha) - math.lgamma(k + 1))
+            # Both sides difference lgammas of size ~ k log k: agreement to ~1e-16 * k log k.
+            assert soe.gl_weights(k, alpha) == pytest.approx(ref, rel=1e-15 * k * math.log(k + 2) + 1e-14)
+
+
+def test_gl_power_law_asymptotics() -> None:
+    n = np.array([1e4, 1e5, 1e6])
+    for alpha in (0.2, 0.6, 0.9):
+        ratio = soe.gl_weights(n, alpha) * math.gamma(alpha) / n ** (alpha - 1.0)
+        # Next term of the expansion is alpha (alpha - 1) / (2 n).
+        np.testing.assert_allclose(ratio, 1.0 + alpha * (alpha - 1.0) / (2.0 * n), rtol=1e-8)
+
+
+def test_gl_broadcasts_and_rejects_negative() -> None:
+    w = soe.gl_weights(np.arange(5)[None, :], np.array([[0.3], [0.6]]))
+    assert w.shape == (2, 5)
+    with pytest.raises(ValueError):
+        soe.gl_weights(-1, 0.5)
+
+
+# --- SOE construction ----------------------------------------------------------------------------
+
+
+def test_design_nodes_shape_and_alpha_one_node() -> None:
+    nodes = soe.design_nodes(SMALL_T, 10)
+    assert nodes.shape == (11,)
+    assert nodes[-1] == 0.0
+    assert np.all(np.diff(nodes) > 0)
+    assert -nodes[-2] == pytest.approx(0.1 / SMALL_T)
+
+
+def test_alpha_one_is_exact(small_cert: soe.Certificate) -> None:
+    nodes = small_cert.kernel.log_lambda
+    coef = soe.fit_coefficients(nodes, 1.0, SMALL_T)
+    n = np.arange(0, 10 * SMALL_T, 7)
+    np.testing.assert_array_equal(soe.soe_weights(nodes, coef, n), np.ones(n.size))
+
+
+def test_orders_below_one_do_not_use_the_lambda_one_node_and_hit_w0(small_cert: soe.Certificate) -> None:
+    coef = soe.bank_coefficients([0.1, 0.4, 0.9], small_cert.kernel.log_lambda, SMALL_T)
+    assert coef.shape == (3, small_cert.S)
+    np.testing.assert_array_equal(coef[:, -1], 0.0)
+    np.testing.assert_allclose(coef.sum(axis=1), 1.0, rtol=0, atol=1e-12)
+
+
+def test_certificate_meets_eps_and_is_reproducible(small_cert: soe.Certificate) -> None:
+    k = small_cert.kernel
+    assert small_cert.max_rel_err <= small_cert.eps
+    n = np.arange(SMALL_T + 1, dtype=np.float64)
+    brute = np.abs(k.weights(n) / soe.gl_weights(n[None, :], k.banks[:, None]) - 1.0).max(axis=1)
+    np.testing.assert_allclose(small_cert.rel_err, brute, rtol=1e-9, atol=1e-15)
+
+
+def test_certificate_s_is_minimal_in_its_node_family(small_cert: soe.Certificate) -> None:
+    m = small_cert.S - 2  # decaying nodes of the next smaller kernel
+    lo_alpha = small_cert.alpha_range[0]
+    for lo in soe._NODE_LO:
+        for hi in soe._NODE_HI:
+            nodes = soe.design_nodes(SMALL_T, m, lo, hi)
+            coef = soe.fit_coefficients(nodes, lo_alpha, SMALL_T)
+            err = soe.max_relative_error(nodes, coef[None], [lo_alpha], SMALL_T)[0]
+            assert err > 0.9 * small_cert.eps
+
+
+def test_nodes_are_shared_across_requested_orders() -> None:
+    cert = soe.certify(SMALL_T, 1e-3, [0.2, 0.5, 0.95, 1.0])
+    assert cert.kernel.coef.shape == (4, cert.S)
+    assert cert.rel_err[-1] == 0.0
+    # Any other order can reuse the same nodes: refit and check it meets eps as well.
+    for alpha in (0.33, 0.71):
+        c = soe.fit_coefficients(cert.kernel.log_lambda, alpha, SMALL_T)
+        assert soe.max_relative_error(cert.kernel.log_lambda, c[None], [alpha], SMALL_T)[0] <= 1e-3
+
+
+def test_smaller_eps_needs_more_terms() -> None:
+    assert soe.certify(1024, 1e-4).S > soe.certify(1024, 1e-2).S
+
+
+def test_requested_order_outside_range_widens_design() -> None:
+    cert = soe.certify(1024, 1e-3, [0.05])
+    assert cert.alpha_range[0] == pytest.approx(0.05)
+    assert cert.max_rel_err <= 1e-3
+
+
+@settings(deadline=None, max_examples=25)
+@given(alpha=st.floats(0.1, 0.95), n=st.lists(st.integers(0, SMALL_T), min_size=1, max_size=64))
+def test_soe_accuracy_random_alpha_and_lags(small_cert: soe.Certificate, alpha: float, n: list[int]) -> None:
+    nodes = small_cert.kernel.log_lambda
+    coef = soe.fit_coefficients(nodes, alpha, SMALL_T)
+    lags = np.asarray(n, dtype=np.float64)
+    rel = np.abs(soe.soe_weights(nodes, coef, lags) / soe.gl_weights(lags, alpha) - 1.0)
+    assert rel.max() <= small_cert.eps
+
+
+def test_kernel_as_tensors(small_cert: soe.Certificate) -> None:
+    log_lambda, coef, banks = small_cert.kernel.as_tensors(torch.float64)
+    assert log_lambda.shape == (small_cert.S,)
+    assert coef.shape == (banks.numel(), small_cert.S)
+    assert torch.all(log_lambda <= 0)
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def test_cli_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert soe.main(["--T", str(SMALL_T), "--eps", "1e-3", "--alpha", "0.2", "--alpha", "0.50",
+                     "--alpha", "0.95", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"T", "eps", "S", "log_lambda", "coef", "max_rel_err"}
+    assert out["T"] == SMALL_T and isinstance(out["T"], int)
+    assert out["eps"] == 1e-3
+    assert list(out["coef"]) == ["0.2", "0.50", "0.95"]
+    assert len(out["log_lambda"]) == out["S"]
+    assert all(len(row) == out["S"] for row in out["coef"].values())
+    nodes = np.array(out["log_lambda"])
+    coef = np.array(list(out["coef"].values()))
+    measured = soe.max_relative_error(nodes, coef, [0.2, 0.5, 0.95], SMALL_T)
+    assert out["max_rel_err"] == pytest.approx(measured.max(), rel=1e-9)
+    assert out["max_rel_err"] <= 1e-3
+
+
+def test_cli_rejects_bad_alpha() -> None:
+    with pytest.raises(SystemExit):
+        soe.main(["--T", "64", "--alpha", "1.5", "--json"])
+
+
+@pytest.mark.slow
+def test_target_certificate_full_range() -> None:
+    """The issue's target: eps = 1e-3 over every n in [0, 524288], S <= 24, dense grid on [0.1, 0.95]."""
+    T = 524288
+    cert = soe.certify(T, 1e-3, [0.2, 0.5, 0.95])
+    assert cert.S <= 24
+    assert cert.max_rel_err <= 1e-3
+    grid = np.linspace(0.1, 0.95, 35)
+    coef = soe.bank_coefficients(grid, cert.kernel.log_lambda, T)
+    assert soe.max_relative_error(cert.kernel.log_lambda, coef, grid, T).max() <= 1e-3
+
+
+# --- banks (Theorem 4.1) -------------------------------------------------------------------------
+
+
+def test_interpolate_coefficients_blends_neighbours_and_has_gradient() -> None:
+    banks = torch.tensor([0.1, 0.4, 0.7, 1.0], dtype=torch.float64)
+    coef = torch.randn(4, 6, dtype=torch.float64)
+    at_banks = soe.interpolate_coefficients(banks.clone(), banks, coef)
+    torch.testing.assert_close(at_banks, coef)
+    alpha = torch.tensor([0.25, 0.85, 0.05, 1.2], dtype=torch.float64, requires_grad=True)
+    out = soe.interpolate_coefficients(alpha, banks, coef)
+    torch.testing.assert_close(out[0], 0.5 * (coef[0] + coef[1]))
+    torch.testing.assert_close(out[1], 0.5 * (coef[2] + coef[3]))
+    torch.testing.assert_close(out[2], coef[0])
+    torch.testing.assert_close(out[3], coef[3])
+    out[:2].sum().backward()
+    slope = (coef[1:] - coef[:-1]).sum(dim=1) / 0.3
+    torch.testing.assert_close(alpha.grad[:2], torch.stack([slope[0], slope[2]]))
+
+
+def test_bank_error_matches_direct_blend_and_vanishes_at_banks() -> None:
+    banks = soe.uniform_banks(5, 0.2)
+    T = 512
+    err = soe.bank_layout_error(banks, T, per_interval=3)
+    n = np.arange(1, T + 1, dtype=np.float64)
+    a = err.worst_alpha
+    k = np.searchsorted(banks, a) - 1
+    theta = (a - banks[k]) / (banks[k + 1] - banks[k])
+    blend = (1 - theta) * soe.gl_weights(n, banks[k]) + theta * soe.gl_weights(n, banks[k + 1])
+    exact = soe.gl_weights(n, a)
+    assert err.max_rel == pytest.approx(np.max(np.abs(blend - exact) / exact), rel=1e-12)
+    on_banks = soe._interp_weights(banks, banks, n)
+    np.testing.assert_allclose(on_banks, soe.gl_weights(n[None, :], banks[:, None]), rtol=1e-14)
+
+
+def test_bank_error_decreases_with_k() -> None:
+    T = 2048
+    errs = [soe.bank_layout_error(soe.uniform_banks(K, 0.1), T, per_interval=6) for K in (4, 8, 16)]
+    assert errs[0].max_rel > errs[1].max_rel > errs[2].max_rel
+    assert errs[0].max_abs > errs[1].max_abs > errs[2].max_abs
+
+
+def test_equidistributed_banks_beat_uniform_in_relative_error() -> None:
+    T = 2048
+    for K in (4, 8):
+        banks = soe.equidistributed_banks(K, 0.1, T)
+        assert banks[0] == 0.1 and banks[-1] == 1.0 and np.all(np.diff(banks) > 0)
+        uniform = soe.bank_layout_error(soe.uniform_banks(K, 0.1), T, per_interval=6)
+        assert soe.bank_layout_error(banks, T, per_interval=6).max_rel < uniform.max_rel
+
+
+# --- Proposition 4.2 -----------------------------------------------------------------------------
+
+
+def test_prop_4_2_exponential_fit_error_grows_with_horizon() -> None:
+    horizons = (1024, 4096, 16384)
+    errs = [soe.m_term_fit_error(0.8, T, M=5, rate_min=1e-3) for T in horizons]
+    assert errs[0] < errs[1] < errs[2]
+    # The growth is the tail's norm ~ T^(alpha - 1/2): it does not saturate for alpha > 1/2.
+    assert errs[2] - errs[1] > 0.5 * (errs[1] - errs[0])
+
