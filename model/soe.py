@@ -59,8 +59,8 @@ def gl_weights(n: np.ndarray | Sequence[float] | float, alpha: np.ndarray | Sequ
 
     Computed as exp(lgamma(n+alpha) - lgamma(alpha) - lgamma(n+1)) so that no product of ratios
     accumulates rounding over long lags (the lgamma difference loses about log10(n log n) digits:
-    relative accuracy ~1e-9 at n ~ 5e5, far below any eps used here).  alpha = 1 gives exactly 1 for every n; alpha = 0 gives the
-    limit (1, 0, 0, ...); n = 0 gives exactly 1 for every alpha.
+    relative accuracy ~1e-9 at n ~ 5e5, far below any eps used here).  alpha = 1 gives exactly 1
+    for every n; alpha = 0 gives the limit (1, 0, 0, ...); n = 0 gives exactly 1 for every alpha.
     """
     n_arr = np.asarray(n, dtype=np.float64)
     a_arr = np.asarray(alpha, dtype=np.float64)
