@@ -1,0 +1,199 @@
+"""Benchmark of the scans against causal scaled_dot_product_attention, on the current machine.
+
+    python -m kernels.bench [--T 1024,4096,16384] [--ops soe,phasor] [--modes fwd,fwdbwd] [--out bench.json]
+
+Prints one table and writes JSON. Every row is the best of ``--repeats`` runs. The fp32 matmul rate is
+measured in the same run (a square matmul) so the achieved GFLOP/s can be read against it; SDPA runs
+with the same B, H and head dimension (F) in the same run. FLOPs are the matmul and multiply-add work
+of the chunked algorithm (see :func:`soe_flops`), not of the sequential recurrence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kernels.phasor import phasor_scan
+from kernels.soe import soe_scan
+
+CONFIG_KEYS = ("B", "H", "F", "D", "S", "chunk", "L", "M", "branching", "backend")
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Smallest wall time of ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_gflops(repeats: int, n: int = 2048) -> float:
+    """fp32 GFLOP/s of one n x n x n matmul on this machine, now."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / best_time(lambda: a @ b, repeats) / 1e9
+
+
+def soe_flops(tokens: int, heads: int, feat: int, dim_v: int, n_terms: int, chunk: int, backward: bool) -> float:
+    """Multiply-add FLOPs of the chunked SOE scan (forward, or forward + backward)."""
+    width = dim_v + 1
+    state = 2 * n_terms * feat * width  # one [c, S*F] x [S*F, D'] product, per token
+    intra = 2 * chunk * (feat + width + n_terms)  # Q K^T, P V', coef E, per token
+    fwd = 2 * state + intra
+    bwd = 5 * state + 2 * intra + 2 * chunk * (2 * feat + n_terms)
+    return tokens * heads * (fwd + (bwd if backward else 0))
+
+
+def sdpa_flops(tokens: int, heads: int, seq_len: int, dim: int, backward: bool) -> float:
+    """FLOPs of causal attention (half of the T x T score and value products; backward counted as 2.5x)."""
+    fwd = 2 * 2 * tokens * seq_len * dim * heads / 2
+    return fwd * (3.5 if backward else 1.0)
+
+
+def _timed(run: Callable[[], Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], backward: bool) -> Callable:
+    def call() -> None:
+        for x in inputs:
+            x.grad = None
+        outs = run()
+        if backward:
+            sum(o.float().sum() for o in outs if o is not None).backward()
+
+    return call
+
+
+def bench_soe(args: argparse.Namespace, seq_len: int, backward: bool) -> float:
+    b, h, f, d, s = args.B, args.H, args.F, args.D, args.S
+    q = (torch.rand(b, seq_len, h, f) / f).requires_grad_(backward)
+    k = (torch.rand(b, seq_len, h, f) / f).requires_grad_(backward)
+    v = torch.randn(b, seq_len, h, d).requires_grad_(backward)
+    coef = torch.randn(b, seq_len, h, s).requires_grad_(backward)
+    log_lam = (-torch.rand(h, s) * 3).requires_grad_(backward)
+    inputs = (q, k, v, coef, log_lam)
+
+    def run():
+        o, z, _ = soe_scan(q, k, v, coef, log_lam, chunk_size=args.chunk, backend=args.backend)
+        return o, z
+
+    with torch.set_grad_enabled(backward):
+        return best_time(_timed(run, inputs, backward), args.repeats)
+
+
+def bench_sdpa(args: argparse.Namespace, seq_len: int, backward: bool) -> float:
+    q, k, v = (torch.randn(args.B, args.H, seq_len, args.F).requires_grad_(backward) for _ in range(3))
+
+    def run():
+        return (torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),)
+
+    with torch.set_grad_enabled(backward):
+        return best_time(_timed(run, (q, k, v), backward), args.repeats)
+
+
+def bench_phasor(args: argparse.Namespace, seq_len: int, backward: bool) -> float:
+    gen = torch.Generator().manual_seed(0)
+    delta = torch.randn(args.B, seq_len, args.L, args.M, generator=gen).requires_grad_(backward)
+    # A tree with a root (slot 0): path level l = 1..L picks one of branching**l slots.
+    n = args.branching
+    offsets = [sum(n**i for i in range(lvl)) for lvl in range(1, args.L + 1)]
+    slots = torch.stack(
+        [off + torch.randint(0, n**lvl, (args.B, seq_len), generator=gen) for lvl, off in enumerate(offsets, 1)], -1
+    )
+    n_slots = sum(n**i for i in range(args.L + 1))
+
+    def run():
+        return phasor_scan(delta, slots, n_slots, output_final_state=True, backend=args.backend)
+
+    with torch.set_grad_enabled(backward):
+        return best_time(_timed(run, (delta,), backward), args.repeats)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--T", default="1024,4096,16384,65536", help="comma-separated sequence lengths")
+    p.add_argument("--ops", default="soe,phasor", help="comma-separated: soe, phasor")
+    p.add_argument("--modes", default="fwd,fwdbwd", help="comma-separated: fwd, fwdbwd")
+    p.add_argument("--sdpa-max-T", type=int, default=65536, help="skip SDPA above this length (it is quadratic)")
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--H", type=int, default=4)
+    p.add_argument("--F", type=int, default=64, help="feature (and SDPA head) dimension")
+    p.add_argument("--D", type=int, default=64)
+    p.add_argument("--S", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--L", type=int, default=3, help="phasor levels")
+    p.add_argument("--M", type=int, default=64, help="phasor width")
+    p.add_argument("--branching", type=int, default=4, help="phasor tree branching (4 and L=3: 85 slots)")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave torch's default)")
+    p.add_argument("--out", default="", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    args.T = [int(t) for t in args.T.split(",") if t]
+    args.ops = [o for o in args.ops.split(",") if o]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not set(args.ops) <= {"soe", "phasor"} or not set(args.modes) <= {"fwd", "fwdbwd"}:
+        p.error("--ops takes soe,phasor and --modes takes fwd,fwdbwd")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mm = matmul_gflops(args.repeats)
+    print(f"fp32 matmul: {mm:.1f} GFLOP/s, threads={torch.get_num_threads()}, torch {torch.__version__}")
+    print(f"{'op':7} {'mode':7} {'T':>7} {'time_s':>9} {'GFLOP/s':>8} {'%mm':>5} {'Mtok/s':>7} {'sdpa_s':>9} x_sdpa")
+    rows = []
+    for op in args.ops:
+        for mode in args.modes:
+            backward = mode == "fwdbwd"
+            for seq_len in args.T:
+                tokens = args.B * seq_len
+                if op == "soe":
+                    secs = bench_soe(args, seq_len, backward)
+                    flops = args.B * soe_flops(seq_len, args.H, args.F, args.D, args.S, args.chunk, backward)
+                else:
+                    secs = bench_phasor(args, seq_len, backward)
+                    flops = 0.0
+                sdpa = bench_sdpa(args, seq_len, backward) if seq_len <= args.sdpa_max_T else None
+                row = {
+                    "op": op,
+                    "mode": mode,
+                    "T": seq_len,
+                    "time_s": secs,
+                    "gflops": flops / secs / 1e9 if flops else None,
+                    "frac_matmul": flops / secs / 1e9 / mm if flops else None,
+                    "mtok_per_s": tokens / secs / 1e6,
+                    "sdpa_time_s": sdpa,
+                    "sdpa_gflops": sdpa_flops(tokens, args.H, seq_len, args.F, backward) / sdpa / 1e9 if sdpa else None,
+                    "speedup_vs_sdpa": sdpa / secs if sdpa else None,
+                }
+                rows.append(row)
+                print(
+                    f"{op:7} {mode:7} {seq_len:7d} {secs:9.4f} {row['gflops'] or 0:8.1f} "
+                    f"{100 * (row['frac_matmul'] or 0):5.0f} {row['mtok_per_s']:7.2f} "
+                    f"{sdpa if sdpa else float('nan'):9.4f} {row['speedup_vs_sdpa'] or float('nan'):7.1f}",
+                    flush=True,
+                )
+    if args.out:
+        meta = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "matmul_gflops": mm,
+            "config": {k: getattr(args, k) for k in CONFIG_KEYS},
+        }
+        with open(args.out, "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
