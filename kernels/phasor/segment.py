@@ -28,7 +28,7 @@ class SlotSegments:
         seg = torch.arange(batch, device=dev)[:, None, None] * n_slots + slots.long()
         key = (seg * seq_len + tok).flatten()
         self.order = torch.argsort(key)
-        self.seg = seg.flatten()[self.order]
+        self.seg = seg.flatten().index_select(0, self.order)
         n = self.seg.numel()
         idx = torch.arange(n, device=dev)
         boundary = self.seg[1:] != self.seg[:-1]
@@ -41,20 +41,24 @@ class SlotSegments:
         self.n_states = batch * n_slots
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, L, M] -> float64 [N, M] in segment order."""
-        return x.reshape(-1, x.shape[-1])[self.order].double()
+        """[B, T, L, M] -> float64 [M, N] in segment order (scans run along the contiguous last dim)."""
+        rows = x.reshape(-1, x.shape[-1]).index_select(0, self.order)
+        return torch.empty(rows.shape[::-1], dtype=torch.float64, device=x.device).copy_(rows.t())
 
     def scatter(self, x: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of :meth:`gather`, cast to ``dtype`` and viewed as ``shape``."""
-        out = torch.empty_like(x, dtype=dtype)
-        out[self.order] = x.to(dtype)
-        return out.view(shape)
+        rows = x.to(dtype).t()
+        return torch.empty(rows.shape, dtype=dtype, device=x.device).index_copy_(0, self.order, rows).view(shape)
+
+    def per_entry(self, state: torch.Tensor) -> torch.Tensor:
+        """[B*n_slots, M] -> [M, N]: each entry's slot row."""
+        return state.t().index_select(1, self.seg)
 
     def segment_totals(self, inclusive: torch.Tensor, values: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """base [B*n_slots, M] plus the sum of ``values`` of each segment (``inclusive`` = cumsum of values)."""
-        first = self.start[self.last]
-        totals = inclusive[self.last] - inclusive[first] + values[first]
-        return base.index_add(0, self.last_seg, totals)
+        """base [B*n_slots, M] plus the sum of ``values`` [M, N] over each segment (``inclusive``: their cumsum)."""
+        first = self.start.index_select(0, self.last)
+        totals = inclusive.index_select(1, self.last) - inclusive.index_select(1, first) + values.index_select(1, first)
+        return base.index_add(0, self.last_seg, totals.t())
 
 
 def phasor_forward_segmented(
@@ -62,10 +66,10 @@ def phasor_forward_segmented(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (read [B, T, L, M] in delta's dtype, final state [B, n_slots, M] fp32), both wrapped."""
     d = seg.gather(delta)
-    incl = torch.cumsum(d, 0)
+    incl = torch.cumsum(d, 1)
     excl = incl - d
     base = init.reshape(seg.n_states, -1).double()
-    read = wrap_angle(base[seg.seg] + (excl - excl[seg.start]))
+    read = wrap_angle(seg.per_entry(base) + (excl - excl.index_select(1, seg.start)))
     final = wrap_angle(seg.segment_totals(incl, d, base))
     return seg.scatter(read, delta.shape, delta.dtype), final.float().view(init.shape)
 
@@ -83,12 +87,12 @@ def phasor_backward_segmented(
     if d_final is not None:
         base = base + d_final.reshape(seg.n_states, width).double()
     if d_read is None:
-        d_delta = base[seg.seg]
+        d_delta = seg.per_entry(base)
         d_init = base
     else:
         g = seg.gather(d_read)
-        incl = torch.cumsum(g, 0)
-        d_delta = base[seg.seg] + (incl[seg.stop] - incl)
+        incl = torch.cumsum(g, 1)
+        d_delta = seg.per_entry(base) + (incl.index_select(1, seg.stop) - incl)
         d_init = seg.segment_totals(incl, g, base)
     return seg.scatter(d_delta, shape, dtype), d_init.float().view(batch, -1, width)
 
