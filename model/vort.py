@@ -51,7 +51,13 @@ class VortState(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def certified_kernel(banks: tuple[float, ...], horizon: int, eps: float) -> soe.SOEKernel:
-    """The certified SOE kernel for these bank orders (cached: the certificate takes seconds)."""
+    """The certified SOE kernel for these bank orders (cached: the certificate takes seconds).
+
+    Order 1 alone is the exact running sum (one lambda = 1 node, coefficient 1); it is written out
+    here because soe.build_kernel([1.0]) does not accept it yet.
+    """
+    if banks == (1.0,):
+        return soe.SOEKernel(np.zeros(1), np.ones((1, 1)), np.ones(1))
     return soe.build_kernel(np.asarray(banks, dtype=np.float64), horizon, eps).kernel
 
 
@@ -74,8 +80,8 @@ def orthogonal_gaussian(n_heads: int, n_features: int, dim: int, generator: torc
     for _ in range(n_heads):
         rows = []
         for _ in range(math.ceil(n_features / dim)):
-            gauss = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-            rows.append(torch.linalg.qr(gauss)[0].T)
+            q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+            rows.append((q * torch.sign(torch.diagonal(r))).T)  # sign fix: Haar-uniform, hence unbiased
         block = torch.cat(rows)[:n_features]
         norms = torch.randn(n_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
         heads.append(block * norms[:, None])
