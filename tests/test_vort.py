@@ -13,7 +13,8 @@ import torch
 from model import build_model
 from model.config import ModelConfig, VortConfig
 from model.soe import gl_weights
-from model.summary import load_model_config, main as summary_main
+from model.summary import load_model_config
+from model.summary import main as summary_main
 from model.vort import VORT_KINDS, VortLayer, VortLM
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
