@@ -1,0 +1,294 @@
+"""Synthetic long-context tasks, deterministic by ``(seed, example index)``.
+
+Every task has ``example(i) -> Example``: ``input_ids`` (int64), ``labels`` aligned with the
+``PackedStream`` convention (``labels[t]`` is the target for the prediction made at position ``t``,
+i.e. ``input_ids[t + 1]``) but equal to ``IGNORE_INDEX`` everywhere except where the next token is
+part of the answer, and ``answer = (start, end)``, the half-open span of answer tokens in
+``input_ids``. The trainer can train on ``(input_ids, labels)``; an evaluator runs the model, takes
+the argmax predictions and calls ``accuracy``.
+
+Token-level tasks (``ZipfRetrieval``, ``EntityLabelCopy``) take a content vocabulary size and split
+it into keys, values, noise and two marker ids; byte-level tasks (``CopyPaste``,
+``NeedleHaystack``) emit bytes (values 0..255) and use ASCII control bytes as markers, so they
+run unchanged on byte-level models.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+"""Label value for positions that are not scored (PyTorch cross-entropy's default ignore_index)."""
+
+_TASK_TAGS = {"zipf": 11, "entity": 12, "copy": 13, "needle": 14}
+_COPY_START, _COPY_QUERY = 0x02, 0x03
+
+
+@dataclass(frozen=True)
+class Example:
+    """One synthetic example (see module docstring for the label convention)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    answer: tuple[int, int]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _rng(seed: int, task: str, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, _TASK_TAGS[task], index])
+
+
+def _example(tokens: np.ndarray, answer_start: int, meta: dict[str, Any]) -> Example:
+    """Wrap a sequence whose answer runs from ``answer_start`` to the end."""
+    ids = tokens.astype(np.int64)
+    labels = np.full(ids.size, IGNORE_INDEX, dtype=np.int64)
+    labels[answer_start - 1 : ids.size - 1] = ids[answer_start:]
+    return Example(ids, labels, (answer_start, ids.size), meta)
+
+
+class _KeyValueRecall(ABC):
+    """Shared generator: key/value records planted in noise, then a query for one key.
+
+    Layout: noise with ``num_pairs`` records ``[MARK, key, value...]``; the sequence ends with
+    ``[QUERY, key, value...]`` where the queried record starts ``lag`` tokens before the query.
+    Vocabulary: keys ``[0, K)``, values ``[K, 2K)``, noise ``[2K, vocab-2)``, MARK ``vocab-2``,
+    QUERY ``vocab-1``, with ``K = (vocab - 2) // 4``.
+    """
+
+    task = ""
+
+    def __init__(self, seq_len: int, vocab_size: int, num_pairs: int, value_len: int, seed: int) -> None:
+        self.keys = (vocab_size - 2) // 4
+        if self.keys < num_pairs:
+            raise ValueError(f"vocab_size {vocab_size} has {self.keys} keys, fewer than num_pairs={num_pairs}")
+        record = 2 + value_len
+        if seq_len < (num_pairs + 2) * record:
+            raise ValueError(f"seq_len {seq_len} too short for {num_pairs} records of {record} tokens")
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.num_pairs = num_pairs
+        self.value_len = value_len
+        self.seed = seed
+        self.mark = vocab_size - 2
+        self.query = vocab_size - 1
+
+    @property
+    def max_lag(self) -> int:
+        """Largest lag (query position minus queried record position) that fits."""
+        return self.seq_len - (2 + self.value_len)
+
+    @abstractmethod
+    def _lag(self, rng: np.random.Generator) -> int:
+        """Distance from the queried record's first token to the query token."""
+
+    def example(self, i: int) -> Example:
+        """Example ``i`` (deterministic in ``(seed, i)``)."""
+        rng = _rng(self.seed, self.task, i)
+        record = 2 + self.value_len
+        body_len = self.seq_len - record
+        tokens = rng.integers(2 * self.keys, self.vocab_size - 2, size=self.seq_len)
+        keys = rng.choice(self.keys, size=self.num_pairs, replace=False)
+        values = rng.integers(self.keys, 2 * self.keys, size=(self.num_pairs, self.value_len))
+        lag = self._lag(rng)
+        target_at = body_len - lag
+        occupied = {target_at // record, (target_at + record - 1) // record}
+        free = np.array([s for s in range(body_len // record) if s not in occupied])
+        others = rng.choice(free, size=self.num_pairs - 1, replace=False) * record
+        for pos, key, value in zip([target_at, *others.tolist()], keys, values):
+            tokens[pos : pos + record] = [self.mark, key, *value]
+        tokens[body_len : body_len + 2] = [self.query, keys[0]]
+        tokens[body_len + 2 :] = values[0]
+        return _example(tokens, body_len + 2, {"lag": lag, "key": int(keys[0])})
+
+
+class ZipfRetrieval(_KeyValueRecall):
+    """Retrieval at Zipf-distributed lags: most queries are recent, a heavy tail reaches far back.
+
+    The lag (tokens from the queried record to the query) is ``min_lag - 1 + Zipf(alpha)``,
+    resampled until it fits in the sequence. Answer: the key's single value token.
+    """
+
+    task = "zipf"
+
+    def __init__(
+        self,
+        seq_len: int,
+        vocab_size: int = 256,
+        num_pairs: int = 8,
+        alpha: float = 1.2,
+        min_lag: int = 4,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(seq_len, vocab_size, num_pairs, 1, seed)
+        self.alpha = alpha
+        self.min_lag = max(min_lag, 3)
+
+    def _lag(self, rng: np.random.Generator) -> int:
+        while True:
+            lag = self.min_lag - 1 + int(rng.zipf(self.alpha))
+            if lag <= self.max_lag:
+                return lag
+
+
+class EntityLabelCopy(_KeyValueRecall):
+    """Entity -> multi-token label copy with lags uniform in ``[min_lag, max_lag]``."""
+
+    task = "entity"
+
+    def __init__(
+        self,
+        seq_len: int,
+        vocab_size: int = 256,
+        num_entities: int = 8,
+        label_len: int = 4,
+        min_lag: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(seq_len, vocab_size, num_entities, label_len, seed)
+        self.min_lag = min_lag if min_lag is not None else 2 + label_len
+
+    def _lag(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.min_lag, self.max_lag + 1))
+
+
+class CopyPaste:
+    """Byte-level copy-paste: ``[STX, segment, filler, ETX, segment]``.
+
+    ``segment`` (printable ASCII, length uniform in ``[1, max_copy]``) must be reproduced after a
+    look-back (distance from the segment's first byte to its copy's first byte, uniform in
+    ``[len + 2, max_lookback]``). Filler is printable ASCII too, so only the markers delimit.
+    """
+
+    task = "copy"
+
+    def __init__(self, max_copy: int = 1024, max_lookback: int = 2048, seed: int = 0) -> None:
+        if max_lookback < max_copy + 2:
+            raise ValueError("max_lookback must be at least max_copy + 2")
+        self.max_copy = max_copy
+        self.max_lookback = max_lookback
+        self.seed = seed
+
+    def example(self, i: int) -> Example:
+        """Example ``i`` (deterministic in ``(seed, i)``); variable length, at most ``max_lookback + max_copy + 1``."""
+        rng = _rng(self.seed, self.task, i)
+        n = int(rng.integers(1, self.max_copy + 1))
+        lookback = int(rng.integers(n + 2, self.max_lookback + 1))
+        segment = rng.integers(32, 127, size=n)
+        filler = rng.integers(32, 127, size=lookback - n - 1)
+        tokens = np.concatenate([[_COPY_START], segment, filler, [_COPY_QUERY], segment])
+        return _example(tokens, 1 + lookback, {"copy_len": n, "lookback": lookback})
+
+
+def _byte_ids(data: bytes) -> np.ndarray:
+    """Byte-level encoding: the bytes themselves."""
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+class NeedleHaystack:
+    """Needle in a haystack of real text at a configurable context length (up to 512k and beyond).
+
+    The haystack is a window of ``haystack`` (bytes, or a path/URL read through fsspec, e.g. a book
+    held out from training), starting at a seeded offset and wrapping around if the text is
+    shorter than the context. A needle sentence with a random 6-digit number is inserted at a depth
+    (fraction of the context; seeded when ``depth`` is None) on a line boundary when possible, and
+    the sequence ends with the question; the answer is the number. ``encode`` maps bytes to token
+    ids (default: bytes themselves) so tokenized models can use it.
+    """
+
+    task = "needle"
+    needle = b"\nThe secret number is %06d.\n"
+    question = b"\nWhat is the secret number? The secret number is "
+
+    def __init__(
+        self,
+        context_len: int,
+        haystack: bytes | str,
+        depth: float | None = None,
+        seed: int = 0,
+        encode: Callable[[bytes], Sequence[int] | np.ndarray] | None = None,
+    ) -> None:
+        if isinstance(haystack, str):
+            with fsspec.open(haystack, "rb") as f:
+                haystack = f.read()
+        if not haystack:
+            raise ValueError("the haystack text is empty")
+        self.text = haystack
+        self.context_len = context_len
+        self.depth = depth
+        self.seed = seed
+        self.encode = encode or _byte_ids
+        fixed = len(self._ids(self.needle % 0)) + len(self._ids(self.question)) + len(self._ids(b"000000"))
+        if context_len <= fixed:
+            raise ValueError(f"context_len {context_len} leaves no room for the haystack")
+
+    def _ids(self, data: bytes) -> np.ndarray:
+        return np.asarray(self.encode(data), dtype=np.int64)
+
+    def _hay(self, rng: np.random.Generator, n_tokens: int) -> np.ndarray:
+        """``n_tokens`` of haystack tokens from a seeded offset, wrapping around the text."""
+        start = int(rng.integers(0, len(self.text)))
+        pieces, have, pos = [], 0, start
+        while have < n_tokens:
+            chunk = self.text[pos : pos + max(4096, n_tokens - have)]
+            pos = (pos + len(chunk)) % len(self.text)
+            ids = self._ids(chunk)
+            pieces.append(ids)
+            have += ids.size
+        return np.concatenate(pieces)[:n_tokens]
+
+    def example(self, i: int) -> Example:
+        """Example ``i``: exactly ``context_len`` tokens, answer = the six digits at the end."""
+        rng = _rng(self.seed, self.task, i)
+        number = int(rng.integers(0, 1_000_000))
+        depth = float(rng.random()) if self.depth is None else self.depth
+        needle = self._ids(self.needle % number)
+        question = self._ids(self.question)
+        answer = self._ids(b"%06d" % number)
+        hay = self._hay(rng, self.context_len - needle.size - question.size - answer.size)
+        at = round(depth * hay.size)
+        newline = self._ids(b"\n")
+        if newline.size == 1:
+            breaks = np.flatnonzero(hay[: at + 1] == newline[0])
+            at = int(breaks[-1]) + 1 if breaks.size else at
+        tokens = np.concatenate([hay[:at], needle, hay[at:], question, answer])
+        return _example(tokens, tokens.size - answer.size, {"number": number, "depth": depth, "needle_at": at})
+
+
+def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad examples into a batch: ``input_ids`` (pad_id), ``labels`` (IGNORE_INDEX), ``lengths``."""
+    n = max(e.input_ids.size for e in examples)
+    ids = torch.full((len(examples), n), pad_id, dtype=torch.int64)
+    labels = torch.full((len(examples), n), IGNORE_INDEX, dtype=torch.int64)
+    for row, e in enumerate(examples):
+        ids[row, : e.input_ids.size] = torch.from_numpy(e.input_ids)
+        labels[row, : e.labels.size] = torch.from_numpy(e.labels)
+    return {"input_ids": ids, "labels": labels, "lengths": torch.tensor([e.input_ids.size for e in examples])}
+
+
+def accuracy(examples: Sequence[Example], predictions: Sequence[Any]) -> dict[str, float]:
+    """Score argmax predictions: ``predictions[k][t]`` is the model's guess for ``input_ids[t + 1]``
+    of example ``k`` (logits' argmax over a batch works; extra padded positions are ignored).
+
+    Returns ``exact`` (fraction of examples whose whole answer is right) and ``token`` (fraction of
+    answer tokens right).
+    """
+    if len(examples) != len(predictions):
+        raise ValueError(f"{len(examples)} examples but {len(predictions)} predictions")
+    exact = right = total = 0
+    for e, pred in zip(examples, predictions):
+        p = np.asarray(pred.cpu() if isinstance(pred, torch.Tensor) else pred).reshape(-1)
+        scored = np.flatnonzero(e.labels != IGNORE_INDEX)
+        if p.size < e.labels.size:
+            raise ValueError(f"prediction of length {p.size} for an example of length {e.labels.size}")
+        hits = p[scored] == e.labels[scored]
+        right += int(hits.sum())
+        total += scored.size
+        exact += int(hits.all())
+    return {"exact": exact / max(1, len(examples)), "token": right / max(1, total)}

@@ -1,0 +1,124 @@
+"""Synthetic tasks: determinism by seed, structure of inputs/labels/answers, scoring."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline.synthetic import (
+    IGNORE_INDEX,
+    CopyPaste,
+    EntityLabelCopy,
+    Example,
+    NeedleHaystack,
+    ZipfRetrieval,
+    accuracy,
+    collate,
+)
+
+BOOK = Path(__file__).resolve().parents[1] / "data" / "demo" / "valid" / "northangerabbey.txt"
+
+
+def _same(a: Example, b: Example) -> bool:
+    return np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.labels, b.labels) and a.answer == b.answer
+
+
+def _check_labels(e: Example) -> None:
+    start, end = e.answer
+    assert end == e.input_ids.size
+    scored = np.flatnonzero(e.labels != IGNORE_INDEX)
+    assert scored.tolist() == list(range(start - 1, end - 1))
+    assert np.array_equal(e.labels[scored], e.input_ids[start:end])
+
+
+def _tasks() -> list:
+    return [
+        ZipfRetrieval(seq_len=512, seed=3),
+        EntityLabelCopy(seq_len=512, seed=3),
+        CopyPaste(seed=3),
+        NeedleHaystack(4096, str(BOOK), seed=3),
+    ]
+
+
+@pytest.mark.parametrize("task", _tasks(), ids=lambda t: type(t).__name__)
+def test_deterministic_and_well_formed(task) -> None:
+    a, b, other = task.example(5), task.example(5), task.example(6)
+    assert _same(a, b) and not _same(a, other)
+    rebuilt = type(task)(**{**_kwargs(task), "seed": 4}).example(5)
+    assert not _same(a, rebuilt)
+    for i in range(20):
+        _check_labels(task.example(i))
+
+
+def _kwargs(task) -> dict:
+    if isinstance(task, NeedleHaystack):
+        return {"context_len": task.context_len, "haystack": task.text}
+    if isinstance(task, CopyPaste):
+        return {"max_copy": task.max_copy, "max_lookback": task.max_lookback}
+    return {"seq_len": task.seq_len}
+
+
+def test_key_value_answer_is_the_planted_value() -> None:
+    task = EntityLabelCopy(seq_len=300, vocab_size=256, num_entities=6, label_len=4, seed=1)
+    for i in range(30):
+        e = task.example(i)
+        ids = e.input_ids
+        assert ids.size == 300 and ids.max() < 256
+        key = e.meta["key"]
+        at = ids.size - 6 - e.meta["lag"]
+        assert ids[at] == task.mark and ids[at + 1] == key
+        assert np.array_equal(ids[at + 2 : at + 6], ids[-4:])
+        assert (ids[:-6] == task.query).sum() == 0
+        assert (ids == task.mark).sum() == 6
+        assert task.min_lag <= e.meta["lag"] <= task.max_lag
+
+
+def test_zipf_lags_are_heavy_tailed() -> None:
+    task = ZipfRetrieval(seq_len=4096, alpha=1.3, seed=0)
+    lags = np.array([task.example(i).meta["lag"] for i in range(300)])
+    assert np.median(lags) < 20 and lags.max() > 200 and lags.min() >= task.min_lag
+
+
+def test_copy_paste_bounds() -> None:
+    task = CopyPaste(max_copy=1024, max_lookback=2048, seed=0)
+    lens = []
+    for i in range(50):
+        e = task.example(i)
+        n, lookback = e.meta["copy_len"], e.meta["lookback"]
+        lens.append(n)
+        assert 1 <= n <= 1024 and lookback <= 2048
+        assert np.array_equal(e.input_ids[1 : 1 + n], e.input_ids[-n:])
+        assert e.input_ids[lookback] == 0x03 and e.answer[0] == 1 + lookback
+        assert e.input_ids.max() < 256
+    assert max(lens) > 512
+
+
+def test_needle_in_512k_haystack_of_real_text() -> None:
+    book = BOOK.read_bytes()
+    task = NeedleHaystack(512 * 1024, book, depth=0.5, seed=0)
+    e = task.example(0)
+    assert e.input_ids.size == 512 * 1024
+    text = e.input_ids.astype(np.uint8).tobytes()
+    number = e.meta["number"]
+    needle = b"The secret number is %06d." % number
+    assert text.count(needle) == 1 and text.endswith(b"%06d" % number)
+    assert abs(text.index(needle) / len(text) - 0.5) < 0.01
+    assert book[1000:1100] in text
+
+
+def test_accuracy_and_collate() -> None:
+    task = EntityLabelCopy(seq_len=128, seed=0)
+    examples = [task.example(i) for i in range(4)]
+    batch = collate(examples, pad_id=0)
+    perfect = torch.where(batch["labels"] == IGNORE_INDEX, 0, batch["labels"])
+    assert accuracy(examples, perfect) == {"exact": 1.0, "token": 1.0}
+    wrong = perfect.clone()
+    wrong[0, examples[0].answer[0] - 1] += 1
+    scores = accuracy(examples, wrong)
+    assert scores["exact"] == 0.75 and scores["token"] == pytest.approx(15 / 16)
+    copy = [CopyPaste(max_copy=8, max_lookback=16).example(i) for i in range(3)]
+    padded = collate(copy, pad_id=257)
+    assert padded["input_ids"].shape[1] == max(e.input_ids.size for e in copy)
