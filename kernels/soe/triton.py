@@ -1,0 +1,307 @@
+"""Triton kernels for the SOE scan (the CUDA path; also runs under TRITON_INTERPRET=1 on CPU tensors).
+
+One program per (batch, head, SOE term s, block of value columns). It walks the chunks in order and
+keeps its term's state G_s [F, BD] in registers, in fp32:
+  o'_chunk += (Q K^T * coef_j lam_s^(i-j)) V' + (Q * lam_s^(i+1)) G_s
+  G_s <- lam_s^c G_s + (K * lam_s^(c-1-j) coef)^T V'
+The S terms of one head add into the same outputs, so outputs are accumulated with fp32 atomic adds.
+v' = [v, 1] carries the normaliser z and b as in the PyTorch path.
+
+Backward, two kernels, no stored states: a forward-order one rebuilds G_s and produces the query
+gradients, all intra-chunk gradients and the reader half of the decay gradient; a reverse-order one
+carries dG_s (seeded by the final-state gradient) and produces the cross-chunk key / value / coef
+gradients, the writer half of the decay gradient and the initial-state gradient. The decay gradient
+uses the same (reader position - writer position) split as kernels/soe/chunk.py.
+
+bf16 inputs are multiplied in bf16 (tensor cores) with fp32 accumulation and fp32 states; fp32 inputs
+use tl.dot's default fp32 precision.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.soe.chunk import work_dtype
+
+
+@triton.jit
+def _chunk_decays(ll, start, seq_len, BT: tl.constexpr):
+    """Positions and decay factors of the chunk starting at ``start`` (all exponents >= 0)."""
+    offs_t = tl.arange(0, BT)
+    pos = offs_t.to(tl.float32)
+    mask_t = start + offs_t < seq_len
+    n = tl.minimum(seq_len - start, BT).to(tl.float32)
+    q_dec = tl.exp((pos + 1.0) * ll)
+    k_dec = tl.where(mask_t, tl.exp(tl.maximum(n - 1.0 - pos, 0.0) * ll), 0.0)
+    chunk_dec = tl.exp(n * ll)
+    diff = pos[:, None] - pos[None, :]
+    causal = diff >= 0
+    intra = tl.where(causal, tl.exp(tl.where(causal, diff, 0.0) * ll), 0.0)
+    return mask_t, q_dec, k_dec, chunk_dec, diff, intra
+
+
+@triton.jit
+def _load_chunk(
+    q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr
+):
+    """Rows of q, k [BT, BF], v' [BT, BD] and coef[:, s] [BT] of one chunk; masked entries are zero."""
+    offs_t = start + tl.arange(0, BT)
+    offs_f = tl.arange(0, BF)
+    offs_d = i_d * BD + tl.arange(0, BD)
+    mask_t = offs_t < seq_len
+    row = (b * seq_len + offs_t) * H + h
+    mask_qk = mask_t[:, None] & (offs_f < F)[None, :]
+    mask_v = mask_t[:, None] & (offs_d < DV)[None, :]
+    qc = tl.load(q + row[:, None] * F + offs_f[None, :], mask=mask_qk, other=0.0)
+    kc = tl.load(k + row[:, None] * F + offs_f[None, :], mask=mask_qk, other=0.0)
+    vc = tl.load(v + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
+    cc = tl.load(coef + row * S + s, mask=mask_t, other=0.0).to(tl.float32)
+    return row, mask_qk, mask_v, qc, kc, vc, cc
+
+
+@triton.jit
+def _soe_fwd_kernel(
+    q, k, v, coef, log_lam, g0, out, g_t, seq_len, H, S, F, DV, BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr
+):
+    pid = tl.program_id(0)
+    i_d = tl.program_id(1)
+    s = pid % S
+    bh = pid // S
+    h = bh % H
+    b = bh // H
+    offs_f = tl.arange(0, BF)
+    offs_d = i_d * BD + tl.arange(0, BD)
+    st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
+    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    state = tl.load(g0 + st_off, mask=st_mask, other=0.0)
+    ll = tl.load(log_lam + h * S + s)
+    for start in range(0, seq_len, BT):
+        row, _mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+            q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
+        )
+        _mask_t, q_dec, k_dec, chunk_dec, _diff, intra = _chunk_decays(ll, start, seq_len, BT)
+        scores = tl.dot(qc, tl.trans(kc)) * (intra * cc[None, :])
+        o = tl.dot(scores.to(vc.dtype), vc)
+        o += tl.dot((qc * q_dec[:, None]).to(vc.dtype), state.to(vc.dtype))
+        tl.atomic_add(out + row[:, None] * DV + offs_d[None, :], o, mask=mask_v)
+        keys = kc * (k_dec * cc)[:, None]
+        state = state * chunk_dec + tl.dot(tl.trans(keys.to(vc.dtype)), vc)
+    tl.store(g_t + st_off, state, mask=st_mask)
+
+
+@triton.jit
+def _soe_bwd_forward_order_kernel(
+    q,
+    k,
+    v,
+    coef,
+    log_lam,
+    g0,
+    d_out,
+    d_gt,
+    dq,
+    dk,
+    dv,
+    dcoef,
+    dll,
+    seq_len,
+    centre,
+    H,
+    S,
+    F,
+    DV,
+    BT: tl.constexpr,
+    BF: tl.constexpr,
+    BD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_d = tl.program_id(1)
+    s = pid % S
+    bh = pid // S
+    h = bh % H
+    b = bh // H
+    offs_f = tl.arange(0, BF)
+    offs_d = i_d * BD + tl.arange(0, BD)
+    st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
+    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    state = tl.load(g0 + st_off, mask=st_mask, other=0.0)
+    ll = tl.load(log_lam + h * S + s)
+    acc_ll = tl.zeros([BT], dtype=tl.float32)
+    for start in range(0, seq_len, BT):
+        row, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+            q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
+        )
+        mask_t, q_dec, k_dec, chunk_dec, diff, intra = _chunk_decays(ll, start, seq_len, BT)
+        qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
+        doc = tl.load(d_out + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
+        # Cross-chunk reads: o'_i += lam^(i+1) q_i G.
+        dq_inter = tl.dot(doc, tl.trans(state)) * q_dec[:, None]
+        pos = (start + tl.arange(0, BT)).to(tl.float32) - centre
+        acc_ll += tl.where(mask_t, tl.sum(dq_inter * qf, axis=1) * pos, 0.0)
+        # Intra-chunk: P = (Q K^T) * W, W[i, j] = coef_j lam^(i-j).
+        scores = tl.dot(qf, tl.trans(kf))
+        w = intra * cc[None, :]
+        d_p = tl.dot(doc, tl.trans(vf))
+        d_a = d_p * w
+        dq_c = dq_inter + tl.dot(d_a, kf)
+        dk_c = tl.dot(tl.trans(d_a), qf)
+        dv_c = tl.dot(tl.trans(scores * w), doc)
+        d_w = d_p * scores * intra
+        acc_ll += tl.sum(d_w * cc[None, :] * diff, axis=1)
+        tl.atomic_add(dq + row[:, None] * F + offs_f[None, :], dq_c, mask=mask_qk)
+        tl.atomic_add(dk + row[:, None] * F + offs_f[None, :], dk_c, mask=mask_qk)
+        tl.atomic_add(dv + row[:, None] * DV + offs_d[None, :], dv_c, mask=mask_v)
+        tl.atomic_add(dcoef + row * S + s, tl.sum(d_w, axis=0), mask=mask_t)
+        keys = kf * (k_dec * cc)[:, None]
+        state = state * chunk_dec + tl.dot(tl.trans(keys), vf)
+    d_final = tl.load(d_gt + st_off, mask=st_mask, other=0.0)
+    total = tl.sum(acc_ll, axis=0) + (seq_len - 1 - centre) * tl.sum(tl.sum(state * d_final, axis=1), axis=0)
+    tl.atomic_add(dll + h * S + s, total)
+
+
+@triton.jit
+def _soe_bwd_reverse_order_kernel(
+    q,
+    k,
+    v,
+    coef,
+    log_lam,
+    g0,
+    d_out,
+    d_gt,
+    dk,
+    dv,
+    dcoef,
+    dll,
+    dg0,
+    seq_len,
+    centre,
+    H,
+    S,
+    F,
+    DV,
+    BT: tl.constexpr,
+    BF: tl.constexpr,
+    BD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_d = tl.program_id(1)
+    s = pid % S
+    bh = pid // S
+    h = bh % H
+    b = bh // H
+    offs_f = tl.arange(0, BF)
+    offs_d = i_d * BD + tl.arange(0, BD)
+    st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
+    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    d_state = tl.load(d_gt + st_off, mask=st_mask, other=0.0)
+    ll = tl.load(log_lam + h * S + s)
+    acc_ll = tl.zeros([BT], dtype=tl.float32)
+    n_chunks = tl.cdiv(seq_len, BT)
+    for rev in range(0, n_chunks):
+        start = (n_chunks - 1 - rev) * BT
+        row, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+            q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
+        )
+        mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, start, seq_len, BT)
+        qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
+        doc = tl.load(d_out + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
+        key_scale = k_dec * cc
+        d_keys = tl.dot(vf, tl.trans(d_state))
+        d_coef_state = tl.sum(d_keys * kf, axis=1) * k_dec
+        pos = (start + tl.arange(0, BT)).to(tl.float32) - centre
+        acc_ll += tl.where(mask_t, d_coef_state * cc * pos, 0.0)
+        tl.atomic_add(dk + row[:, None] * F + offs_f[None, :], d_keys * key_scale[:, None], mask=mask_qk)
+        tl.atomic_add(dcoef + row * S + s, d_coef_state, mask=mask_t)
+        tl.atomic_add(dv + row[:, None] * DV + offs_d[None, :], tl.dot(kf * key_scale[:, None], d_state), mask=mask_v)
+        d_state = d_state * chunk_dec + tl.dot(tl.trans(qf * q_dec[:, None]), doc)
+    tl.store(dg0 + st_off, d_state, mask=st_mask)
+    init = tl.load(g0 + st_off, mask=st_mask, other=0.0)
+    total = tl.sum(acc_ll, axis=0) + (-1.0 - centre) * tl.sum(tl.sum(init * d_state, axis=1), axis=0)
+    tl.atomic_add(dll + h * S + s, -total)
+
+
+def _blocks(chunk_size: int, feat: int, width: int) -> tuple[int, int, int]:
+    """Block sizes: chunk and feature blocks are powers of two >= 16 (tl.dot's minimum); the chunk size only
+    changes how work is split, not the result."""
+    bt = max(16, triton.next_power_of_2(chunk_size))
+    bf = max(16, triton.next_power_of_2(feat))
+    bd = min(128, max(16, triton.next_power_of_2(width)))
+    return bt, bf, bd
+
+
+class SoeScanTriton(torch.autograd.Function):
+    """Triton forward and backward; saves only the inputs (states are recomputed in the backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
+        batch, seq_len, heads, feat = q.shape
+        n_terms = log_lam.shape[-1]
+        dtype = work_dtype(q)
+        if dtype == torch.float64:
+            raise ValueError("the triton backend takes fp32 or bf16/fp16 inputs, not float64")
+        q, k, coef = q.contiguous(), k.contiguous(), coef.contiguous()
+        v1 = torch.nn.functional.pad(v, (0, 1), value=1.0).contiguous()
+        width = v1.shape[-1]
+        ll = log_lam.float().contiguous()
+        s0 = torch.cat([g0.float(), b0.float()[..., None]], dim=-1).contiguous()
+        out = torch.zeros(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
+        s_t = torch.empty_like(s0)
+        bt, bf, bd = _blocks(chunk_size, feat, width)
+        grid = (batch * heads * n_terms, triton.cdiv(width, bd))
+        _soe_fwd_kernel[grid](q, k, v1, coef, ll, s0, out, s_t, seq_len, heads, n_terms, feat, width, bt, bf, bd)
+        ctx.save_for_backward(q, k, v1, coef, ll, s0)
+        ctx.set_materialize_grads(False)
+        ctx.meta = (chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)])
+        out = out.to(q.dtype)
+        return (
+            out[..., :-1].contiguous(),
+            out[..., -1].contiguous(),
+            s_t[..., :-1].contiguous(),
+            s_t[..., -1].contiguous(),
+        )
+
+    @staticmethod
+    def backward(ctx, d_o, d_z, d_g, d_b):
+        q, k, v1, coef, ll, s0 = ctx.saved_tensors
+        chunk_size, dtypes = ctx.meta
+        batch, seq_len, heads, feat = q.shape
+        n_terms, width = ll.shape[-1], v1.shape[-1]
+        d_out = torch.zeros(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
+        if d_o is not None:
+            d_out[..., :-1] = d_o
+        if d_z is not None:
+            d_out[..., -1] = d_z
+        d_st = torch.zeros_like(s0)
+        if d_g is not None:
+            d_st[..., :-1] = d_g
+        if d_b is not None:
+            d_st[..., -1] = d_b
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros_like(dq)
+        dv = torch.zeros_like(d_out)
+        dcoef = torch.zeros(coef.shape, dtype=torch.float32, device=q.device)
+        dll = torch.zeros_like(ll)
+        ds0 = torch.empty_like(s0)
+        centre = (seq_len - 1) / 2.0
+        bt, bf, bd = _blocks(chunk_size, feat, width)
+        grid = (batch * heads * n_terms, triton.cdiv(width, bd))
+        common = (heads, n_terms, feat, width, bt, bf, bd)
+        _soe_bwd_forward_order_kernel[grid](
+            q, k, v1, coef, ll, s0, d_out, d_st, dq, dk, dv, dcoef, dll, seq_len, centre, *common
+        )
+        _soe_bwd_reverse_order_kernel[grid](
+            q, k, v1, coef, ll, s0, d_out, d_st, dk, dv, dcoef, dll, ds0, seq_len, centre, *common
+        )
+        grads = (
+            dq.to(dtypes[0]),
+            dk.to(dtypes[1]),
+            dv[..., :-1].to(dtypes[2]),
+            dcoef.to(dtypes[3]),
+            dll.to(dtypes[4]),
+            ds0[..., :-1].to(dtypes[5]),
+            ds0[..., -1].to(dtypes[6]),
+        )
+        return (*grads, None)
