@@ -60,7 +60,8 @@ class PMNetConfig:
     """The PMNet family: sliding-window attention plus a hierarchical unit-phasor memory.
 
     docs/pmnet.md explains each choice. `memory_every = 0` gives the SWA-only ablation; the two
-    `update_memory_*` switches freeze the memory (reads still happen) for the paper's ablation.
+    `update_memory_*` switches freeze the memory (reads still happen) for the paper's ablation;
+    `collision_scope` is where the writers s of the 1/sqrt(s) gradient normalisation are counted.
     """
 
     window: int = 64
@@ -72,6 +73,7 @@ class PMNetConfig:
     route_temperature: float = 0.1
     update_memory_train: bool = True
     update_memory_eval: bool = True
+    collision_scope: Literal["sequence", "segment"] = "sequence"
     scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
 
     def __post_init__(self) -> None:

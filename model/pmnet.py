@@ -54,7 +54,7 @@ class PMNetBlock(nn.Module):
         self.memory = (
             PhasorMemory(
                 config.d_model, pm.memory_dim, pm.branching, pm.depth, pm.segment_len, pm.route_temperature,
-                pm.update_memory_train, pm.update_memory_eval, pm.scan_backend,
+                pm.update_memory_train, pm.update_memory_eval, pm.collision_scope, pm.scan_backend,
             )
             if with_memory
             else None

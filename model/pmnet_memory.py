@@ -10,7 +10,9 @@ adds its increment to each of them. The scan itself is `kernels.phasor_scan`.
 
 Routing sees the memory state at the start of the token's segment (a fixed chunk of absolute
 positions, `segment_len`), so routes within a segment are computed in parallel; reads are
-token-exact through the scan. docs/pmnet.md gives the reasons.
+token-exact through the scan. Writes carry the 1/sqrt(s) gradient normalisation for collisions,
+s counted over the call's whole sequence (the paper's definition, the default) or per segment.
+docs/pmnet.md gives the reasons.
 """
 
 from __future__ import annotations
@@ -63,6 +65,33 @@ def normalise_collisions(delta: torch.Tensor, slots: torch.Tensor, n_slots: int)
     return scale_gradient(delta, s.rsqrt()[..., None])
 
 
+class SequenceCollisions:
+    """The same normalisation with s counted over a whole call (several segments).
+
+    A segment's writes enter the scan before later segments are routed, so their s is known only
+    at the end of the forward pass; `finish` then attaches the 1/sqrt(s) factor as a gradient hook
+    on each segment's writes. Forward values are untouched; the gradient is the one of the
+    stop-gradient construction with the sequence's counts.
+    """
+
+    def __init__(self, batch: int, n_slots: int, device: torch.device | str):
+        self.n_slots = n_slots
+        self.counts = torch.zeros(batch, n_slots, device=device)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, delta: torch.Tensor, slots: torch.Tensor) -> None:
+        """Count the writes of one segment (delta [B, T, L, M] to slots [B, T, L])."""
+        self.counts += collision_counts(slots, self.n_slots)[0]
+        if delta.requires_grad:
+            self.pending.append((delta, slots))
+
+    def finish(self) -> None:
+        for delta, slots in self.pending:
+            scale = self.counts.gather(1, slots.reshape(slots.shape[0], -1)).view(slots.shape).rsqrt()[..., None]
+            delta.register_hook(lambda grad, scale=scale: grad * scale)
+        self.pending = []
+
+
 def straight_through_one(p: torch.Tensor) -> torch.Tensor:
     """1 in value, with the gradient of p: the weight that makes a hard choice trainable."""
     return 1.0 + (p - p.detach())
@@ -85,6 +114,7 @@ class PhasorMemory(nn.Module):
         route_temperature: float,
         update_train: bool,
         update_eval: bool,
+        collision_scope: str,
         scan_backend: str,
     ):
         super().__init__()
@@ -93,7 +123,7 @@ class PhasorMemory(nn.Module):
         self.n_slots = (branching ** (depth + 1) - 1) // (branching - 1)
         self.segment_len, self.temperature = segment_len, route_temperature
         self.update_train, self.update_eval = update_train, update_eval
-        self.scan_backend = scan_backend
+        self.collision_scope, self.scan_backend = collision_scope, scan_backend
         self.reference = False
         offsets = [(branching**h - 1) // (branching - 1) for h in range(depth + 1)]
         self.register_buffer("level_offsets", torch.tensor(offsets), persistent=False)
@@ -158,6 +188,7 @@ class PhasorMemory(nn.Module):
         memory, segment_memory = state
         writes = torch.zeros(self.n_slots, device=h.device)
         segments = torch.zeros(self.n_slots, device=h.device)
+        sequence = SequenceCollisions(B, self.n_slots, h.device) if self.collision_scope == "sequence" else None
         features = []
         start = 0
         while start < T:
@@ -166,12 +197,18 @@ class PhasorMemory(nn.Module):
                 segment_memory = memory
             stop = min(T, start + self.segment_len - into_segment)
             keys = self.slot_keys(segment_memory)
-            delta_all = increment[:, start:stop, None, :].expand(B, stop - start, L, M)
             if self.reference:
                 routed = [self.route(query_phasor[:, t : t + 1], keys) for t in range(start, stop)]
                 slots = torch.cat([r[0] for r in routed], dim=1)
                 gates = torch.cat([r[1] for r in routed], dim=1)
-                delta = normalise_collisions(delta_all, slots, self.n_slots)
+            else:
+                slots, gates = self.route(query_phasor[:, start:stop], keys)
+            delta = increment[:, start:stop, None, :].expand(B, stop - start, L, M)
+            if sequence is None:
+                delta = normalise_collisions(delta, slots, self.n_slots)
+            else:
+                sequence.add(delta, slots)
+            if self.reference:
                 reads = []
                 for t in range(stop - start):
                     read, memory = kernels.phasor_scan(
@@ -181,8 +218,6 @@ class PhasorMemory(nn.Module):
                     reads.append(read)
                 read = torch.cat(reads, dim=1)
             else:
-                slots, gates = self.route(query_phasor[:, start:stop], keys)
-                delta = normalise_collisions(delta_all, slots, self.n_slots)
                 read, memory = kernels.phasor_scan(
                     delta, slots, self.n_slots, initial_state=memory, output_final_state=True, backend=self.scan_backend
                 )
@@ -193,6 +228,8 @@ class PhasorMemory(nn.Module):
                 writes += counts.sum(0)
                 segments += (counts > 0).sum(0)
             start = stop
+        if sequence is not None:
+            sequence.finish()
         self.slot_writes, self.slot_segments = writes, segments
         out = self.out(torch.cat(features, dim=1).reshape(B, T, L * 2 * M).to(h.dtype))
         return out, MemoryState(memory, segment_memory)

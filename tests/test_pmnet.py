@@ -15,9 +15,18 @@ from model.attention_window import SlidingWindowAttention
 from model.blocks import apply_rotary, rotary_tables
 from model.config import ModelConfig, PMNetConfig
 from model.pmnet import PMNet, load_model_config
-from model.pmnet_memory import PhasorMemory, collision_counts, normalise_collisions
+from model.pmnet_memory import PhasorMemory, SequenceCollisions, collision_counts, normalise_collisions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These shapes are tiny: on a shared 2-core box, intra-op threads cost more than they give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny(**pmnet: object) -> ModelConfig:
@@ -63,12 +72,13 @@ def test_window_attention_matches_dense_band_and_streams(window: int, seq_len: i
     torch.testing.assert_close(torch.cat(pieces, dim=1), y, rtol=1e-5, atol=1e-6)
 
 
-def test_reference_equals_fast_path_forward_and_gradients() -> None:
+@pytest.mark.parametrize("scope", ["sequence", "segment"])
+def test_reference_equals_fast_path_forward_and_gradients(scope: str) -> None:
     """Token-by-token routing with the sequential reference scan == segment-parallel fast path."""
     ids = torch.randint(0, 258, (2, 21), generator=torch.Generator().manual_seed(1))
     results = []
     for reference in (True, False):
-        model = make_model(seed=3, scan_backend="torch")
+        model = make_model(seed=3, scan_backend="torch", collision_scope=scope)
         model.set_reference(reference)
         logits, _ = model(ids)
         (logits.float().pow(2).mean() + logits[:, -1].sum()).backward()
@@ -127,10 +137,30 @@ def test_collision_normalisation_forward_exact_gradient_scaled() -> None:
     assert torch.equal(delta.grad[:, :, 0], upstream[:, :, 0] / 2)  # s = 4: exactly a half
 
 
+def test_collision_normalisation_over_the_sequence() -> None:
+    """Two segments of one call: s counts the writers of both (slot 0: 4 + 3 = 7 writers, slot 2: 2)."""
+    first = torch.tensor([[[0, 1], [0, 2], [0, 2], [0, 3]]])
+    second = torch.tensor([[[0, 4], [0, 4], [0, 1]]])
+    deltas = [torch.randn(1, 4, 2, 3, requires_grad=True), torch.randn(1, 3, 2, 3, requires_grad=True)]
+    upstream = [torch.randn(1, 4, 2, 3), torch.randn(1, 3, 2, 3)]
+    sequence = SequenceCollisions(1, 5, "cpu")
+    outs = []
+    for delta, slots in zip(deltas, (first, second)):
+        out = delta * 1.0  # the model passes on a view of its increments; so does this
+        sequence.add(out, slots)
+        outs.append(out)
+    sequence.finish()
+    assert torch.equal(outs[0], deltas[0]) and torch.equal(outs[1], deltas[1])
+    sum((o * u).sum() for o, u in zip(outs, upstream)).backward()
+    s = [torch.tensor([[[7, 2], [7, 2], [7, 2], [7, 1]]]), torch.tensor([[[7, 2], [7, 2], [7, 2]]])]
+    for delta, u, count in zip(deltas, upstream, s):
+        torch.testing.assert_close(delta.grad, u / count.float().sqrt()[..., None], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("seq_len", [1, 1000, 20000])
 def test_state_is_unit_phasor_at_any_length(seq_len: int) -> None:
     torch.manual_seed(6)
-    memory = PhasorMemory(16, 8, 4, 3, 4096, 0.1, True, True, "torch")
+    memory = PhasorMemory(16, 8, 4, 3, 4096, 0.1, True, True, "sequence", "torch")
     torch.nn.init.normal_(memory.write.weight, std=3.0)  # large increments: many wraps
     state = memory.init_state(1)
     with torch.no_grad():
@@ -221,7 +251,7 @@ def memory_grad_norm(seq_len: int) -> float:
 def test_memory_gradient_norm_bounded_between_1k_and_16k() -> None:
     short, long = memory_grad_norm(1024), memory_grad_norm(16384)
     factor = max(short, long) / min(short, long)
-    assert factor < 4.0, (short, long)
+    assert factor < 5.0, (short, long)
 
 
 @pytest.mark.slow
