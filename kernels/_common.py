@@ -22,3 +22,15 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 def wrap_angle(x: torch.Tensor) -> torch.Tensor:
     """Map angles to [0, 2*pi); the gradient passes through unchanged (d wrap(x)/dx = 1)."""
     return torch.remainder(x, TWO_PI)
+
+
+def check_triton_inputs(x: torch.Tensor, kernel: object) -> None:
+    """Triton kernels need CUDA tensors, unless they were built by the interpreter (TRITON_INTERPRET=1 set
+    before kernels' Triton modules were first imported), which runs them on CPU tensors."""
+    if x.dtype == torch.float64:
+        raise ValueError("the triton backend takes fp32, bf16 or fp16 inputs, not float64")
+    if not x.is_cuda and type(kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "the triton backend needs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before the first "
+            "use of the triton backend"
+        )

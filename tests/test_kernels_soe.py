@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,8 +122,9 @@ def test_backend_selection():
     cpu = torch.zeros(1)
     assert resolve_backend("auto", cpu) == "torch"
     assert resolve_backend("reference", cpu) == "reference"
-    meta_cuda = torch.empty(1, device="meta")
-    assert resolve_backend("auto", meta_cuda) == "torch"
+    assert resolve_backend("auto", torch.empty(1, device="meta")) == "torch"
+    assert resolve_backend("auto", SimpleNamespace(is_cuda=True)) == "triton"
+    assert resolve_backend("torch", SimpleNamespace(is_cuda=True)) == "torch"
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("cuda", cpu)
 

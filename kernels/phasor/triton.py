@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._common import check_triton_inputs
+
 
 @triton.jit
 def _wrap(x):
@@ -93,8 +95,7 @@ class PhasorScanTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, delta, slots, n_slots, init):
-        if delta.dtype == torch.float64:
-            raise ValueError("the triton backend takes fp32 or bf16/fp16 inputs, not float64")
+        check_triton_inputs(delta, _phasor_fwd_kernel)
         batch, seq_len, levels, width = delta.shape
         delta, slots = delta.contiguous(), slots.to(torch.int32).contiguous()
         init32 = init.float().contiguous()

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.soe.chunk import work_dtype
+from kernels._common import check_triton_inputs
 
 
 @triton.jit
@@ -239,9 +239,7 @@ class SoeScanTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
         batch, seq_len, heads, feat = q.shape
         n_terms = log_lam.shape[-1]
-        dtype = work_dtype(q)
-        if dtype == torch.float64:
-            raise ValueError("the triton backend takes fp32 or bf16/fp16 inputs, not float64")
+        check_triton_inputs(q, _soe_fwd_kernel)
         q, k, coef = q.contiguous(), k.contiguous(), coef.contiguous()
         v1 = torch.nn.functional.pad(v, (0, 1), value=1.0).contiguous()
         width = v1.shape[-1]

@@ -1,0 +1,97 @@
+"""The Triton kernels against the sequential reference, run by the Triton interpreter on CPU tensors.
+
+TRITON_INTERPRET must be set before the kernels are decorated, i.e. before kernels.soe.triton and
+kernels.phasor.triton are first imported; the package imports them only when the triton backend is used,
+so setting it here (at collection, before any test runs) is enough. Shapes are small and fp32: the
+interpreter is slow and computes bf16 tl.dot wrongly. On a CUDA machine the bf16 test runs as well.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math
+
+import pytest
+import torch
+
+from kernels import phasor_scan, soe_scan
+from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, soe_inputs, soe_run
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FWD_TOL, GRAD_TOL = 1e-4, 1e-3
+
+
+def _check_soe(inputs, chunk_size, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, dtype=torch.float32):
+    outs, grads = soe_run(inputs, "triton", dtype=dtype, device=DEVICE, chunk_size=chunk_size)
+    ref_outs, ref_grads = soe_run(inputs, "reference", dtype=torch.float64)
+    for name, got, want in zip(("o", "z", "G", "b"), outs, ref_outs):
+        assert got.shape == want.shape
+        assert rel_err(got, want) <= fwd_tol, (name, rel_err(got, want))
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= grad_tol, (name, rel_err(grads[name], ref_grads[name]))
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq_len", "heads", "feat", "dim_v", "n_terms", "chunk_size", "with_state"),
+    [
+        (1, 1, 1, 3, 2, 1, 16, False),
+        (2, 37, 2, 5, 7, 3, 16, True),
+        (1, 64, 1, 16, 16, 2, 64, True),
+        (1, 70, 2, 4, 20, 1, 32, False),
+    ],
+)
+def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_terms, chunk_size, with_state):
+    _check_soe(soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed=seq_len), chunk_size)
+
+
+def test_soe_triton_carried_state_equals_one_pass():
+    inputs = soe_inputs(1, 50, 1, 4, 4, 2, True, seed=1)
+    x = {n: t.float().to(DEVICE) for n, t in inputs.items()}
+    whole = soe_scan(x["q"], x["k"], x["v"], x["coef"], x["log_lam"], (x["g0"], x["b0"]), True, 16, "triton")
+    state, outs = (x["g0"], x["b0"]), []
+    for lo, hi in ((0, 19), (19, 50)):
+        piece = [x[n][:, lo:hi] for n in ("q", "k", "v", "coef")]
+        o, _z, state = soe_scan(*piece, x["log_lam"], state, True, 16, "triton")
+        outs.append(o)
+    assert rel_err(torch.cat(outs, 1), whole[0]) <= FWD_TOL
+    assert rel_err(state[0], whole[2][0]) <= FWD_TOL and rel_err(state[1], whole[2][1]) <= FWD_TOL
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq_len", "levels", "width", "branching", "with_state"),
+    [(1, 1, 1, 1, 1, False), (2, 50, 3, 5, 3, True), (1, 70, 2, 20, 4, False), (1, 40, 4, 3, 2, True)],
+)
+def test_phasor_triton_matches_reference(batch, seq_len, levels, width, branching, with_state):
+    inputs, n_slots = phasor_inputs(batch, seq_len, levels, width, branching, with_state, seed=seq_len)
+    (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
+    (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
+    assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi
+    assert angle_err(final, ref_final) <= FWD_TOL * 2 * math.pi
+    assert read.min() >= 0 and read.max() < 2 * math.pi
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
+
+
+def test_phasor_triton_final_state_gradient_only():
+    inputs, n_slots = phasor_inputs(1, 30, 2, 3, 2, True, seed=0)
+    delta = inputs["delta"].float().to(DEVICE).requires_grad_()
+    _, final = phasor_scan(delta, inputs["slots"].to(DEVICE), n_slots, None, True, backend="triton")
+    final.sum().backward()
+    assert torch.equal(delta.grad.cpu(), torch.ones_like(delta.grad.cpu()))
+
+
+def test_triton_rejects_float64():
+    inputs = soe_inputs(1, 4, 1, 2, 2, 1, False, seed=0)
+    with pytest.raises(ValueError, match="float64"):
+        soe_scan(*(t.to(DEVICE) for t in inputs.values()), backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is only right on a GPU")
+def test_soe_triton_bf16_on_cuda():
+    inputs = soe_inputs(2, 300, 2, 32, 32, 8, True, seed=3)
+    _check_soe(inputs, 64, fwd_tol=3e-2, grad_tol=6e-2, dtype=torch.bfloat16)
