@@ -249,3 +249,18 @@ def test_prop_4_2_exponential_fit_error_grows_with_horizon() -> None:
     # The growth is the tail's norm ~ T^(alpha - 1/2): it does not saturate for alpha > 1/2.
     assert errs[2] - errs[1] > 0.5 * (errs[1] - errs[0])
 
+
+
+# --- docs generator ------------------------------------------------------------------------------
+
+
+def test_tables_block_is_replaced_not_duplicated(tmp_path) -> None:
+    from model import soe_tables
+
+    doc = tmp_path / "soe.md"
+    doc.write_text("# prose\n")
+    soe_tables.write_into(doc, f"{soe_tables.BEGIN}\nold\n{soe_tables.END}")
+    soe_tables.write_into(doc, f"{soe_tables.BEGIN}\nnew\n{soe_tables.END}")
+    text = doc.read_text()
+    assert text.startswith("# prose\n")
+    assert text.count(soe_tables.BEGIN) == 1 and "new" in text and "old" not in text
