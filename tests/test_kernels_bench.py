@@ -1,0 +1,53 @@
+"""The benchmark command and the GPU check script: they run and report what they claim (not timed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import gpu_kernels
+from kernels import bench
+
+
+def test_bench_writes_every_row(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--T", "32,80", "--H", "1", "--F", "8", "--D", "8", "--S", "2", "--chunk", "16", "--L", "2", "--M", "4"]
+    rows = bench.main([*argv, "--repeats", "1", "--threads", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["rows"] == rows and data["meta"]["matmul_gflops"] > 0
+    assert [(r["op"], r["mode"], r["T"]) for r in rows] == [
+        (op, mode, t) for op in ("soe", "phasor") for mode in ("fwd", "fwdbwd") for t in (32, 80)
+    ]
+    for r in rows:
+        assert r["time_s"] > 0 and r["sdpa_time_s"] > 0
+        assert (r["gflops"] is not None) == (r["op"] == "soe")
+    assert "x_sdpa" in capsys.readouterr().out
+
+
+def test_bench_skips_sdpa_above_limit():
+    rows = bench.main(["--T", "40", "--ops", "phasor", "--modes", "fwd", "--sdpa-max-T", "16", "--repeats", "1"])
+    assert rows[0]["sdpa_time_s"] is None and rows[0]["speedup_vs_sdpa"] is None
+
+
+def test_bench_rejects_unknown_op():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ops", "retnet"])
+
+
+def test_soe_flops_are_linear_in_tokens():
+    one = bench.soe_flops(1000, 4, 64, 64, 32, 64, backward=True)
+    assert bench.soe_flops(4000, 4, 64, 64, 32, 64, backward=True) == pytest.approx(4 * one)
+    assert bench.soe_flops(1000, 4, 64, 64, 32, 64, backward=False) < one
+
+
+def test_gpu_script_parses_arguments():
+    args = gpu_kernels.parse_args(["--T", "4096,131072", "--H", "2", "--skip-check"])
+    assert args.T == [4096, 131072] and args.H == 2 and args.skip_check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_script_without_gpu_exits_cleanly(capsys):
+    assert gpu_kernels.main(["--T", "4096"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
