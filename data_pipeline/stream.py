@@ -73,6 +73,9 @@ class _Source:
         self.out_dtype = smallest_dtype(int(m.tokenizer["vocab_size"]))
         self.tokens = np.array([int(s["tokens"]) for s in m.shards], dtype=np.int64)
         self.documents = np.array([int(s["documents"]) for s in m.shards], dtype=np.int64)
+        self.shard_urls = [m.shard_url(i) for i in range(len(m.shards))]
+        self.shard_sha = [s["sha256"] for s in m.shards]
+        m.shards = []  # the per-shard dicts (~1 KB each) are replaced by the compact lists above
         self.lengths = self.tokens + self.documents
         total = int(self.lengths.sum())
         self.samples_per_epoch = (total - 1) // seq_len
@@ -119,25 +122,24 @@ class _Source:
         if hit is not None:
             self._cache.move_to_end(idx)
             return hit
-        url = self.manifest.shard_url(idx)
+        url = self.shard_urls[idx]
         data, used = read_bytes(url, retries)
         stats["read_retries"] += used
         stats["shards_opened"] += 1
         stats["shard_bytes_read"] += len(data)
-        entry = self.manifest.shards[idx]
         if verify:
             digest = sha256_hex(data)
-            if digest != entry["sha256"]:
+            if digest != self.shard_sha[idx]:
                 raise ShardError(
-                    f"shard {url!r}: sha256 mismatch (manifest {entry['sha256'][:16]}…, file {digest[:16]}…); "
+                    f"shard {url!r}: sha256 mismatch (manifest {self.shard_sha[idx][:16]}…, file {digest[:16]}…); "
                     "the file was modified or belongs to another build"
                 )
             stats["sha256_verified"] += 1
         tokens, lengths = decode_shard(data, url)
-        if tokens.size != int(entry["tokens"]) or lengths.size != int(entry["documents"]):
+        if tokens.size != self.tokens[idx] or lengths.size != self.documents[idx]:
             raise ShardError(
                 f"shard {url!r}: holds {tokens.size} tokens / {lengths.size} documents, manifest says "
-                f"{entry['tokens']} / {entry['documents']}"
+                f"{self.tokens[idx]} / {self.documents[idx]}"
             )
         if tokens.dtype != np.dtype(self.manifest.dtype):
             raise ShardError(f"shard {url!r}: dtype {tokens.dtype}, manifest says {self.manifest.dtype}")
@@ -159,7 +161,7 @@ class _Source:
     def span(self, epoch: int, start: int, stop: int, stats: dict[str, int], verify: bool, retries: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the epoch's stream (may cross shard boundaries)."""
         self._layout(epoch)
-        pos = int(np.searchsorted(self._ends, start, side="right"))
+        pos = int(self._ends.searchsorted(start, side="right"))
         pieces = []
         while start < stop:
             shard_end = int(self._ends[pos])

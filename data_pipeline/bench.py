@@ -1,0 +1,203 @@
+"""Benchmarks for the data pipeline (results go into docs/data.md).
+
+``python -m data_pipeline.bench throughput --input <corpus files/globs> --workdir <dir>``
+    Builds byte-level shards and sentencepiece shards (training a tokenizer first) from the
+    corpus, then measures tokens/s of one ``PackedStream`` in one process (= one data-loader
+    worker) from a cold start: read through fsspec + sha256 verify + decode + pack + shuffle +
+    tensor conversion, over several epochs so every shard is read more than once.
+
+``python -m data_pipeline.bench scale --shards 10000 --shard-tokens 1880000 --workdir <dir>``
+    Writes one real shard and links it under ``--shards`` names (hard links: the files are real
+    and pass verification, but take the disk space of one), plus a manifest describing
+    ``shards * shard_tokens`` tokens; then, in a fresh process, measures the start-up time
+    (manifest load + stream construction + resume deep into the run + first sample) and the peak
+    RSS, next to the same for a 100-shard manifest for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from data_pipeline.build import build_shards
+from data_pipeline.shards import Manifest, encode_shard, save_manifest, sha256_hex
+from data_pipeline.stream import PackedStream
+from data_pipeline.tokenizer import byte_tokenizer, train_sentencepiece
+
+
+def measure_stream(source: str, seq_len: int, epochs: float, shuffle_buffer: int, verify: bool) -> dict:
+    """Tokens/s of one in-process stream over ``epochs`` epochs from a cold start."""
+    t0 = time.perf_counter()
+    stream = PackedStream([(source, 1.0)], seq_len=seq_len, seed=0, shuffle_buffer=shuffle_buffer, verify=verify)
+    n = int(stream.samples_per_epoch()[0] * epochs)
+    it = iter(stream)
+    t1 = time.perf_counter()
+    for _ in range(n):
+        next(it)
+    t2 = time.perf_counter()
+    return {
+        "seq_len": seq_len,
+        "samples": n,
+        "tokens_per_s": n * seq_len / (t2 - t1),
+        "startup_s": t1 - t0,
+        **stream.stats(),
+    }
+
+
+def throughput(args: argparse.Namespace) -> list[dict]:
+    """Build both shard kinds from ``args.input`` and measure them (see module docstring)."""
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    byte_dir, sp_dir, sp_prefix = str(work / "bytes"), str(work / "sp"), str(work / "sp_tok")
+    t = time.perf_counter()
+    mb = build_shards(args.input, byte_dir, shard_tokens=args.shard_tokens, workers=args.workers)
+    build_bytes_s = time.perf_counter() - t
+    train_sentencepiece(args.input, args.vocab_size, sp_prefix, sample_bytes=args.sp_sample_bytes)
+    t = time.perf_counter()
+    ms = build_shards(
+        args.input, sp_dir, tokenizer=sp_prefix + ".model", shard_tokens=args.shard_tokens, workers=args.workers
+    )
+    build_sp_s = time.perf_counter() - t
+    rows = []
+    for kind, path, m, build_s in (("bytes", byte_dir, mb, build_bytes_s), ("sentencepiece", sp_dir, ms, build_sp_s)):
+        for seq_len in args.seq_len:
+            for verify in (True, False):
+                row = measure_stream(path, seq_len, args.epochs, args.shuffle_buffer, verify)
+                row.update(
+                    kind=kind,
+                    verify=verify,
+                    dtype=m.dtype,
+                    shards=len(m.shards),
+                    corpus_tokens=m.total_tokens,
+                    build_tokens_per_s=m.total_tokens / build_s,
+                )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def _write_scale_dataset(root: Path, shards: int, shard_tokens: int, doc_tokens: int) -> None:
+    """One real shard of random bytes, hard-linked ``shards`` times, plus its manifest."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, size=shard_tokens, dtype=np.uint8)
+    lengths = np.full(shard_tokens // doc_tokens, doc_tokens, dtype=np.uint32)
+    lengths[-1] += shard_tokens - int(lengths.sum())
+    payload = encode_shard("shard", tokens, lengths)
+    first = root / "shard-0000000.tar"
+    first.write_bytes(payload)
+    digest = sha256_hex(payload)
+    entries = []
+    for i in range(shards):
+        name = f"shard-{i:07d}.tar"
+        if i and not (root / name).exists():
+            os.link(first, root / name)
+        entries.append(
+            {
+                "path": name,
+                "tokens": shard_tokens,
+                "documents": int(lengths.size),
+                "bytes": len(payload),
+                "sha256": digest,
+            }
+        )
+    tok = byte_tokenizer()
+    manifest = Manifest(tokenizer=tok.identity(), dtype="uint8", shards=entries, build={"synthetic": True})
+    save_manifest(manifest, str(root))
+
+
+def _startup_child(source: str, seq_len: int, resume_tokens: int) -> None:
+    """Runs in a fresh process: prints start-up time and peak RSS as JSON."""
+    t0 = time.perf_counter()
+    stream = PackedStream([(source, 1.0)], seq_len=seq_len, seed=0, rank=3, world_size=8)
+    state = stream.state_dict()
+    state["consumed"] = resume_tokens // seq_len
+    stream.load_state_dict(state)
+    t1 = time.perf_counter()
+    sample = next(iter(stream))
+    t2 = time.perf_counter()
+    print(
+        json.dumps(
+            {
+                "construct_and_resume_s": t1 - t0,
+                "first_sample_s": t2 - t1,
+                "startup_total_s": t2 - t0,
+                "resumed_at_sample": int(sample["index"]),
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "samples_per_epoch": stream.samples_per_epoch()[0],
+            }
+        )
+    )
+
+
+def scale(args: argparse.Namespace) -> list[dict]:
+    """Build the big and the small synthetic manifests and measure each in a fresh process."""
+    rows = []
+    for shards in (100, args.shards):
+        root = Path(args.workdir) / f"scale_{shards}"
+        t = time.perf_counter()
+        _write_scale_dataset(root, shards, args.shard_tokens, args.doc_tokens)
+        write_s = time.perf_counter() - t
+        resume = int(0.85 * shards * args.shard_tokens)
+        cmd = [sys.executable, "-m", "data_pipeline.bench", "_startup", str(root), str(args.seq_len), str(resume)]
+        t = time.perf_counter()
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        wall = time.perf_counter() - t
+        row = {
+            "shards": shards,
+            "manifest_tokens": shards * args.shard_tokens,
+            "manifest_bytes": (root / "manifest.json").stat().st_size,
+            "write_s": write_s,
+            "process_wall_s": wall,
+            **json.loads(out),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: ``throughput`` or ``scale`` (see module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m data_pipeline.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    tp = sub.add_parser("throughput")
+    tp.add_argument("--input", nargs="+", required=True)
+    tp.add_argument("--workdir", required=True)
+    tp.add_argument("--seq-len", type=int, nargs="+", default=[512, 2048, 8192])
+    tp.add_argument("--shard-tokens", type=int, default=1 << 20)
+    tp.add_argument("--shuffle-buffer", type=int, default=256)
+    tp.add_argument("--epochs", type=float, default=2.0)
+    tp.add_argument("--vocab-size", type=int, default=8000)
+    tp.add_argument("--sp-sample-bytes", type=int, default=20_000_000)
+    tp.add_argument("--workers", type=int, default=1)
+    sc = sub.add_parser("scale")
+    sc.add_argument("--workdir", required=True)
+    sc.add_argument("--shards", type=int, default=10_000)
+    sc.add_argument("--shard-tokens", type=int, default=1_880_000)
+    sc.add_argument("--doc-tokens", type=int, default=10_000)
+    sc.add_argument("--seq-len", type=int, default=4096)
+    child = sub.add_parser("_startup")
+    child.add_argument("source")
+    child.add_argument("seq_len", type=int)
+    child.add_argument("resume_tokens", type=int)
+    args = parser.parse_args(argv)
+    if args.command == "throughput":
+        throughput(args)
+    elif args.command == "scale":
+        scale(args)
+    else:
+        _startup_child(args.source, args.seq_len, args.resume_tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
