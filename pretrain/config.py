@@ -65,15 +65,19 @@ class DataSection:
 
     train: list[DataSource] = dataclasses.field(default_factory=list)
     valid: list[str] = dataclasses.field(default_factory=list)
+    tokenizer: str = "bytes"
     seq_len: int = 256
     shuffle_buffer: int = 1024
     doc_boundaries: bool = False
+    num_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
             raise ValueError(f"seq_len: must be >= 2, got {self.seq_len}")
         if self.shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer: must be >= 1, got {self.shuffle_buffer}")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers: must be >= 0, got {self.num_workers}")
 
 
 @dataclasses.dataclass

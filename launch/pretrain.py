@@ -1,0 +1,58 @@
+"""Entry point: `deepspeed launch/pretrain.py --config configs/x.yaml [key=value ...]`.
+
+Also runs under `torchrun ... engine.kind=fsdp` and as a plain `python launch/pretrain.py` in one
+process. Bad configuration or data stops here, before any compute, with a message naming the key
+or file. Exit codes: 0 done, 2 bad input, 3 preempted (saved; requeue), 4 diverged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# Run as a script, this file would shadow the `pretrain` package (its directory comes first on
+# sys.path); the repository root goes in front of it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pretrain.config import ConfigError, load_config
+from pretrain.log import setup_logging
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML run config (may `extends:` others)")
+    parser.add_argument(
+        "--resume", default=None, help="auto (newest valid checkpoint), none, or a checkpoint directory; "
+        "default: checkpoint.resume from the config"
+    )
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 model.n_layers=4")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    log = setup_logging()
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        log.error("config error: %s", err)
+        return EXIT_BAD_INPUT
+
+    from pretrain.trainer import DataError, train
+
+    try:
+        return train(cfg, resume=args.resume)
+    except (DataError, ConfigError) as err:
+        log.error("%s", err)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The three ways a step runs: one process, DeepSpeed ZeRO 0-3, PyTorch FSDP2.
+
+Every engine offers the same operations to the trainer:
+  - `train_step(micro_batches, lr)`: forward and backward of this rank's micro-batches, gradients
+    averaged over the global batch, clipping, and the optimizer update (skipped when the loss or
+    gradients are not finite on any rank); returns a StepInfo.
+  - `eval_loss(input_ids, labels)`: the loss without gradients (sharded engines gather weights).
+  - `save(path)` / `load(path)`: the engine-native checkpoint of model and optimizer (the files
+    around it, trainer state and RNG, are pretrain/checkpoint.py's).
+The trainer never branches on the engine kind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model import CausalLM
+from pretrain.checkpoint import load_dcp_state, load_torch_state, save_dcp_state, save_torch_state
+from pretrain.config import ConfigError, RunConfig
+from pretrain.optim import param_groups
+
+
+class TrainModule(nn.Module):
+    """Wraps a CausalLM so that forward returns the loss: what DeepSpeed and FSDP shard and call."""
+
+    def __init__(self, model: CausalLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss, _ = self.model.loss(input_ids, labels)
+        return loss
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class StepInfo:
+    """One optimizer step: this rank's mean micro-batch loss, the global gradient norm, and
+    whether the update was applied (False when it was skipped as non-finite)."""
+
+    loss: float
+    grad_norm: float
+    applied: bool
+
+
+def init_distributed(cfg: RunConfig) -> tuple[int, int]:
+    """Join the process group the launcher set up (gloo on CPU, NCCL on CUDA); (rank, world)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.engine.dist_timeout_s)
+    if cfg.engine.kind == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+    else:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def device_for_rank() -> torch.device:
+    """This rank's device. On CPU, the cores are split between the ranks of this node: with
+    more compute threads than cores, OpenMP's spinning threads slow every rank many times over."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if "OMP_NUM_THREADS" not in os.environ or local_ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    return torch.device("cpu")
+
+
+def grad_accumulation_steps(cfg: RunConfig, world: int) -> int:
+    """Micro-batches per rank per step; the global batch must split evenly over ranks."""
+    per_rank, remainder = divmod(cfg.train.global_batch, world)
+    if remainder or per_rank % cfg.train.micro_batch:
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} cannot be split over {world} ranks in "
+            f"micro-batches of train.micro_batch={cfg.train.micro_batch}: global_batch must be a "
+            f"multiple of world_size * micro_batch = {world * cfg.train.micro_batch}"
+        )
+    return per_rank // cfg.train.micro_batch
+
+
+def _adamw(cfg: RunConfig, module: nn.Module) -> torch.optim.Optimizer:
+    t = cfg.train
+    return torch.optim.AdamW(
+        param_groups(module, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False
+    )
+
+
+def _all_finite(value: torch.Tensor) -> bool:
+    """True when `value` is finite on every rank."""
+    from pretrain.metrics import all_reduce_sum
+
+    return all_reduce_sum([0.0 if torch.isfinite(value).all() else 1.0])[0] == 0
+
+
+class _TorchOptimizerEngine:
+    """Shared by the single-process and FSDP2 engines: a torch AdamW stepped by us."""
+
+    def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
+        self.cfg, self.gas, self.model = cfg, gas, module.model
+        self.module: nn.Module = torch.compile(module) if cfg.train.compile else module
+        self.optimizer = _adamw(cfg, module)
+
+    def _set_sync(self, last: bool) -> None:
+        """FSDP reduces gradients only on the last micro-batch of a step."""
+
+    @torch.no_grad()
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.module.eval()
+        loss = self.module(input_ids, labels)
+        self.module.train()
+        return loss
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo:
+        losses = []
+        for i, (input_ids, labels) in enumerate(micro_batches):
+            self._set_sync(i == len(micro_batches) - 1)
+            loss = self.module(input_ids, labels)
+            (loss / len(micro_batches)).backward()
+            losses.append(loss.detach())
+        local_loss = torch.stack(losses).mean()
+        finite = _all_finite(local_loss)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm_value = float(norm)
+        applied = finite and math.isfinite(norm_value)
+        if applied:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepInfo(float(local_loss), norm_value, applied)
+
+
+class SingleEngine(_TorchOptimizerEngine):
+    """One process (any device): the reference the distributed engines are compared against."""
+
+    def save(self, path: str) -> None:
+        save_torch_state(path, self.model, self.optimizer)
+
+    def load(self, path: str) -> None:
+        load_torch_state(path, self.model, self.optimizer)
+
+
+class FSDPEngine(_TorchOptimizerEngine):
+    """FSDP2: every block and the root sharded with `fully_shard`; checkpoints through DCP."""
+
+    def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32,
+            reduce_dtype=torch.float32,
+        )
+        for block in module.model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(module, mp_policy=policy)
+        super().__init__(cfg, module, gas)
+
+    def _set_sync(self, last: bool) -> None:
+        self.module.set_requires_gradient_sync(last)
+
+    def save(self, path: str) -> None:
+        save_dcp_state(path, self.module, self.optimizer)
+
+    def load(self, path: str) -> None:
+        load_dcp_state(path, self.module, self.optimizer)
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO stage 0-3 around our AdamW; its JSON config is generated from ours."""
+
+    def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
+        import deepspeed
+
+        self.cfg, self.gas = cfg, gas
+        self.optimizer = _adamw(cfg, module)
+        self.ds_config = deepspeed_config(cfg, gas, dist.get_world_size() if dist.is_initialized() else 1)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=self.optimizer, config=self.ds_config, dist_init_required=False
+        )
+
+    @property
+    def model(self) -> CausalLM:
+        return self.engine.module.model
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo:
+        """DeepSpeed's own accumulation: backward and engine.step() per micro-batch; the step at
+        the accumulation boundary is the one that updates (and ZeRO's overflow check may skip)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        losses, own_norm = [], None
+        for input_ids, labels in micro_batches:
+            loss = self.engine(input_ids, labels)
+            losses.append(loss.detach())
+            if not torch.isfinite(loss.detach()).all():
+                # Poison the gradients so that the step is dropped: by ZeRO's overflow check at
+                # stages 1-3, by the check below at stage 0.
+                loss = loss * math.nan
+            self.engine.backward(loss)
+            if self.engine.is_gradient_accumulation_boundary() and self.cfg.engine.zero_stage == 0:
+                own_norm = self._grad_norm()
+                if not math.isfinite(own_norm):
+                    for param in self.engine.module.parameters():
+                        param.grad = None
+            self.engine.step()
+        norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
+        norm_value = float(norm) if norm is not None else math.nan
+        applied = bool(self.engine.was_step_applied()) and math.isfinite(norm_value)
+        return StepInfo(float(torch.stack(losses).mean()), norm_value, applied)
+
+    @torch.no_grad()
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.engine.eval()
+        loss = self.engine(input_ids, labels)
+        self.engine.train()
+        return loss
+
+    def _grad_norm(self) -> float:
+        """Global gradient norm at stage 0, where DeepSpeed's data-parallel gradients are whole."""
+        grads = [p.grad.float().norm() ** 2 for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.stack(grads).sum().sqrt()) if grads else 0.0
+
+    def save(self, path: str) -> None:
+        self.engine.save_checkpoint(path, tag="ds")
+
+    def load(self, path: str) -> None:
+        loaded, _ = self.engine.load_checkpoint(path, tag="ds", load_module_strict=True)
+        if loaded is None:
+            raise FileNotFoundError(f"{path}: no DeepSpeed checkpoint found")
+
+
+def deepspeed_config(cfg: RunConfig, gas: int, world: int) -> dict[str, Any]:
+    """The DeepSpeed JSON section, generated so that it can never disagree with our config."""
+    zero: dict[str, Any] = {"stage": cfg.engine.zero_stage}
+    if cfg.engine.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": cfg.train.micro_batch * gas * world,
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": cfg.train.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": cfg.engine.precision == "bf16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(cfg: RunConfig, model: CausalLM, world: int):
+    """The engine named by `engine.kind` around `model` (already on its device)."""
+    gas = grad_accumulation_steps(cfg, world)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    module = TrainModule(model)
+    if cfg.engine.kind == "deepspeed":
+        return DeepSpeedEngine(cfg, module, gas)
+    if cfg.engine.kind == "fsdp":
+        if not dist.is_initialized():
+            raise ValueError("engine.kind=fsdp needs a distributed launch (torchrun); use engine.kind=single")
+        return FSDPEngine(cfg, module, gas)
+    if world > 1:
+        raise ValueError(f"engine.kind=single runs one process, but WORLD_SIZE={world}; use deepspeed or fsdp")
+    return SingleEngine(cfg, module, gas)

@@ -1,0 +1,111 @@
+"""Metric sinks (JSONL file, wandb, console) and the numbers behind MFU.
+
+Only rank 0 writes; other ranks get a logger that drops everything, so call sites need no
+rank checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from pretrain.log import get_logger
+
+
+def measure_peak_flops(size: int = 1024, repeats: int = 6) -> float:
+    """This process's dense fp32 matmul rate (FLOP/s), the CPU stand-in for a datasheet peak.
+
+    Every rank measures at once, so ranks that share cores measure the share they really get.
+    """
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def memory_stats() -> dict[str, float]:
+    """Resident memory of this process, and the accelerator's peak allocation when there is one."""
+    stats = {"memory/rss_gb": psutil.Process(os.getpid()).memory_info().rss / 2**30}
+    if torch.cuda.is_available():
+        stats["memory/cuda_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return stats
+
+
+def histogram(values: torch.Tensor) -> Any:
+    """A 1-D tensor of counts as a wandb histogram (bins given by position)."""
+    import wandb
+
+    counts = values.detach().float().cpu().numpy()
+    return wandb.Histogram(np_histogram=(counts, list(range(len(counts) + 1))))
+
+
+class MetricsLogger:
+    """Writes metrics to `<run dir>/metrics.jsonl`, to a wandb run (offline unless credentials
+    are set), and a one-line summary to the console."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], enabled: bool, use_wandb: bool, project: str):
+        self.enabled = enabled
+        self._wandb = None
+        self._file = None
+        if not enabled:
+            return
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if use_wandb:
+            import wandb
+
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self._wandb = wandb.init(
+                project=project, name=run_dir.name, dir=str(run_dir), config=config, mode=mode,
+                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+            )
+
+    def log(self, step: int, scalars: dict[str, float], histograms: dict[str, torch.Tensor] | None = None) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **scalars}
+        if histograms:
+            record.update({k: v.tolist() for k, v in histograms.items()})
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            payload: dict[str, Any] = dict(scalars)
+            payload.update({k: histogram(v) for k, v in (histograms or {}).items()})
+            self._wandb.log(payload, step=step)
+
+    def console(self, message: str) -> None:
+        if self.enabled:
+            get_logger().info(message)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum of each value over ranks (identity in one process)."""
+    if not dist.is_initialized():
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def all_reduce_mean(values: list[float]) -> list[float]:
+    """Mean of each value over ranks (identity in one process)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return [v / world for v in all_reduce_sum(values)]

@@ -1,0 +1,274 @@
+"""The training loop: data -> engine step -> metrics, evaluation and checkpoints.
+
+Read top to bottom, `train()` is the whole story; everything engine-specific is behind
+pretrain/engines.py and everything on disk behind pretrain/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from data_pipeline.shards import ManifestError, load_manifest
+from data_pipeline.stream import PackedStream, StreamLoader
+from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
+from model import CausalLM, build_model
+from pretrain import checkpoint as ckpt
+from pretrain.config import RunConfig, config_to_dict
+from pretrain.engines import build_engine, device_for_rank, grad_accumulation_steps, init_distributed
+from pretrain.log import get_logger
+from pretrain.metrics import MetricsLogger, all_reduce_mean, all_reduce_sum, measure_peak_flops, memory_stats
+from pretrain.optim import lr_at
+
+EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
+EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
+
+
+class DataError(ValueError):
+    """Training data that cannot be used with this config; raised before any compute."""
+
+
+@dataclass
+class TrainerState:
+    """What the loop itself must remember across a restart (saved as JSON in checkpoints)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGUSR1; checked (and agreed on by all ranks) at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signal = signum
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Fail fast, naming the path, when shards are missing or were built for another vocabulary."""
+    if not cfg.data.train:
+        raise DataError("data.train: no training sources configured")
+    for i, source in enumerate(cfg.data.train):
+        try:
+            manifest = load_manifest(source.path)
+        except (ManifestError, FileNotFoundError, OSError) as err:
+            raise DataError(f"data.train[{i}].path: {err}") from err
+        try:
+            check_tokenizer(manifest.tokenizer, cfg.data.tokenizer, where=f"shards of {source.path!r}")
+        except TokenizerMismatchError as err:
+            raise DataError(f"data.train[{i}]: {err} (data.tokenizer={cfg.data.tokenizer!r})") from err
+        except OSError as err:
+            raise DataError(f"data.tokenizer: {err}") from err
+        vocab = int(manifest.tokenizer["vocab_size"])
+        if vocab != cfg.model.vocab_size:
+            raise DataError(
+                f"model.vocab_size={cfg.model.vocab_size} does not match the shards at {source.path!r}, "
+                f"built with a tokenizer of vocab_size={vocab}"
+            )
+    for i, path in enumerate(cfg.data.valid):
+        try:
+            load_manifest(path)
+        except (ManifestError, FileNotFoundError, OSError) as err:
+            raise DataError(f"data.valid[{i}]: {err}") from err
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader:
+    stream = PackedStream(
+        [(s.path, s.weight) for s in cfg.data.train],
+        seq_len=cfg.data.seq_len,
+        seed=cfg.run.seed,
+        rank=rank,
+        world_size=world,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        doc_boundaries=cfg.data.doc_boundaries,
+        batch_size=cfg.train.micro_batch,
+        expected_tokenizer=cfg.data.tokenizer,
+    )
+    return StreamLoader(stream, num_workers=cfg.data.num_workers)
+
+
+def evaluate(cfg: RunConfig, engine: Any, rank: int, world: int) -> dict[str, float]:
+    """Held-out loss at each configured context length, as bits per token (= per byte for byte
+    models); every rank evaluates its share of the sequences and the sums are reduced."""
+    results: dict[str, float] = {}
+    for context in cfg.eval.contexts:
+        n_seq = max(world, cfg.eval.max_tokens // context)
+        total, count = 0.0, 0
+        for path in cfg.data.valid:
+            stream = PackedStream(
+                [(path, 1.0)], seq_len=context, seed=0, rank=rank, world_size=world, shuffle=False,
+                max_samples=n_seq - n_seq % world, batch_size=1, expected_tokenizer=cfg.data.tokenizer,
+            )
+            for sample in stream:
+                loss = engine.eval_loss(sample["input_ids"][None], sample["labels"][None])
+                total += float(loss) * context
+                count += context
+        total, count = all_reduce_sum([total, count])
+        results[f"eval/bits_per_token@{context}"] = total / max(count, 1) / math.log(2)
+    return results
+
+
+def model_statistics(model: CausalLM) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Split the model's own statistics into scalars and histograms (1-D tensors)."""
+    scalars, hists = {}, {}
+    for key, value in model.stats().items():
+        if isinstance(value, torch.Tensor) and value.numel() > 1:
+            hists[f"model/{key}"] = value.detach().cpu()
+        else:
+            scalars[f"model/{key}"] = float(value)
+    return scalars, hists
+
+
+def _batches(loader: StreamLoader) -> Iterator[dict[str, torch.Tensor]]:
+    while True:
+        yield from loader
+
+
+def _any_rank(flag: bool) -> bool:
+    return all_reduce_sum([1.0 if flag else 0.0])[0] > 0
+
+
+def train(cfg: RunConfig, resume: str | None = None) -> int:
+    """Run (or continue) the configured training; returns the process exit code."""
+    log = get_logger()
+    started = time.time()
+    check_data(cfg)
+    rank, world = init_distributed(cfg)
+    gas = grad_accumulation_steps(cfg, world)
+    run_dir = Path(cfg.run.dir)
+    ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
+
+    seed_everything(cfg.run.seed)  # identical initial weights on every rank
+    device = device_for_rank()
+    model = build_model(cfg.model).to(device)
+    n_params = model.num_parameters()  # before sharding engines partition the weights
+    flops_per_token = model.flops_per_token(cfg.data.seq_len)
+    seed_everything(cfg.run.seed + 1000 * rank)  # per-rank streams from here on
+    loader = make_loader(cfg, rank, world)
+    engine = build_engine(cfg, model, world)
+
+    state = TrainerState()
+    resume = resume if resume is not None else cfg.checkpoint.resume
+    restored = ckpt.resume(ckpt_dir, resume, engine)
+    if restored is not None:
+        saved = restored["trainer"]
+        state = TrainerState(**saved)
+        loader.load_state_dict(restored["data"])
+        log.info("resumed from %s at step %d", restored["path"], state.step)
+
+    metrics = MetricsLogger(run_dir, config_to_dict(cfg), rank == 0, cfg.log.wandb, cfg.log.wandb_project)
+    peak = (cfg.log.peak_tflops * 1e12) if cfg.log.peak_tflops else all_reduce_mean([measure_peak_flops()])[0]
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    metrics.console(
+        f"model {cfg.model.kind}: {n_params / 1e6:.2f}M parameters, "
+        f"{flops_per_token / 1e6:.1f} MFLOP/token; engine {cfg.engine.kind} on {world} rank(s), "
+        f"{gas} micro-batch(es) of {cfg.train.micro_batch} per rank per step"
+    )
+    stop = StopFlag()
+    batches = _batches(loader)
+
+    def save() -> None:
+        trainer_state = {"trainer": vars(state), "data": loader.state_dict()}
+        path = ckpt.save_checkpoint(ckpt_dir, state.step, engine, trainer_state, config_yaml)
+        ckpt.prune(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.milestone_every)
+        metrics.console(f"saved checkpoint {path}")
+
+    exit_code = 0
+    window_start, window_tokens = time.time(), 0
+    while state.step < cfg.train.steps:
+        lr = lr_at(state.step, cfg.train)
+        micro_batches = []
+        for _ in range(gas):
+            batch = next(batches)
+            micro_batches.append((batch["input_ids"].to(device), batch["labels"].to(device)))
+        info = engine.train_step(micro_batches, lr)
+        loss_value = all_reduce_mean([info.loss])[0]
+        state.step += 1
+        state.tokens_seen += tokens_per_step
+        window_tokens += tokens_per_step
+
+        if not info.applied:
+            state.skipped_steps += 1
+            state.consecutive_skips += 1
+            log.warning("step %d: non-finite loss or gradient (loss=%s); update skipped", state.step, loss_value)
+            if cfg.train.nan_policy == "stop" or state.consecutive_skips > cfg.train.max_skipped_steps:
+                save()
+                exit_code = EXIT_DIVERGED
+                break
+        else:
+            state.consecutive_skips = 0
+
+        if state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps:
+            elapsed = time.time() - window_start
+            tokens_per_s = window_tokens / max(elapsed, 1e-9)
+            scalars = {
+                "train/loss": loss_value,
+                "train/bits_per_token": loss_value / math.log(2),
+                "train/lr": lr,
+                "train/grad_norm": info.grad_norm,
+                "train/tokens_seen": state.tokens_seen,
+                "train/skipped_steps": state.skipped_steps,
+                "perf/tokens_per_s": tokens_per_s,
+                "perf/mfu": flops_per_token * tokens_per_s / (peak * world),
+                **memory_stats(),
+                **{f"data/{k}": v for k, v in loader.stream.stats().items()},
+            }
+            model_scalars, model_hists = model_statistics(model)
+            metrics.log(state.step, {**scalars, **model_scalars}, model_hists)
+            metrics.console(
+                f"step {state.step}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
+                f"grad {info.grad_norm:.3f} {tokens_per_s:,.0f} tok/s mfu {scalars['perf/mfu']:.1%}"
+            )
+            window_start, window_tokens = time.time(), 0
+
+        if cfg.eval.every and cfg.data.valid and state.step % cfg.eval.every == 0:
+            results = evaluate(cfg, engine, rank, world)
+            metrics.log(state.step, results)
+            metrics.console("eval " + " ".join(f"{k.split('@')[1]}:{v:.4f}" for k, v in results.items()))
+
+        out_of_time = cfg.train.max_runtime is not None and _projected_past(started, state.step, cfg)
+        if _any_rank(stop.signal is not None or out_of_time):
+            save()
+            metrics.console(f"stopping at step {state.step}: {'signal' if stop.signal else 'max_runtime'}")
+            exit_code = EXIT_PREEMPTED
+            break
+        if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and state.step < cfg.train.steps:
+            save()
+
+    if exit_code == 0:
+        save()
+    metrics.close()
+    return exit_code
+
+
+def _projected_past(started: float, steps_done: int, cfg: RunConfig) -> bool:
+    """True when one more step (at the mean pace so far) plus a save would pass max_runtime."""
+    elapsed = time.time() - started
+    per_step = elapsed / max(steps_done, 1)
+    return elapsed + 2 * per_step > cfg.train.max_runtime

@@ -1,0 +1,22 @@
+"""Shared fixtures: tiny byte-level shard sets built from the repository's demo corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from data_pipeline.build import build_shards
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "data" / "demo"
+
+
+@pytest.fixture(scope="session")
+def demo_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Byte-level train shards (two plays, several shards) and validation shards (one book)."""
+    root = tmp_path_factory.mktemp("shards")
+    train = [str(DEMO / "train" / name) for name in ("hamlet.txt", "macbeth.txt")]
+    build_shards(train, str(root / "train"), tokenizer="bytes", shard_tokens=60_000)
+    build_shards([str(DEMO / "valid" / "northangerabbey.txt")], str(root / "valid"), tokenizer="bytes")
+    return {"train": str(root / "train"), "valid": str(root / "valid")}
