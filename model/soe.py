@@ -77,9 +77,8 @@ def gl_weights(n: np.ndarray | Sequence[float] | float, alpha: np.ndarray | Sequ
 
 def soe_weights(log_lambda: np.ndarray, coef: np.ndarray, n: np.ndarray | Sequence[float]) -> np.ndarray:
     """Evaluate the SOE kernel sum_s coef[..., s] * lambda_s**n; returns shape coef.shape[:-1] + n.shape."""
-    n_arr = np.asarray(n, dtype=np.float64)
-    powers = np.exp(n_arr[..., None] * np.asarray(log_lambda, dtype=np.float64))
-    return np.moveaxis(powers @ np.asarray(coef, dtype=np.float64).T, -1, 0) if np.ndim(coef) > 1 else powers @ coef
+    powers = np.exp(np.multiply.outer(np.asarray(n, dtype=np.float64), np.asarray(log_lambda, dtype=np.float64)))
+    return np.tensordot(np.asarray(coef, dtype=np.float64), powers, axes=([-1], [-1]))
 
 
 def design_nodes(T: int, num_decaying: int, lo: float = 0.1, hi: float = 10.0) -> np.ndarray:
@@ -152,7 +151,8 @@ def fit_coefficients(log_lambda: np.ndarray, alpha: float, T: int) -> np.ndarray
 
 def bank_coefficients(alphas: Sequence[float] | np.ndarray, log_lambda: np.ndarray, T: int) -> np.ndarray:
     """Coefficients for every order in ``alphas`` on the shared nodes: array [K, S] (float64)."""
-    return np.stack([fit_coefficients(log_lambda, float(a), T) for a in np.asarray(alphas, dtype=np.float64)])
+    rows = [fit_coefficients(log_lambda, float(a), T) for a in np.asarray(alphas, dtype=np.float64)]
+    return np.stack(rows) if rows else np.empty((0, np.size(log_lambda)))
 
 
 def max_relative_error(log_lambda: np.ndarray, coef: np.ndarray, alphas: Sequence[float] | np.ndarray,
@@ -233,8 +233,11 @@ class Certificate:
 
 
 def _design_alphas(alpha_range: tuple[float, float]) -> np.ndarray:
+    """Evenly spaced orders below 1 on the range (empty when the range is just alpha = 1)."""
     lo, hi = alpha_range
-    return np.unique(np.linspace(lo, hi, _DESIGN_POINTS))
+    if lo >= 1.0:
+        return np.empty(0)
+    return np.unique(np.linspace(lo, min(hi, 1.0 - 1e-9), _DESIGN_POINTS))
 
 
 def _sample_error(log_lambda: np.ndarray, alpha: float, T: int) -> float:
@@ -268,9 +271,9 @@ def choose_nodes(T: int, eps: float, alpha_range: tuple[float, float] = DEFAULT_
     lo_alpha, hi_alpha = alpha_range
     if not 0.0 < lo_alpha <= hi_alpha <= 1.0:
         raise ValueError(f"alpha range must satisfy 0 < lo <= hi <= 1, got {alpha_range}")
-    if hi_alpha == 1.0 and lo_alpha == 1.0:
+    fitted = _design_alphas(alpha_range)
+    if fitted.size == 0:
         return np.array([0.0])
-    fitted = _design_alphas((lo_alpha, min(hi_alpha, 1.0 - 1e-9)))
     target = 0.9 * eps
     left, right = 1, 4
     while _best_nodes(T, right, fitted[0])[0] > target:
@@ -310,17 +313,23 @@ def certify(T: int, eps: float, alphas: Sequence[float] | np.ndarray | None = No
         below_one = requested[requested < 1.0]
         if below_one.size:
             lo, hi = min(lo, float(below_one.min())), max(hi, float(below_one.max()))
-    design = _design_alphas((lo, min(hi, 1.0 - 1e-9)))
+    design = _design_alphas((lo, hi))
     nodes = choose_nodes(T, eps, (lo, hi), max_terms)
     while True:
-        design_err = float(max_relative_error(nodes, bank_coefficients(design, nodes, T), design, T).max())
-        banks = design if requested is None else requested
-        coef = bank_coefficients(banks, nodes, T)
-        rel = max_relative_error(nodes, coef, banks, T)
+        design_coef = bank_coefficients(design, nodes, T)
+        design_rel = max_relative_error(nodes, design_coef, design, T)
+        design_err = float(design_rel.max(initial=0.0))
+        if requested is None:
+            banks, coef, rel = design, design_coef, design_rel
+        else:
+            banks, coef = requested, bank_coefficients(requested, nodes, T)
+            rel = max_relative_error(nodes, coef, banks, T)
         if max(design_err, float(rel.max(initial=0.0))) <= eps:
             return Certificate(SOEKernel(nodes, coef, banks), T, eps, (lo, hi), rel, design_err)
         if nodes.size >= max_terms:
             raise ValueError(f"no SOE kernel with <= {max_terms} terms meets eps={eps} for T={T}")
+        # The sample screen passed but a lag between samples did not: one more decaying node
+        # (nodes.size counts the lambda = 1 node, so this is the current decaying count + 1).
         nodes = min((design_nodes(T, nodes.size, a, b) for a in _NODE_LO for b in _NODE_HI),
                     key=lambda nd: max(_sample_error(nd, a, T) for a in design))
 

@@ -135,6 +135,16 @@ def test_requested_order_outside_range_widens_design() -> None:
     assert cert.max_rel_err <= 1e-3
 
 
+
+def test_build_kernel_for_layer_banks() -> None:
+    banks = soe.equidistributed_banks(6, 0.1, 1024)
+    cert = soe.build_kernel(banks, 1024, 1e-3)
+    np.testing.assert_array_equal(cert.kernel.banks, banks)
+    assert cert.kernel.coef.shape == (6, cert.S)
+    assert cert.rel_err[-1] == 0.0 and cert.max_rel_err <= 1e-3
+    only_one = soe.build_kernel([1.0], 1024)
+    assert only_one.S == 1 and only_one.kernel.coef.tolist() == [[1.0]]
+
 @settings(deadline=None, max_examples=25)
 @given(alpha=st.floats(0.1, 0.95), n=st.lists(st.integers(0, SMALL_T), min_size=1, max_size=64))
 def test_soe_accuracy_random_alpha_and_lags(small_cert: soe.Certificate, alpha: float, n: list[int]) -> None:
