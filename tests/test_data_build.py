@@ -125,3 +125,14 @@ def test_sentencepiece_train_build_stream(tmp_path: Path) -> None:
     tokens, lengths = decode_shard((tmp_path / "out" / m.shards[0]["path"]).read_bytes(), "s")
     # invalid bytes became U+FFFD, which sentencepiece's default nmt_nfkc normalization removes
     assert sp.decode(tokens[int(lengths[0]) :].tolist()) == "bad utf8"
+
+
+def test_sentencepiece_linewise_encoding_equals_whole_text(tmp_path: Path) -> None:
+    import sentencepiece as spm
+
+    book = DEMO / "valid" / "northangerabbey.txt"
+    tok = train_sentencepiece([str(book)], 600, str(tmp_path / "sp"), sample_bytes=200_000)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    text = book.read_bytes()[:60_000]
+    ids, invalid = tok.encode(text)
+    assert not invalid and ids.tolist() == sp.encode(text.decode())
