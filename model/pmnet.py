@@ -112,9 +112,15 @@ class PMNet(StackedLM):
         return 6.0 * (self.matmul_params() - anchors) + attention + 3 * len(memories) * per_memory
 
     def stats(self) -> dict[str, Any]:
-        """Slot usage (share of path writes per slot), collisions per slot (mean writers per segment
-        that wrote it), leaf-usage entropy (1 = uniform), and the gradient norm that reached the
-        memory writes in the last backward (all memory blocks together)."""
+        """Observability of the last forward/backward, over all memory blocks.
+
+        slot_usage: per slot, the share of tokens whose path visits it (the root is 1, each level
+        sums to 1); collisions: per slot, the mean number of writers in a segment that wrote it;
+        leaf_entropy: entropy of leaf usage over its maximum (1 = uniform, near 0 = collapse);
+        memory_write_grad_norm: the norm of the gradient that reached the memory writes
+        (recorded by a hook on the write increments during backward — the paper's "memory wakes
+        up" spike shows here).
+        """
         memories = self.memories()
         if not memories:
             return {}

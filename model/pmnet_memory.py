@@ -178,17 +178,27 @@ class PhasorMemory(nn.Module):
         B, T, _ = h.shape
         L, M = self.n_levels, self.memory_dim
         phase_q = self.query(h).float()
-        query_phasor = torch.cat((phase_q.cos(), phase_q.sin()), dim=-1) / math.sqrt(M)
         if self.update_train if self.training else self.update_eval:
             increment = self.write(h).float()
             if increment.requires_grad:
                 increment.register_hook(self._record_write_grad)
         else:
             increment = phase_q.new_zeros(B, T, M)
+        with torch.autocast(h.device.type, enabled=False):  # phases, routing scores and reads stay fp32
+            features, state = self._segments(phase_q, increment, state, position)
+        return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), state
+
+    def _segments(
+        self, phase_q: torch.Tensor, increment: torch.Tensor, state: MemoryState, position: int
+    ) -> tuple[torch.Tensor, MemoryState]:
+        """Route, write and read segment by segment: features [B, T, L, 2M] and the new state."""
+        B, T, M = phase_q.shape
+        L = self.n_levels
+        query_phasor = torch.cat((phase_q.cos(), phase_q.sin()), dim=-1) / math.sqrt(M)
         memory, segment_memory = state
-        writes = torch.zeros(self.n_slots, device=h.device)
-        segments = torch.zeros(self.n_slots, device=h.device)
-        sequence = SequenceCollisions(B, self.n_slots, h.device) if self.collision_scope == "sequence" else None
+        writes = torch.zeros(self.n_slots, device=phase_q.device)
+        segments = torch.zeros(self.n_slots, device=phase_q.device)
+        sequence = SequenceCollisions(B, self.n_slots, phase_q.device) if self.collision_scope == "sequence" else None
         features = []
         start = 0
         while start < T:
@@ -231,5 +241,4 @@ class PhasorMemory(nn.Module):
         if sequence is not None:
             sequence.finish()
         self.slot_writes, self.slot_segments = writes, segments
-        out = self.out(torch.cat(features, dim=1).reshape(B, T, L * 2 * M).to(h.dtype))
-        return out, MemoryState(memory, segment_memory)
+        return torch.cat(features, dim=1), MemoryState(memory, segment_memory)
