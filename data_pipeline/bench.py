@@ -85,7 +85,7 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _write_scale_dataset(root: Path, shards: int, shard_tokens: int, doc_tokens: int) -> None:
+def write_scale_dataset(root: Path, shards: int, shard_tokens: int, doc_tokens: int) -> None:
     """One real shard of random bytes, hard-linked ``shards`` times, plus its manifest."""
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -145,7 +145,7 @@ def scale(args: argparse.Namespace) -> list[dict]:
     for shards in (100, args.shards):
         root = Path(args.workdir) / f"scale_{shards}"
         t = time.perf_counter()
-        _write_scale_dataset(root, shards, args.shard_tokens, args.doc_tokens)
+        write_scale_dataset(root, shards, args.shard_tokens, args.doc_tokens)
         write_s = time.perf_counter() - t
         resume = int(0.85 * shards * args.shard_tokens)
         cmd = [sys.executable, "-m", "data_pipeline.bench", "_startup", str(root), str(args.seq_len), str(resume)]
