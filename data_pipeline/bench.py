@@ -4,7 +4,9 @@
     Builds byte-level shards and sentencepiece shards (training a tokenizer first) from the
     corpus, then measures tokens/s of one ``PackedStream`` in one process (= one data-loader
     worker) from a cold start: read through fsspec + sha256 verify + decode + pack + shuffle +
-    tensor conversion, over several epochs so every shard is read more than once.
+    tensor conversion, over several epochs so every shard is read more than once. Reports wall
+    tokens/s and tokens per CPU-second of the process (the latter is what one worker sustains on
+    an uncontended core; the wall number drops when the machine is shared).
 
 ``python -m data_pipeline.bench scale --shards 10000 --shard-tokens 1880000 --workdir <dir>``
     Writes one real shard and links it under ``--shards`` names (hard links: the files are real
@@ -40,14 +42,16 @@ def measure_stream(source: str, seq_len: int, epochs: float, shuffle_buffer: int
     stream = PackedStream([(source, 1.0)], seq_len=seq_len, seed=0, shuffle_buffer=shuffle_buffer, verify=verify)
     n = int(stream.samples_per_epoch()[0] * epochs)
     it = iter(stream)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     for _ in range(n):
         next(it)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     return {
         "seq_len": seq_len,
         "samples": n,
         "tokens_per_s": n * seq_len / (t2 - t1),
+        "tokens_per_cpu_s": n * seq_len / (c2 - c1),
+        "load_avg_1m": os.getloadavg()[0],
         "startup_s": t1 - t0,
         **stream.stats(),
     }
