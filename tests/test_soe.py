@@ -64,6 +64,11 @@ def test_gl_power_law_asymptotics() -> None:
         np.testing.assert_allclose(ratio, 1.0 + alpha * (alpha - 1.0) / (2.0 * n), rtol=1e-8)
 
 
+def test_gl_current_token_weight_is_exactly_one() -> None:
+    alphas = np.random.default_rng(0).uniform(0.0, 1.0, 1000)
+    np.testing.assert_array_equal(soe.gl_weights(0, alphas), np.ones(1000))
+
+
 def test_gl_broadcasts_and_rejects_negative() -> None:
     w = soe.gl_weights(np.arange(5)[None, :], np.array([[0.3], [0.6]]))
     assert w.shape == (2, 5)
