@@ -1,0 +1,53 @@
+"""Run launch/pretrain.py the way users do: plain python, the deepspeed launcher, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY = str(REPO / "launch" / "pretrain.py")
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(launcher: str, ranks: int) -> list[str]:
+    """The command prefix for `launcher` in {"python", "deepspeed", "torchrun"} with `ranks` ranks."""
+    if launcher == "python":
+        return [sys.executable, ENTRY]
+    if launcher == "deepspeed":
+        return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()), ENTRY]
+    if launcher == "torchrun":
+        return [
+            str(BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), ENTRY,
+        ]
+    raise ValueError(launcher)
+
+
+def run_training(
+    launcher: str, ranks: int, args: list[str], timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [*launch_command(launcher, ranks), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        output = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        raise AssertionError(f"{launcher} x{ranks} exited {proc.returncode}:\n{output}")
+    return proc
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The training loss of every logged step, in order."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in records if "train/loss" in r]
