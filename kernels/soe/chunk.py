@@ -1,8 +1,9 @@
 """Chunked PyTorch SOE scan: the CPU path, with a hand-written backward.
 
 Layout. The normaliser b is the state G of an extra value column of ones, so v gets a ones column
-(v' = [v, 1], width D' = D + 1) and o, z and (G, b) come out of one computation. Work is done in
-[B*H, T, .] fp32 tensors.
+(v' = [v, 1], width D' = D + 1) and o, z and (G, b) come out of one computation. Work tensors are
+chunk-major, [N chunks, B*H, c, .], so that every per-chunk operand is contiguous; fp32 (float64 for
+float64 inputs).
 
 Forward, per chunk of c tokens with entering per-term states G_s [F, D'] (positions i, j in the chunk):
   o'_i   = sum_s lam_s^(i+1) q_i^T G_s  +  sum_{j<=i} (q_i . k_j) Wc[i, j] v'_j
@@ -51,11 +52,13 @@ class _Decays:
         self.chunk = decay(c * log_lam).repeat(batch, 1)[:, :, None, None]  # lam^c: [BH, S, 1, 1]
 
 
-def _scaled_t(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[BH, c, F] x [BH, c, S] -> contiguous [BH, S*F, c]: x_i scaled by scale[i, s] for every term s, transposed.
+def _scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[BH, c, F] x [BH, c, S] -> contiguous [BH, c, S*F]: x_i scaled by scale[i, s] for every term s."""
+    return (scale[..., None] * x[:, :, None, :]).flatten(2)
 
-    This is the layout the state matmuls want as a contiguous operand.
-    """
+
+def _scaled_t(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The transpose of :func:`_scaled`, made contiguous as [BH, S*F, c] (the left operand of state updates)."""
     return (scale.transpose(1, 2)[:, :, None, :] * x.transpose(1, 2)[:, None, :, :]).flatten(1, 2)
 
 
@@ -67,45 +70,64 @@ def _advance(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: torch.Tens
     g.baddbmm_(_scaled_t(k, dec.key * coef), v)
 
 
-def _intra_index(c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat positions of the causal pairs (i >= j): in a [c, c] (i, j) matrix and in a [c, c] (j, i-j) one."""
-    i, j = torch.tril_indices(c, c, device=device)
-    return i * c + j, j * c + (i - j)
-
-
-def _to_chunks(x: torch.Tensor, c: int) -> torch.Tensor:
-    """[BH, T, X] -> [BH, N, c, X], zero-padding T up to a multiple of c."""
-    pad = (-x.shape[1]) % c
+def to_chunk_major(x: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, X] -> contiguous [N, B*H, c, X] in ``dtype``, zero-padding T up to N*c."""
+    batch, seq_len, heads, width = x.shape
+    pad = (-seq_len) % c
     if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    return x.unflatten(1, (-1, c))
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+    x = x.view(batch, -1, c, heads, width).permute(1, 0, 3, 2, 4)
+    return x.to(dtype).reshape(-1, batch * heads, c, width)
 
 
-def _chunk_spans(seq_len: int, c: int) -> list[tuple[int, int]]:
-    return [(start, min(start + c, seq_len)) for start in range(0, seq_len, c)]
+def from_chunk_major(x: torch.Tensor, batch: int, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`to_chunk_major`: [N, B*H, c, X] -> [B, T, H, X] in ``dtype``."""
+    n_chunks, bh, c, width = x.shape
+    x = x.view(n_chunks, batch, bh // batch, c, width).permute(1, 0, 3, 2, 4)
+    return x.reshape(batch, n_chunks * c, bh // batch, width)[:, :seq_len].to(dtype)
+
+
+class _Chunks:
+    """Chunk lengths and decay tables (cached per length) of a sequence of ``seq_len`` tokens."""
+
+    def __init__(self, log_lam: torch.Tensor, seq_len: int, c: int, batch: int) -> None:
+        self.c, self.seq_len = c, seq_len
+        self.count = -(-seq_len // c)
+        self._tables: dict[int, _Decays] = {}
+        self._args = (log_lam, batch)
+
+    def length(self, n: int) -> int:
+        return min(self.c, self.seq_len - n * self.c)
+
+    def decays(self, n: int) -> _Decays:
+        r = self.length(n)
+        if r not in self._tables:
+            self._tables[r] = _Decays(self._args[0], r, self._args[1])
+        return self._tables[r]
+
+    def positions(self, n: int, centre: float, like: torch.Tensor) -> torch.Tensor:
+        """Token positions of chunk n minus ``centre``."""
+        start = n * self.c
+        return torch.arange(start, start + self.length(n), dtype=like.dtype, device=like.device) - centre
 
 
 class _Intra:
-    """The intra-chunk causal weights for all chunks at once: A = Q K^T, Wc, and the product P = A * Wc."""
+    """Intra-chunk weights for all chunks at once: A = Q K^T and Wc, both [N, BH, c, c]."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor, c: int):
-        bh = coef.shape[0]
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor):
+        n_chunks, bh, c, n_terms = coef.shape
         heads = log_lam.shape[0]
-        self.c = c
-        self.qc, self.kc = _to_chunks(q, c), _to_chunks(k, c)  # [BH, N, c, F]
-        self.coefc = _to_chunks(coef, c)  # [BH, N, c, S]
+        self.by_head = (n_chunks, bh // heads, heads)
         dist = torch.arange(c, dtype=q.dtype, device=q.device)
+        self.dist = dist
         self.powers = decay(dist[None, None, :] * log_lam[:, :, None])  # E[h, s, d] = lam^d: [H, S, c]
-        self.w_pos, self.p_pos = _intra_index(c, q.device)
-        self.batch = bh // heads
-        self.heads = heads
-        by_head = self.coefc.unflatten(0, (self.batch, heads)).flatten(2, 3)  # [B, H, N*c, S]
-        pc = torch.matmul(by_head, self.powers[None])  # [B, H, N*c (j), c (d)]
-        pc = pc.reshape(bh, -1, c * c)
+        i, j = torch.tril_indices(c, c, device=q.device)
+        self.w_pos, self.p_pos = i * c + j, j * c + (i - j)  # causal (i, j) in Wc; (j, i-j) in coef @ E
+        pc = (coef.view(*self.by_head, c, n_terms) @ self.powers).view(n_chunks, bh, c * c)
         wc = pc.new_zeros(pc.shape)
         wc[..., self.w_pos] = pc[..., self.p_pos]
-        self.wc = wc.unflatten(-1, (c, c))  # [BH, N, c, c]
-        self.a = self.qc @ self.kc.transpose(-1, -2)
+        self.wc = wc.view(n_chunks, bh, c, c)
+        self.a = q @ k.transpose(-1, -2)
 
 
 def soe_forward_chunked(
@@ -115,24 +137,19 @@ def soe_forward_chunked(
     coef: torch.Tensor,
     log_lam: torch.Tensor,
     g0: torch.Tensor,
-    chunk_size: int,
+    seq_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward on [BH, T, .] fp32 tensors (v already has the ones column); returns (o' [BH, T, D'], G_T)."""
-    bh, seq_len, feat = q.shape
+    """Forward on chunk-major tensors (v has the ones column); returns (o' [N, BH, c, D'], G_T [BH, S, F, D'])."""
+    n_chunks, bh, c, feat = q.shape
     n_terms = coef.shape[-1]
-    batch = bh // log_lam.shape[0]
-    intra = _Intra(q, k, coef, log_lam, chunk_size)
-    vc = _to_chunks(v, chunk_size)
-    out = ((intra.a * intra.wc) @ vc).flatten(1, 2)[:, :seq_len].contiguous()
+    chunks = _Chunks(log_lam, seq_len, c, bh // log_lam.shape[0])
+    intra = _Intra(q, k, coef, log_lam)
+    out = (intra.a * intra.wc) @ v
     g = g0.clone().view(bh, n_terms * feat, -1)
-    decays: dict[int, _Decays] = {}
-    for start, end in _chunk_spans(seq_len, chunk_size):
-        c = end - start
-        if c not in decays:
-            decays[c] = _Decays(log_lam, c, batch)
-        dec = decays[c]
-        out[:, start:end].baddbmm_(_scaled_t(q[:, start:end], dec.query).transpose(1, 2), g)
-        _advance(g, k[:, start:end], v[:, start:end], coef[:, start:end], dec)
+    for n in range(n_chunks):
+        r, dec = chunks.length(n), chunks.decays(n)
+        out[n, :, :r].baddbmm_(_scaled(q[n, :, :r], dec.query), g)
+        _advance(g, k[n, :, :r], v[n, :, :r], coef[n, :, :r], dec)
     return out, g.view(g0.shape)
 
 
@@ -144,87 +161,67 @@ def soe_backward_chunked(
     log_lam: torch.Tensor,
     g0: torch.Tensor,
     d_out: torch.Tensor,
-    d_gT: torch.Tensor,
-    chunk_size: int,
+    d_gt: torch.Tensor,
+    seq_len: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Gradients (dq, dk, dv', dcoef, dlog_lam [H, S], dG0) of <d_out, o'> + <d_gT, G_T>; same layout as forward."""
-    bh, seq_len, feat = q.shape
+    """Gradients (dq, dk, dv', dcoef, dlog_lam [H, S], dG0) of <d_out, o'> + <d_gt, G_T>; same layout as forward."""
+    n_chunks, bh, c, feat = q.shape
     heads, n_terms = log_lam.shape
-    batch = bh // heads
-    c0 = chunk_size
-    intra = _Intra(q, k, coef, log_lam, c0)
-    vc, doc = _to_chunks(v, c0), _to_chunks(d_out, c0)
+    chunks = _Chunks(log_lam, seq_len, c, bh // heads)
+    intra = _Intra(q, k, coef, log_lam)
 
     # Intra-chunk part, all chunks at once.
-    d_p = doc @ vc.transpose(-1, -2)  # dL/dP, P = A * Wc (upper triangle of Wc is zero)
-    dv = (intra.a * intra.wc).transpose(-1, -2) @ doc
+    d_p = d_out @ v.transpose(-1, -2)  # dL/dP for P = A * Wc (the upper triangle of Wc is zero)
+    dv = (intra.a * intra.wc).transpose(-1, -2) @ d_out
     d_a = d_p * intra.wc
-    dq = d_a @ intra.kc
-    dk = d_a.transpose(-1, -2) @ intra.qc
-    d_wc = (d_p * intra.a).flatten(-2)
+    dq = d_a @ k
+    dk = d_a.transpose(-1, -2) @ q
+    d_wc = (d_p * intra.a).view(n_chunks, bh, c * c)
     d_pc = d_wc.new_zeros(d_wc.shape)
     d_pc[..., intra.p_pos] = d_wc[..., intra.w_pos]
-    d_pc = d_pc.view(batch, heads, -1, c0)  # [B, H, N*c (j), c (d)]
-    dcoef = torch.matmul(d_pc, intra.powers.transpose(-1, -2)[None])  # [B, H, N*c, S]
-    coef_by_head = intra.coefc.unflatten(0, (batch, heads)).flatten(2, 3)
-    dist = torch.arange(c0, dtype=q.dtype, device=q.device)
-    d_log_lam = ((coef_by_head.transpose(-1, -2) @ d_pc).sum(0) * dist * intra.powers).sum(-1)  # [H, S]
-    dq, dk, dv = (x.flatten(1, 2)[:, :seq_len].contiguous() for x in (dq, dk, dv))
-    dcoef = dcoef.flatten(0, 1)[:, :seq_len].contiguous()
+    d_pc = d_pc.view(*intra.by_head, c, c)  # [N, B, H, c (j), c (d)]
+    dcoef = (d_pc @ intra.powers.transpose(-1, -2)).view(coef.shape)
+    coef_t = coef.view(*intra.by_head, c, n_terms).transpose(-1, -2)
+    d_log_lam = ((coef_t @ d_pc).sum((0, 1)) * intra.dist * intra.powers).sum(-1)  # [H, S]
 
     # Cross-chunk part. Positions are centred so the reader and writer sums stay small.
     centre = (seq_len - 1) / 2.0
-    spans = _chunk_spans(seq_len, c0)
-    decays: dict[int, _Decays] = {}
     reader = q.new_zeros(bh, n_terms)
     writer = q.new_zeros(bh, n_terms)
     g = g0.clone().view(bh, n_terms * feat, -1)
-    for start, end in spans:
-        c = end - start
-        if c not in decays:
-            decays[c] = _Decays(log_lam, c, batch)
-        dec = decays[c]
-        d_query = torch.bmm(g, d_out[:, start:end].transpose(1, 2)).view(bh, n_terms, feat, c)
-        dq[:, start:end] += torch.einsum("bsfc,bcs->bcf", d_query, dec.query)
-        pos = torch.arange(start, end, dtype=q.dtype, device=q.device) - centre
-        reads = torch.einsum("bsfc,bcf->bcs", d_query, q[:, start:end]) * dec.query
-        reader += torch.einsum("bcs,c->bs", reads, pos)
-        _advance(g, k[:, start:end], v[:, start:end], coef[:, start:end], dec)
-    reader += (seq_len - 1 - centre) * (g.view(d_gT.shape) * d_gT).sum((-1, -2))
+    for n in range(n_chunks):
+        r, dec = chunks.length(n), chunks.decays(n)
+        q_n = q[n, :, :r]
+        d_query = torch.bmm(g, d_out[n, :, :r].transpose(1, 2)).view(bh, n_terms, feat, r)
+        d_query *= dec.query.transpose(1, 2)[:, :, None, :]
+        dq[n, :, :r] += d_query.sum(1).transpose(1, 2)
+        reads = (d_query * q_n.transpose(1, 2)[:, None]).sum(2)  # [BH, S, r]
+        reader += reads @ chunks.positions(n, centre, q)
+        _advance(g, k[n, :, :r], v[n, :, :r], coef[n, :, :r], dec)
+    reader += (seq_len - 1 - centre) * (g.view(d_gt.shape) * d_gt).sum((-1, -2))
 
-    dg = d_gT.clone().view(bh, n_terms * feat, -1)
-    for start, end in reversed(spans):
-        c = end - start
-        dec = decays[c]
-        key_scale = dec.key * coef[:, start:end]
-        d_keys = torch.bmm(dg, v[:, start:end].transpose(1, 2)).view(bh, n_terms, feat, c)
-        dk[:, start:end] += torch.einsum("bsfc,bcs->bcf", d_keys, key_scale)
-        d_coef_state = torch.einsum("bsfc,bcf->bcs", d_keys, k[:, start:end]) * dec.key
-        dcoef[:, start:end] += d_coef_state
-        pos = torch.arange(start, end, dtype=q.dtype, device=q.device) - centre
-        writer += torch.einsum("bcs,c->bs", d_coef_state * coef[:, start:end], pos)
-        dv[:, start:end] += torch.bmm(_scaled_t(k[:, start:end], key_scale).transpose(1, 2), dg)
+    dg = d_gt.clone().view(bh, n_terms * feat, -1)
+    for n in reversed(range(n_chunks)):
+        r, dec = chunks.length(n), chunks.decays(n)
+        k_n, coef_n = k[n, :, :r], coef[n, :, :r]
+        key_scale = dec.key * coef_n
+        d_keys = torch.bmm(dg, v[n, :, :r].transpose(1, 2)).view(bh, n_terms, feat, r)
+        dk[n, :, :r] += (d_keys * key_scale.transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
+        d_coef_state = (d_keys * k_n.transpose(1, 2)[:, None]).sum(2) * dec.key.transpose(1, 2)  # [BH, S, r]
+        dcoef[n, :, :r] += d_coef_state.transpose(1, 2)
+        writer += (d_coef_state * coef_n.transpose(1, 2)) @ chunks.positions(n, centre, q)
+        dv[n, :, :r] += torch.bmm(_scaled(k_n, key_scale), dg)
         dg.view(bh, n_terms, feat, -1).mul_(dec.chunk)
-        dg.baddbmm_(_scaled_t(q[:, start:end], dec.query), d_out[:, start:end])
+        dg.baddbmm_(_scaled_t(q[n, :, :r], dec.query), d_out[n, :, :r])
     dg = dg.view(g0.shape)
     writer += (-1 - centre) * (g0 * dg).sum((-1, -2))
-    d_log_lam = d_log_lam + (reader - writer).view(batch, heads, n_terms).sum(0)
+    d_log_lam = d_log_lam + (reader - writer).view(-1, heads, n_terms).sum(0)
     return dq, dk, dv, dcoef, d_log_lam, dg
 
 
 def work_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 inputs are computed in float64 (for tight checks); everything else accumulates in fp32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def to_work_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, H, X] -> contiguous [B*H, T, X] in ``dtype``."""
-    return x.transpose(1, 2).flatten(0, 1).to(dtype).contiguous()
-
-
-def from_work_layout(x: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B*H, T, X] -> [B, T, H, X] in ``dtype``."""
-    return x.unflatten(0, (batch, -1)).transpose(1, 2).to(dtype)
 
 
 def join_state(g: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -239,45 +236,47 @@ def split_state(g: torch.Tensor, batch: int) -> State:
 
 
 class SoeScanChunked(torch.autograd.Function):
-    """Autograd wrapper: saves only the inputs; the backward recomputes the chunk states."""
+    """Autograd wrapper: saves only the (re-laid-out) inputs; the backward recomputes the chunk states."""
 
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
-        batch, dt = q.shape[0], work_dtype(q)
-        qw, kw, cw = to_work_layout(q, dt), to_work_layout(k, dt), to_work_layout(coef, dt)
-        vw = to_work_layout(torch.nn.functional.pad(v, (0, 1), value=1.0), dt)
+        batch, seq_len = q.shape[:2]
+        dt = work_dtype(q)
+        qw, kw, cw = (to_chunk_major(x, chunk_size, dt) for x in (q, k, coef))
+        vw = to_chunk_major(torch.nn.functional.pad(v, (0, 1), value=1.0), chunk_size, dt)
         s0 = join_state(g0, b0, dt)
         ll = log_lam.to(dt)
-        out, s_t = soe_forward_chunked(qw, kw, vw, cw, ll, s0, chunk_size)
+        out, s_t = soe_forward_chunked(qw, kw, vw, cw, ll, s0, seq_len)
         ctx.save_for_backward(qw, kw, vw, cw, ll, s0)
         ctx.set_materialize_grads(False)
-        ctx.meta = (batch, chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)])
-        out = from_work_layout(out, batch, q.dtype)
+        ctx.meta = (batch, seq_len, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)])
+        out = from_chunk_major(out, batch, seq_len, q.dtype)
         g_t, b_t = split_state(s_t, batch)
         return out[..., :-1].contiguous(), out[..., -1].contiguous(), g_t.contiguous(), b_t.contiguous()
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
         qw, kw, vw, cw, ll, s0 = ctx.saved_tensors
-        batch, chunk_size, dtypes = ctx.meta
-        bh, seq_len, _ = qw.shape
-        d_out = qw.new_zeros(bh, seq_len, vw.shape[-1])
+        batch, seq_len, dtypes = ctx.meta
+        chunk_size = qw.shape[2]
+        d_out = qw.new_zeros(batch, seq_len, qw.shape[1] // batch, vw.shape[-1])
         if d_o is not None:
-            d_out[..., :-1] = to_work_layout(d_o, qw.dtype)
+            d_out[..., :-1] = d_o
         if d_z is not None:
-            d_out[..., -1] = to_work_layout(d_z[..., None], qw.dtype)[..., 0]
+            d_out[..., -1] = d_z
         d_st = torch.zeros_like(s0)
         if d_g is not None:
             d_st[..., :-1] = d_g.flatten(0, 1)
         if d_b is not None:
             d_st[..., -1] = d_b.flatten(0, 1)
-        dq, dk, dv, dcoef, dll, ds0 = soe_backward_chunked(qw, kw, vw, cw, ll, s0, d_out, d_st, chunk_size)
+        d_out = to_chunk_major(d_out, chunk_size, qw.dtype)
+        dq, dk, dv, dcoef, dll, ds0 = soe_backward_chunked(qw, kw, vw, cw, ll, s0, d_out, d_st, seq_len)
         dg0, db0 = split_state(ds0, batch)
         grads = (
-            from_work_layout(dq, batch, dtypes[0]),
-            from_work_layout(dk, batch, dtypes[1]),
-            from_work_layout(dv[..., :-1], batch, dtypes[2]),
-            from_work_layout(dcoef, batch, dtypes[3]),
+            from_chunk_major(dq, batch, seq_len, dtypes[0]),
+            from_chunk_major(dk, batch, seq_len, dtypes[1]),
+            from_chunk_major(dv, batch, seq_len, dtypes[2])[..., :-1],
+            from_chunk_major(dcoef, batch, seq_len, dtypes[3]),
             dll.to(dtypes[4]),
             dg0.to(dtypes[5]),
             db0.to(dtypes[6]),
