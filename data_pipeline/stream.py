@@ -27,8 +27,10 @@ permutation, and a bounded cache of decoded shards; nothing proportional to toke
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -59,7 +61,7 @@ def tokenizer_info(manifest: str | Manifest) -> dict[str, Any]:
 class _Source:
     """One manifest of a mixture: shard table, per-epoch layout, shuffle window and shard cache."""
 
-    def __init__(self, url: str, seq_len: int, seed: int, shuffle_buffer: int, shuffle: bool) -> None:
+    def __init__(self, url: str, seq_len: int, seed: int, shuffle_buffer: int, shuffle: bool, prefetch: bool) -> None:
         m = load_manifest(url)
         self.manifest = m
         self.url = m.url
@@ -91,6 +93,33 @@ class _Source:
         self._window_perm = np.empty(0, dtype=np.int64)
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._cached_tokens = 0
+        self.prefetch = prefetch
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = -1
+        self._inflight: OrderedDict[int, Future] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the shard cache and the prefetch thread (workers rebuild them)."""
+        state = dict(self.__dict__)
+        state.update(_cache=OrderedDict(), _cached_tokens=0, _pool=None, _pool_pid=-1, _inflight=OrderedDict())
+        return state
+
+    def _fetch(self, idx: int, verify: bool, retries: int) -> tuple[bytes, int, str]:
+        """Read shard ``idx`` and hash it (runs in the prefetch thread or inline)."""
+        data, used = read_bytes(self.shard_urls[idx], retries)
+        return data, used, sha256_hex(data) if verify else ""
+
+    def _schedule(self, idx: int, verify: bool, retries: int) -> None:
+        """Start reading shard ``idx`` in the background (one thread per process, fork-safe)."""
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
+            self._pool_pid = os.getpid()
+            self._inflight = OrderedDict()
+        if idx in self._cache or idx in self._inflight:
+            return
+        self._inflight[idx] = self._pool.submit(self._fetch, idx, verify, retries)
+        while len(self._inflight) > 2:
+            self._inflight.popitem(last=False)
 
     def _layout(self, epoch: int) -> None:
         """Shard order and cumulative stream ends for ``epoch`` (recomputed on epoch change)."""
@@ -116,19 +145,29 @@ class _Source:
             self._window_key = (epoch, w)
         return w * self.window + int(self._window_perm[k])
 
-    def _shard(self, idx: int, stats: dict[str, int], verify: bool, retries: int) -> np.ndarray:
-        """Decoded shard ``idx`` as one stream (documents each followed by EOS), through an LRU cache."""
+    def _shard(self, idx: int, next_idx: int | None, stats: dict[str, int], verify: bool, retries: int) -> np.ndarray:
+        """Decoded shard ``idx`` as one stream (documents each followed by EOS), through an LRU cache.
+
+        On a miss, the shard that follows in the epoch's order (``next_idx``) starts loading in the
+        background, so reading and hashing it overlaps with packing this one.
+        """
         hit = self._cache.get(idx)
         if hit is not None:
             self._cache.move_to_end(idx)
             return hit
         url = self.shard_urls[idx]
-        data, used = read_bytes(url, retries)
+        pending = self._inflight.pop(idx, None) if self._pool_pid == os.getpid() else None
+        if pending is not None:
+            data, used, digest = pending.result()
+            stats["prefetched"] += 1
+        else:
+            data, used, digest = self._fetch(idx, verify, retries)
+        if self.prefetch and next_idx is not None:
+            self._schedule(next_idx, verify, retries)
         stats["read_retries"] += used
         stats["shards_opened"] += 1
         stats["shard_bytes_read"] += len(data)
         if verify:
-            digest = sha256_hex(data)
             if digest != self.shard_sha[idx]:
                 raise ShardError(
                     f"shard {url!r}: sha256 mismatch (manifest {self.shard_sha[idx][:16]}…, file {digest[:16]}…); "
@@ -166,7 +205,8 @@ class _Source:
         while start < stop:
             shard_end = int(self._ends[pos])
             shard_start = shard_end - int(self.lengths[self._order[pos]])
-            stream = self._shard(int(self._order[pos]), stats, verify, retries)
+            following = int(self._order[pos + 1]) if pos + 1 < len(self._order) else None
+            stream = self._shard(int(self._order[pos]), following, stats, verify, retries)
             take = min(stop, shard_end)
             pieces.append(stream[start - shard_start : take - shard_start])
             start = take
@@ -250,6 +290,7 @@ class PackedStream(IterableDataset):
         max_samples: stop before global sample ``max_samples`` (None: infinite stream, epochs repeat).
         mix_block: samples per mixture block (the mixture is exact within each block).
         read_retries: retries of a failed (non-missing) shard read before raising ``ShardError``.
+        prefetch: read (and hash) the next shard in a background thread while packing the current one.
 
     Each sample is a dict: ``input_ids`` (int64 ``[seq_len]``), ``labels`` (int64 ``[seq_len]``,
     ``labels[t] = input_ids[t + 1]`` within the packed stream), ``index`` (global sample number),
@@ -272,6 +313,7 @@ class PackedStream(IterableDataset):
         max_samples: int | None = None,
         mix_block: int = 4096,
         read_retries: int = 2,
+        prefetch: bool = True,
     ) -> None:
         super().__init__()
         if seq_len < 1:
@@ -293,7 +335,7 @@ class PackedStream(IterableDataset):
         self.max_samples = max_samples
         self.read_retries = read_retries
         self.shuffle = shuffle
-        self._sources = [_Source(url, seq_len, seed, shuffle_buffer, shuffle) for url, _ in sources]
+        self._sources = [_Source(url, seq_len, seed, shuffle_buffer, shuffle, prefetch) for url, _ in sources]
         fingerprints = [s.fingerprint for s in self._sources]
         if len(set(fingerprints)) != len(fingerprints):
             raise ValueError("the same dataset appears twice in sources; merge their weights instead")
@@ -322,6 +364,7 @@ class PackedStream(IterableDataset):
             "sha256_verified": 0,
             "read_retries": 0,
             "cache_evictions": 0,
+            "prefetched": 0,
         }
 
     @property

@@ -277,3 +277,13 @@ def test_10k_shard_manifest_reads_lazily(tmp_path: Path) -> None:
     sample = next(iter(s))
     assert int(sample["index"]) == 250_001
     assert s.stats()["shards_opened"] <= 2
+
+
+def test_prefetch_gives_identical_samples(data: dict) -> None:
+    with_prefetch = _stream(data, shuffle=False)
+    without = _stream(data, shuffle=False, prefetch=False)
+    n = with_prefetch.samples_per_epoch()[0]
+    assert _ids(_take(with_prefetch, n)) == _ids(_take(without, n))
+    stats = with_prefetch.stats()
+    assert stats["prefetched"] >= stats["shards_opened"] - 1 > 0
+    assert without.stats()["prefetched"] == 0
