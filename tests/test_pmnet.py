@@ -251,6 +251,7 @@ def memory_grad_norm(seq_len: int) -> float:
 def test_memory_gradient_norm_bounded_between_1k_and_16k() -> None:
     short, long = memory_grad_norm(1024), memory_grad_norm(16384)
     factor = max(short, long) / min(short, long)
+    print(f"memory-path gradient norm: T=1024 {short:.4f}, T=16384 {long:.4f}, factor {factor:.2f}")
     assert factor < 5.0, (short, long)
 
 
