@@ -42,6 +42,9 @@ def _full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def expand_inputs(inputs: Sequence[str]) -> list[tuple[str, int]]:
     """Expand files, directories, globs and URLs into a sorted, de-duplicated ``[(url, size)]``.
 
+    A directory contributes the ``.txt`` / ``.jsonl`` / ``.json`` files below it (optionally
+    compressed); name other files explicitly or with a glob.
+
     The order is deterministic (sorted within each input, inputs in the given order) so that the
     same inputs always produce the same document order and therefore identical shards. An input
     that matches nothing is an error naming it.
@@ -53,7 +56,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[tuple[str, int]]:
         if any(c in path for c in _GLOB_CHARS):
             matches = sorted(fs.glob(path))
         elif fs.isdir(path):
-            matches = sorted(fs.find(path))
+            matches = sorted(m for m in fs.find(path) if _is_corpus_file(m))
         elif fs.exists(path):
             matches = [path]
         else:
@@ -69,11 +72,18 @@ def expand_inputs(inputs: Sequence[str]) -> list[tuple[str, int]]:
     return out
 
 
+def _strip_compression(name: str) -> str:
+    return name.rsplit(".", 1)[0] if infer_compression(name) else name
+
+
+def _is_corpus_file(path: str) -> bool:
+    """Whether a file found under an input directory is a corpus file (by extension)."""
+    return _strip_compression(path.rsplit("/", 1)[-1]).endswith((".txt", ".jsonl", ".json"))
+
+
 def _format_of(url: str) -> str:
     """``"jsonl"`` or ``"txt"`` from the file name, ignoring a compression suffix."""
-    name = url.rsplit("/", 1)[-1]
-    if infer_compression(name):
-        name = name.rsplit(".", 1)[0]
+    name = _strip_compression(url.rsplit("/", 1)[-1])
     return "jsonl" if name.endswith((".jsonl", ".json")) else "txt"
 
 

@@ -76,7 +76,8 @@ def test_jsonl_and_compressed_inputs(tmp_path: Path) -> None:
     (tmp_path / "a.jsonl").write_bytes(lines)
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(lines))
     (tmp_path / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(b"zstd book"))
-    m = build_shards([str(tmp_path / "*.*")], str(tmp_path / "out"), shard_tokens=1 << 20)
+    (tmp_path / "notes.bin").write_bytes(b"not a corpus file")
+    m = build_shards([str(tmp_path)], str(tmp_path / "out"), shard_tokens=1 << 20)
     assert m.total_documents == 7
     tokens, _ = decode_shard((tmp_path / "out" / m.shards[0]["path"]).read_bytes(), "s")
     joined = "".join(texts).encode()
