@@ -27,7 +27,7 @@ import numpy as np
 from fsspec.core import url_to_fs
 from tqdm import tqdm
 
-from data_pipeline.shards import Manifest, encode_shard, join_url, save_manifest, sha256_hex
+from data_pipeline.shards import MANIFEST_NAME, Manifest, encode_shard, join_url, save_manifest, sha256_hex
 from data_pipeline.sources import Document, expand_inputs, iter_documents
 from data_pipeline.tokenizer import Tokenizer, load_tokenizer
 
@@ -142,6 +142,9 @@ def build_shards(
     paths = expand_inputs(inputs)
     fs, out_path = url_to_fs(output)
     fs.makedirs(out_path, exist_ok=True)
+    stale = join_url(out_path, MANIFEST_NAME)
+    if fs.exists(stale):
+        fs.rm(stale)  # a crash mid-build must not leave an old manifest over new shards
     writer = _ShardWriter(output, tok.storage_dtype, shard_tokens)
     stats = {"input_files": len(paths), "empty_documents": 0, "invalid_utf8_documents": 0}
     bar = tqdm(
@@ -170,7 +173,7 @@ def build_shards(
         shards=writer.entries,
         build={"inputs": list(inputs), "shard_tokens": shard_tokens, "text_field": text_field},
         stats=stats,
-        url=join_url(output, "manifest.json"),
+        url=join_url(output, MANIFEST_NAME),
     )
     save_manifest(manifest, output)
     return manifest

@@ -478,8 +478,9 @@ class PackedStream(IterableDataset):
         """Continue after the samples ``state`` says were consumed, at this object's world size.
 
         Seq len, seed and shuffle settings must match (they define the order). If the mixture
-        changed (weights, or sources added/removed), the new weights apply from the saved point on and
-        each source that was in the old mixture continues where it stopped; new sources start at 0.
+        changed (per-block quotas, or sources added/removed), the new weights apply from the saved
+        point on and each source that was in the old mixture continues where it stopped; new
+        sources start at 0. Weights that normalize to the same quotas are no change.
         """
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported stream state version {state.get('version')!r}")
@@ -492,15 +493,15 @@ class PackedStream(IterableDataset):
         consumed = int(state["consumed"])
         mix = state["mixture"]
         fingerprints = [s.fingerprint for s in self._sources]
+        old = _Mixture(mix["weights"], int(state["mix_block"]), self.seed)
         if (
             mix["sources"] == fingerprints
-            and list(mix["weights"]) == self.weights
-            and state["mix_block"] == self._mixture.block
+            and old.block == self._mixture.block
+            and np.array_equal(old.quota, self._mixture.quota)
         ):
             self._origin = int(mix["origin"])
             self._offsets = np.asarray(mix["offsets"], dtype=np.int64)
         else:
-            old = _Mixture(mix["weights"], int(state["mix_block"]), self.seed)
             old_positions = np.asarray(mix["offsets"], dtype=np.int64) + old.counts(consumed - int(mix["origin"]))
             by_fingerprint = dict(zip(mix["sources"], old_positions.tolist()))
             self._origin = consumed

@@ -287,3 +287,13 @@ def test_prefetch_gives_identical_samples(data: dict) -> None:
     stats = with_prefetch.stats()
     assert stats["prefetched"] >= stats["shards_opened"] - 1 > 0
     assert without.stats()["prefetched"] == 0
+
+
+def test_equivalent_weights_are_no_mixture_change(data: dict) -> None:
+    old = _stream(data, sources=[(data["a"], 1.0), (data["b"], 1.0)], mix_block=8)
+    _take(old, 11)
+    new = _stream(data, sources=[(data["a"], 0.5), (data["b"], 0.5)], mix_block=8)
+    new.load_state_dict(old.state_dict())
+    assert new.state_dict()["mixture"]["origin"] == 0
+    fresh = _stream(data, sources=[(data["a"], 1.0), (data["b"], 1.0)], mix_block=8)
+    assert _ids(_take(new, 5)) == _ids(_take(fresh, 16))[11:]
