@@ -157,6 +157,22 @@ def test_collision_normalisation_over_the_sequence() -> None:
         torch.testing.assert_close(delta.grad, u / count.float().sqrt()[..., None], rtol=1e-6, atol=0)
 
 
+def test_collision_scopes_agree_when_one_segment_spans_the_call() -> None:
+    """The model-level hooks of the sequence scope give the gradient of the stop-gradient form."""
+    ids = torch.randint(0, 258, (2, 30), generator=torch.Generator().manual_seed(6))
+
+    def gradients(**pmnet: object) -> list[torch.Tensor]:
+        model = make_model(seed=9, **{"collision_scope": "segment", **pmnet})
+        model.loss(ids[:, :-1], ids[:, 1:])[0].backward()
+        return [p.grad for p in model.parameters()]
+
+    one_segment = zip(gradients(segment_len=64, collision_scope="sequence"), gradients(segment_len=64))
+    for seq, seg in one_segment:
+        torch.testing.assert_close(seq, seg, rtol=1e-6, atol=1e-9)
+    several = zip(gradients(segment_len=8, collision_scope="sequence"), gradients(segment_len=8))
+    assert max(rel_err(seq, seg) for seq, seg in several) > 1e-3
+
+
 @pytest.mark.parametrize("seq_len", [1, 1000, 20000])
 def test_state_is_unit_phasor_at_any_length(seq_len: int) -> None:
     torch.manual_seed(6)
