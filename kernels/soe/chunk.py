@@ -13,7 +13,7 @@ exceeds 1 and nothing is divided by a decay. The cross-chunk terms are single ma
 folded into the contraction: [c, S*F] @ [S*F, D'] (queries scaled by lam^(i+1)) and
 [S*F, c] @ [c, D'] (keys scaled by lam^(c-1-j) coef). Wc never exists as [S, c, c]: with
 E[s, d] = lam_s^d, the product coef @ E is [c, c] indexed (j, i-j), and a fixed gather lays it out.
-The intra-chunk part has no sequential dependency and runs for all chunks at once.
+The intra-chunk part has no sequential dependency and runs for blocks of chunks at once.
 
 Backward recomputes the states instead of storing them: one forward-order pass rebuilds G to get the
 query gradients of the cross-chunk term, and one reverse pass carries dG (seeded by the gradient of
@@ -111,8 +111,15 @@ class _Chunks:
         return torch.arange(start, start + self.length(n), dtype=like.dtype, device=like.device) - centre
 
 
+INTRA_BLOCK = 16  # chunks per block of the intra-chunk part: keeps its [block, BH, c, c] tensors in cache
+
+
+def _blocks(n_chunks: int) -> list[slice]:
+    return [slice(lo, min(lo + INTRA_BLOCK, n_chunks)) for lo in range(0, n_chunks, INTRA_BLOCK)]
+
+
 class _Intra:
-    """Intra-chunk weights for all chunks at once: A = Q K^T and Wc, both [N, BH, c, c]."""
+    """Intra-chunk weights of a block of chunks: A = Q K^T and Wc, both [n, BH, c, c]."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor):
         n_chunks, bh, c, n_terms = coef.shape
@@ -130,6 +137,31 @@ class _Intra:
         self.a = q @ k.transpose(-1, -2)
 
 
+def _intra_forward(q, k, v, coef, log_lam) -> torch.Tensor:
+    """(Q K^T * Wc) V' for a block of chunks."""
+    intra = _Intra(q, k, coef, log_lam)
+    return (intra.a * intra.wc) @ v
+
+
+def _intra_backward(q, k, v, coef, log_lam, d_out) -> tuple[torch.Tensor, ...]:
+    """Gradients (dq, dk, dv', dcoef, dlog_lam [H, S]) of the intra-chunk term of a block of chunks."""
+    n_chunks, bh, c, n_terms = coef.shape
+    intra = _Intra(q, k, coef, log_lam)
+    d_p = d_out @ v.transpose(-1, -2)  # dL/dP for P = A * Wc (the upper triangle of Wc is zero)
+    dv = (intra.a * intra.wc).transpose(-1, -2) @ d_out
+    d_a = d_p * intra.wc
+    dq = d_a @ k
+    dk = d_a.transpose(-1, -2) @ q
+    d_wc = (d_p * intra.a).view(n_chunks, bh, c * c)
+    d_pc = d_wc.new_zeros(d_wc.shape)
+    d_pc[..., intra.p_pos] = d_wc[..., intra.w_pos]
+    d_pc = d_pc.view(*intra.by_head, c, c)  # [n, B, H, c (j), c (d)]
+    dcoef = (d_pc @ intra.powers.transpose(-1, -2)).view(coef.shape)
+    coef_t = coef.view(*intra.by_head, c, n_terms).transpose(-1, -2)
+    d_log_lam = ((coef_t @ d_pc).sum((0, 1)) * intra.dist * intra.powers).sum(-1)
+    return dq, dk, dv, dcoef, d_log_lam
+
+
 def soe_forward_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -143,8 +175,7 @@ def soe_forward_chunked(
     n_chunks, bh, c, feat = q.shape
     n_terms = coef.shape[-1]
     chunks = _Chunks(log_lam, seq_len, c, bh // log_lam.shape[0])
-    intra = _Intra(q, k, coef, log_lam)
-    out = (intra.a * intra.wc) @ v
+    out = torch.cat([_intra_forward(q[b], k[b], v[b], coef[b], log_lam) for b in _blocks(n_chunks)])
     g = g0.clone().view(bh, n_terms * feat, -1)
     for n in range(n_chunks):
         r, dec = chunks.length(n), chunks.decays(n)
@@ -168,21 +199,11 @@ def soe_backward_chunked(
     n_chunks, bh, c, feat = q.shape
     heads, n_terms = log_lam.shape
     chunks = _Chunks(log_lam, seq_len, c, bh // heads)
-    intra = _Intra(q, k, coef, log_lam)
 
-    # Intra-chunk part, all chunks at once.
-    d_p = d_out @ v.transpose(-1, -2)  # dL/dP for P = A * Wc (the upper triangle of Wc is zero)
-    dv = (intra.a * intra.wc).transpose(-1, -2) @ d_out
-    d_a = d_p * intra.wc
-    dq = d_a @ k
-    dk = d_a.transpose(-1, -2) @ q
-    d_wc = (d_p * intra.a).view(n_chunks, bh, c * c)
-    d_pc = d_wc.new_zeros(d_wc.shape)
-    d_pc[..., intra.p_pos] = d_wc[..., intra.w_pos]
-    d_pc = d_pc.view(*intra.by_head, c, c)  # [N, B, H, c (j), c (d)]
-    dcoef = (d_pc @ intra.powers.transpose(-1, -2)).view(coef.shape)
-    coef_t = coef.view(*intra.by_head, c, n_terms).transpose(-1, -2)
-    d_log_lam = ((coef_t @ d_pc).sum((0, 1)) * intra.dist * intra.powers).sum(-1)  # [H, S]
+    # Intra-chunk part, block by block.
+    parts = [_intra_backward(q[b], k[b], v[b], coef[b], log_lam, d_out[b]) for b in _blocks(n_chunks)]
+    dq, dk, dv, dcoef = (torch.cat([p[i] for p in parts]) for i in range(4))
+    d_log_lam = sum(p[4] for p in parts)
 
     # Cross-chunk part. Positions are centred so the reader and writer sums stay small.
     centre = (seq_len - 1) / 2.0
