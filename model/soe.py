@@ -86,7 +86,7 @@ def soe_weights(log_lambda: np.ndarray, coef: np.ndarray, n: np.ndarray | Sequen
     return np.tensordot(np.asarray(coef, dtype=np.float64), powers, axes=([-1], [-1]))
 
 
-def design_nodes(T: int, num_decaying: int, lo: float = 0.1, hi: float = 10.0) -> np.ndarray:
+def design_nodes(T: int, num_decaying: int, lo: float = 0.3, hi: float = 7.0) -> np.ndarray:
     """Shared log-decays: ``num_decaying`` geometric rates in [lo/T, hi] plus the alpha = 1 node.
 
     Returns log_lambda (float64, ascending, last entry exactly 0.0).  Geometric rates are the

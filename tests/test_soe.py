@@ -84,7 +84,8 @@ def test_design_nodes_shape_and_alpha_one_node() -> None:
     assert nodes.shape == (11,)
     assert nodes[-1] == 0.0
     assert np.all(np.diff(nodes) > 0)
-    assert -nodes[-2] == pytest.approx(0.1 / SMALL_T)
+    assert -nodes[-2] == pytest.approx(0.3 / SMALL_T)
+    assert -nodes[0] == pytest.approx(7.0)
 
 
 def test_alpha_one_is_exact(small_cert: soe.Certificate) -> None:
