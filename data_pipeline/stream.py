@@ -382,8 +382,13 @@ class PackedStream(IterableDataset):
         return [s.samples_per_epoch for s in self._sources]
 
     def stats(self) -> dict[str, int]:
-        """Counters of this process's reads (per data-loader worker when workers are used)."""
-        return dict(self._stats)
+        """Counters for the logs: this process's reads (per data-loader worker when workers are used)
+        plus the build-time skip counts of all sources (``build_empty_documents``,
+        ``build_invalid_utf8_documents``, from the manifests)."""
+        out = dict(self._stats)
+        for key in ("empty_documents", "invalid_utf8_documents"):
+            out[f"build_{key}"] = sum(int(s.manifest.stats.get(key, 0)) for s in self._sources)
+        return out
 
     def locate(self, g: int) -> tuple[int, int]:
         """``(source, position within that source's infinite sample sequence)`` of global sample ``g``."""

@@ -297,3 +297,36 @@ def test_equivalent_weights_are_no_mixture_change(data: dict) -> None:
     assert new.state_dict()["mixture"]["origin"] == 0
     fresh = _stream(data, sources=[(data["a"], 1.0), (data["b"], 1.0)], mix_block=8)
     assert _ids(_take(new, 5)) == _ids(_take(fresh, 16))[11:]
+
+
+def test_pickled_stream_drops_cache_and_continues(data: dict) -> None:
+    import pickle
+
+    s = _stream(data)
+    _take(s, 3)
+    assert s._sources[0]._cache
+    clone = pickle.loads(pickle.dumps(s))
+    assert not clone._sources[0]._cache
+    assert _ids(_take(clone, 4)) == _ids(_take(s, 4))
+    assert clone.stats()["build_empty_documents"] == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(weights=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=5), block=st.integers(1, 64))
+def test_mixture_quotas_property(weights: list[float], block: int) -> None:
+    from data_pipeline.stream import _Mixture
+
+    if sum(weights) <= 0:
+        with pytest.raises(ValueError):
+            _Mixture(weights, block, 0)
+        return
+    mix = _Mixture(weights, block, 0)
+    assert int(mix.quota.sum()) == block
+    expected = np.asarray(weights) / sum(weights) * block
+    assert np.all(np.abs(mix.quota - expected) < 1.0 + 1e-9)
+    seen = np.zeros(len(weights), dtype=np.int64)
+    for n in range(3 * block):
+        assert np.array_equal(mix.counts(n), seen)
+        s, k = mix.locate(n)
+        assert k == seen[s]
+        seen[s] += 1
