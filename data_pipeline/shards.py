@@ -223,6 +223,28 @@ def decode_shard(buf: bytes, url: str) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
+def checked_shard(
+    data: bytes, url: str, entry: dict[str, Any], dtype: str, digest: str | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decode shard bytes and check them against their manifest ``entry``.
+
+    ``digest`` is the sha256 of ``data`` (None skips the hash check); the token/document counts and
+    the dtype are always checked. Any disagreement raises ``ShardError`` naming the file.
+    """
+    if digest is not None and digest != entry["sha256"]:
+        raise ShardError(
+            f"shard {url!r}: sha256 mismatch (manifest {entry['sha256'][:16]}…, file {digest[:16]}…); "
+            "the file was modified, truncated or belongs to another build"
+        )
+    tokens, lengths = decode_shard(data, url)
+    if tokens.size != int(entry["tokens"]) or lengths.size != int(entry["documents"]) or tokens.dtype != dtype:
+        raise ShardError(
+            f"shard {url!r}: holds {tokens.size} {tokens.dtype} tokens / {lengths.size} documents, manifest says "
+            f"{entry['tokens']} {dtype} / {entry['documents']}"
+        )
+    return tokens, lengths
+
+
 def read_bytes(url: str, retries: int = 2) -> tuple[bytes, int]:
     """Read a whole file through fsspec, retrying transient ``OSError``s; returns ``(data, retries_used)``.
 

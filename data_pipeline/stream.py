@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_pipeline.shards import Manifest, ShardError, decode_shard, load_manifest, read_bytes, sha256_hex
+from data_pipeline.shards import Manifest, ShardError, checked_shard, load_manifest, read_bytes, sha256_hex
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer, smallest_dtype
 
 STATE_VERSION = 1
@@ -167,21 +167,9 @@ class _Source:
         stats["read_retries"] += used
         stats["shards_opened"] += 1
         stats["shard_bytes_read"] += len(data)
-        if verify:
-            if digest != self.shard_sha[idx]:
-                raise ShardError(
-                    f"shard {url!r}: sha256 mismatch (manifest {self.shard_sha[idx][:16]}…, file {digest[:16]}…); "
-                    "the file was modified or belongs to another build"
-                )
-            stats["sha256_verified"] += 1
-        tokens, lengths = decode_shard(data, url)
-        if tokens.size != self.tokens[idx] or lengths.size != self.documents[idx]:
-            raise ShardError(
-                f"shard {url!r}: holds {tokens.size} tokens / {lengths.size} documents, manifest says "
-                f"{self.tokens[idx]} / {self.documents[idx]}"
-            )
-        if tokens.dtype != np.dtype(self.manifest.dtype):
-            raise ShardError(f"shard {url!r}: dtype {tokens.dtype}, manifest says {self.manifest.dtype}")
+        entry = {"sha256": self.shard_sha[idx], "tokens": self.tokens[idx], "documents": self.documents[idx]}
+        tokens, lengths = checked_shard(data, url, entry, self.manifest.dtype, digest if verify else None)
+        stats["sha256_verified"] += int(verify)
         stream = np.empty(tokens.size + lengths.size, dtype=self.out_dtype)
         eos_at = np.cumsum(lengths, dtype=np.int64) + np.arange(1, lengths.size + 1)
         eos_at -= 1
@@ -229,6 +217,8 @@ class _Mixture:
     """Deterministic assignment of global sample numbers to sources (see module docstring, step 4)."""
 
     def __init__(self, weights: Sequence[float], block: int, seed: int) -> None:
+        if block < 1:
+            raise ValueError(f"mix_block must be >= 1, not {block}")
         w = np.asarray(weights, dtype=np.float64)
         if w.ndim != 1 or len(w) == 0 or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
             raise ValueError(f"mixture weights must be non-negative, finite and not all zero: {list(weights)}")

@@ -155,3 +155,16 @@ def test_transient_read_errors_are_retried_and_counted(shards: Path, monkeypatch
 def test_seq_len_longer_than_source(shards: Path) -> None:
     with pytest.raises(ValueError, match="fewer than seq_len"):
         PackedStream([(str(shards), 1.0)], seq_len=10_000)
+
+
+def test_verify_cli_reports_each_bad_shard(shards: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from data_pipeline.verify import main as verify_main
+
+    assert verify_main([str(shards), "--no-progress"]) == 0
+    (shards / "shard-000001.tar").unlink()
+    victim = shards / "shard-000003.tar"
+    victim.write_bytes(victim.read_bytes()[:-600])
+    assert verify_main([str(shards), "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "shard-000001.tar' is missing" in out and "shard-000003.tar': sha256 mismatch" in out
+    assert "2 problem(s)" in out
