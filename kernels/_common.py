@@ -19,9 +19,9 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
-def wrap_angle(x: torch.Tensor) -> torch.Tensor:
+def wrap_angle(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """Map angles to [0, 2*pi); the gradient passes through unchanged (d wrap(x)/dx = 1)."""
-    return torch.remainder(x, TWO_PI)
+    return x.remainder_(TWO_PI) if inplace else torch.remainder(x, TWO_PI)
 
 
 def check_triton_inputs(x: torch.Tensor, kernel: object) -> None:

@@ -1,14 +1,17 @@
 """Segmented PyTorch phasor scan: the CPU path, with a hand-written backward.
 
-All (token, level) entries are sorted once by (batch, slot, token). In that order every slot is one
-contiguous segment, and a token's read is an exclusive prefix sum inside its segment:
-read = wrap(init[slot] + (cumsum - own increment - the cumsum before the segment)). The sums run in
-float64, which keeps the phase exact to ~1e-10 rad even for millions of increments, and are wrapped
-before returning to fp32. Memory is O(T * L * M); nothing of size T x n_slots is built.
+All (token, level) entries are sorted once by (batch, slot, token); in that order each slot is one
+contiguous segment and a token's read is an exclusive prefix sum inside its segment. One cumsum over
+the whole sorted array does every segment at once: the running sum is reset between segments by adding
+reset_k = init_k - (init_{k-1} + total_{k-1}) with the last entry of segment k - 1, so inside segment
+k it equals init_k + (the segment's increments so far). Resets are taken mod 2*pi (reads are wrapped
+anyway), which keeps the running sum small. Sums run in float64 along the contiguous axis of an
+[M, N] array and in place where possible (fresh large buffers cost page faults); phases stay exact to
+~1e-10 rad for millions of increments and are wrapped and returned in fp32. Memory is O(T * L * M);
+nothing of size T x n_slots is built.
 
-The backward is the mirror image: the gradient of an increment is the sum of the read gradients of
-the same slot at later tokens (a reverse exclusive segmented sum) plus the final-state gradient of its
-slot; wrap has derivative 1.
+The backward is one more cumsum: the gradient of an increment is the final-state gradient of its slot
+plus the read gradients of the same slot at later tokens; wrap has derivative 1.
 """
 
 from __future__ import annotations
@@ -19,59 +22,60 @@ from kernels._common import wrap_angle
 
 
 class SlotSegments:
-    """The sort of entries by (batch, slot, token) and each entry's segment bounds in that order."""
+    """The sort of entries by (batch, slot, token), and where each slot's segment starts and ends in it."""
 
     def __init__(self, slots: torch.Tensor, n_slots: int) -> None:
         batch, seq_len, _ = slots.shape
         dev = slots.device
-        tok = torch.arange(seq_len, device=dev)[None, :, None]
-        seg = torch.arange(batch, device=dev)[:, None, None] * n_slots + slots.long()
-        key = (seg * seq_len + tok).flatten()
+        state = torch.arange(batch, device=dev)[:, None, None] * n_slots + slots.long()
+        key = (state * seq_len + torch.arange(seq_len, device=dev)[None, :, None]).flatten()
         self.order = torch.argsort(key)
-        self.seg = seg.flatten().index_select(0, self.order)
-        n = self.seg.numel()
-        idx = torch.arange(n, device=dev)
-        boundary = self.seg[1:] != self.seg[:-1]
-        is_start = torch.cat([boundary.new_ones(1), boundary])
-        is_end = torch.cat([boundary, boundary.new_ones(1)])
-        self.start = torch.cummax(torch.where(is_start, idx, 0), 0).values
-        self.stop = torch.cummin(torch.where(is_end, idx, n).flip(0), 0).values.flip(0)
-        self.last = idx[is_end]
-        self.last_seg = self.seg[is_end]
+        state = state.flatten().index_select(0, self.order)
+        boundary = state[1:] != state[:-1]
+        idx = torch.arange(state.numel(), device=dev)
+        self.starts = idx[torch.cat([boundary.new_ones(1), boundary])]
+        self.ends = idx[torch.cat([boundary, boundary.new_ones(1)])]
+        self.segment_of = torch.cat([boundary.new_zeros(1, dtype=torch.long), boundary.long().cumsum(0)])
+        self.slot_of_segment = state.index_select(0, self.starts)  # batch * n_slots + slot
         self.n_states = batch * n_slots
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, L, M] -> float64 [M, N] in segment order (scans run along the contiguous last dim)."""
-        rows = x.reshape(-1, x.shape[-1]).index_select(0, self.order)
-        return torch.empty(rows.shape[::-1], dtype=torch.float64, device=x.device).copy_(rows.t())
+    def sorted_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, L, M] -> float64 [N, M] in segment order."""
+        return x.reshape(-1, x.shape[-1]).index_select(0, self.order).double()
 
-    def scatter(self, x: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """Inverse of :meth:`gather`, cast to ``dtype`` and viewed as ``shape``."""
-        rows = x.to(dtype).t()
-        return torch.empty(rows.shape, dtype=dtype, device=x.device).index_copy_(0, self.order, rows).view(shape)
+    def unsort(self, cols: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """[M, N] in segment order -> ``shape`` in token order, cast to ``dtype``."""
+        rows = torch.empty(cols.shape[::-1], dtype=dtype, device=cols.device).copy_(cols.t())
+        return torch.empty_like(rows).index_copy_(0, self.order, rows).view(shape)
 
-    def per_entry(self, state: torch.Tensor) -> torch.Tensor:
-        """[B*n_slots, M] -> [M, N]: each entry's slot row."""
-        return state.t().index_select(1, self.seg)
+    def totals(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-segment sums of [N, M] rows: [n_segments, M]."""
+        return rows.new_zeros(self.starts.numel(), rows.shape[1]).index_add_(0, self.segment_of, rows)
 
-    def segment_totals(self, inclusive: torch.Tensor, values: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """base [B*n_slots, M] plus the sum of ``values`` [M, N] over each segment (``inclusive``: their cumsum)."""
-        first = self.start.index_select(0, self.last)
-        totals = inclusive.index_select(1, self.last) - inclusive.index_select(1, first) + values.index_select(1, first)
-        return base.index_add(0, self.last_seg, totals.t())
+    def per_segment(self, state: torch.Tensor) -> torch.Tensor:
+        """[B, n_slots, M] -> float64 [n_segments, M]: the rows of the slots that have a segment."""
+        return state.reshape(self.n_states, -1).double().index_select(0, self.slot_of_segment)
 
 
 def phasor_forward_segmented(
     delta: torch.Tensor, seg: SlotSegments, init: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (read [B, T, L, M] in delta's dtype, final state [B, n_slots, M] fp32), both wrapped."""
-    d = seg.gather(delta)
-    incl = torch.cumsum(d, 1)
-    excl = incl - d
-    base = init.reshape(seg.n_states, -1).double()
-    read = wrap_angle(seg.per_entry(base) + (excl - excl.index_select(1, seg.start)))
-    final = wrap_angle(seg.segment_totals(incl, d, base))
-    return seg.scatter(read, delta.shape, delta.dtype), final.float().view(init.shape)
+    rows = seg.sorted_rows(delta)
+    totals = seg.totals(rows)
+    init_seg = seg.per_segment(init)
+    # An exclusive scan: column 0 holds segment 0's start value and entry i sits in column i + 1, so
+    # column i of the inclusive cumsum is the phase before entry i. The reset of segment k is added
+    # with the last entry of segment k - 1.
+    run = rows.new_empty(rows.shape[1], rows.shape[0] + 1)
+    run[:, 1:].copy_(rows.t())
+    run[:, 0] = init_seg[0]
+    resets = init_seg[1:] - init_seg[:-1] - totals[:-1]
+    run[:, seg.ends[:-1] + 1] += wrap_angle(resets).t()
+    read = wrap_angle(run.cumsum_(1)[:, :-1], inplace=True)
+    final = wrap_angle(init.reshape(seg.n_states, -1).double())
+    final[seg.slot_of_segment] = wrap_angle(init_seg + totals)
+    return seg.unsort(read, delta.shape, delta.dtype), final.float().view(init.shape)
 
 
 def phasor_backward_segmented(
@@ -81,20 +85,29 @@ def phasor_backward_segmented(
     shape: torch.Size,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients (d delta [shape] in ``dtype``, d initial_state fp32) of <d_read, read> + <d_final, final>."""
+    """Gradients (d delta [shape] in ``dtype``, d initial_state fp32) of <d_read, read> + <d_final, final>.
+
+    d delta_i = d_final[slot] + sum of d_read over the later entries of its segment
+              = (d_final[slot] + segment total) - (sum of d_read up to and including i),
+    one cumsum of -d_read with a reset at each segment start.
+    """
     batch, width = shape[0], shape[-1]
-    base = torch.zeros(seg.n_states, width, dtype=torch.float64, device=seg.seg.device)
-    if d_final is not None:
-        base = base + d_final.reshape(seg.n_states, width).double()
+    dev = seg.order.device
+    if d_final is None:
+        d_final = torch.zeros(batch, seg.n_states // batch, width, dtype=torch.float64, device=dev)
     if d_read is None:
-        d_delta = seg.per_entry(base)
-        d_init = base
+        rows = torch.zeros(seg.order.numel(), width, dtype=torch.float64, device=dev)
     else:
-        g = seg.gather(d_read)
-        incl = torch.cumsum(g, 1)
-        d_delta = seg.per_entry(base) + (incl.index_select(1, seg.stop) - incl)
-        d_init = seg.segment_totals(incl, g, base)
-    return seg.scatter(d_delta, shape, dtype), d_init.float().view(batch, -1, width)
+        rows = seg.sorted_rows(d_read).neg_()
+    final_seg = seg.per_segment(d_final)
+    whole = final_seg - seg.totals(rows)  # d_final + segment total of d_read = the gradient of the initial state
+    resets = whole.clone()
+    resets[1:] -= final_seg[:-1]  # the running sum ends segment k - 1 at d_final[k - 1]
+    rows.index_add_(0, seg.starts, resets)
+    d_delta = rows.t().contiguous().cumsum_(1)
+    d_init = d_final.reshape(seg.n_states, -1).double().clone()
+    d_init[seg.slot_of_segment] = whole
+    return seg.unsort(d_delta, shape, dtype), d_init.float().view(batch, -1, width)
 
 
 class PhasorScanSegmented(torch.autograd.Function):
