@@ -145,14 +145,18 @@ class PMNet(StackedLM):
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """A ModelConfig from a YAML file holding a `model:` mapping (or the mapping itself)."""
+    """A ModelConfig from a YAML file holding a `model:` mapping (or the mapping itself).
+
+    A small reader for this command and the tests (model/ does not import pretrain/); runs load
+    the same files through pretrain.config, which also resolves `extends` and overrides.
+    """
     tree = yaml.safe_load(Path(path).read_text()) or {}
     tree = tree.get("model", tree)
-    sections = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
     kwargs = dict(tree)
     if "pmnet" in kwargs:
         kwargs["pmnet"] = PMNetConfig(**kwargs["pmnet"])
-    unknown = set(kwargs) - set(sections)
+    unknown = set(kwargs) - known
     if unknown:
         raise ValueError(f"{path}: unknown model keys {sorted(unknown)}")
     return ModelConfig(**kwargs)
