@@ -103,7 +103,9 @@ class PhasorScanTriton(torch.autograd.Function):
         final = torch.empty_like(init32)
         bt, bm, bn = _blocks(width, n_slots)
         grid = (batch, triton.cdiv(width, bm))
-        _phasor_fwd_kernel[grid](delta, slots, init32, read, final, seq_len, levels, width, n_slots, bt, bm, bn)
+        _phasor_fwd_kernel[grid](
+            delta, slots, init32, read, final, seq_len, levels, width, n_slots, bt, bm, bn, num_warps=8
+        )
         ctx.save_for_backward(slots)
         ctx.meta = (n_slots, delta.dtype, init.dtype)
         ctx.set_materialize_grads(False)

@@ -14,7 +14,7 @@ gradients, the writer half of the decay gradient and the initial-state gradient.
 uses the same (reader position - writer position) split as kernels/soe/chunk.py.
 
 bf16 inputs are multiplied in bf16 (tensor cores) with fp32 accumulation and fp32 states; fp32 inputs
-use tl.dot's default fp32 precision.
+are multiplied in IEEE fp32 (no TF32), so they meet the same 1e-4 tolerance as on the CPU.
 """
 
 from __future__ import annotations
@@ -63,7 +63,23 @@ def _load_chunk(
 
 @triton.jit
 def _soe_fwd_kernel(
-    q, k, v, coef, log_lam, g0, out, g_t, seq_len, H, S, F, DV, BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr
+    q,
+    k,
+    v,
+    coef,
+    log_lam,
+    g0,
+    out,
+    g_t,
+    seq_len,
+    H,
+    S,
+    F,
+    DV,
+    BT: tl.constexpr,
+    BF: tl.constexpr,
+    BD: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_d = tl.program_id(1)
@@ -82,12 +98,12 @@ def _soe_fwd_kernel(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
         _mask_t, q_dec, k_dec, chunk_dec, _diff, intra = _chunk_decays(ll, start, seq_len, BT)
-        scores = tl.dot(qc, tl.trans(kc)) * (intra * cc[None, :])
-        o = tl.dot(scores.to(vc.dtype), vc)
-        o += tl.dot((qc * q_dec[:, None]).to(vc.dtype), state.to(vc.dtype))
+        scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * (intra * cc[None, :])
+        o = tl.dot(scores.to(vc.dtype), vc, input_precision=PRECISION)
+        o += tl.dot((qc * q_dec[:, None]).to(vc.dtype), state.to(vc.dtype), input_precision=PRECISION)
         tl.atomic_add(out + row[:, None] * DV + offs_d[None, :], o, mask=mask_v)
         keys = kc * (k_dec * cc)[:, None]
-        state = state * chunk_dec + tl.dot(tl.trans(keys.to(vc.dtype)), vc)
+        state = state * chunk_dec + tl.dot(tl.trans(keys.to(vc.dtype)), vc, input_precision=PRECISION)
     tl.store(g_t + st_off, state, mask=st_mask)
 
 
@@ -115,6 +131,7 @@ def _soe_bwd_forward_order_kernel(
     BT: tl.constexpr,
     BF: tl.constexpr,
     BD: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_d = tl.program_id(1)
@@ -137,17 +154,17 @@ def _soe_bwd_forward_order_kernel(
         qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
         doc = tl.load(d_out + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
         # Cross-chunk reads: o'_i += lam^(i+1) q_i G.
-        dq_inter = tl.dot(doc, tl.trans(state)) * q_dec[:, None]
+        dq_inter = tl.dot(doc, tl.trans(state), input_precision=PRECISION) * q_dec[:, None]
         pos = (start + tl.arange(0, BT)).to(tl.float32) - centre
         acc_ll += tl.where(mask_t, tl.sum(dq_inter * qf, axis=1) * pos, 0.0)
         # Intra-chunk: P = (Q K^T) * W, W[i, j] = coef_j lam^(i-j).
-        scores = tl.dot(qf, tl.trans(kf))
+        scores = tl.dot(qf, tl.trans(kf), input_precision=PRECISION)
         w = intra * cc[None, :]
-        d_p = tl.dot(doc, tl.trans(vf))
+        d_p = tl.dot(doc, tl.trans(vf), input_precision=PRECISION)
         d_a = d_p * w
-        dq_c = dq_inter + tl.dot(d_a, kf)
-        dk_c = tl.dot(tl.trans(d_a), qf)
-        dv_c = tl.dot(tl.trans(scores * w), doc)
+        dq_c = dq_inter + tl.dot(d_a, kf, input_precision=PRECISION)
+        dk_c = tl.dot(tl.trans(d_a), qf, input_precision=PRECISION)
+        dv_c = tl.dot(tl.trans(scores * w), doc, input_precision=PRECISION)
         d_w = d_p * scores * intra
         acc_ll += tl.sum(d_w * cc[None, :] * diff, axis=1)
         tl.atomic_add(dq + row[:, None] * F + offs_f[None, :], dq_c, mask=mask_qk)
@@ -155,7 +172,7 @@ def _soe_bwd_forward_order_kernel(
         tl.atomic_add(dv + row[:, None] * DV + offs_d[None, :], dv_c, mask=mask_v)
         tl.atomic_add(dcoef + row * S + s, tl.sum(d_w, axis=0), mask=mask_t)
         keys = kf * (k_dec * cc)[:, None]
-        state = state * chunk_dec + tl.dot(tl.trans(keys), vf)
+        state = state * chunk_dec + tl.dot(tl.trans(keys), vf, input_precision=PRECISION)
     d_final = tl.load(d_gt + st_off, mask=st_mask, other=0.0)
     total = tl.sum(acc_ll, axis=0) + (seq_len - 1 - centre) * tl.sum(tl.sum(state * d_final, axis=1), axis=0)
     tl.atomic_add(dll + h * S + s, total)
@@ -185,6 +202,7 @@ def _soe_bwd_reverse_order_kernel(
     BT: tl.constexpr,
     BF: tl.constexpr,
     BD: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_d = tl.program_id(1)
@@ -209,18 +227,28 @@ def _soe_bwd_reverse_order_kernel(
         qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
         doc = tl.load(d_out + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
         key_scale = k_dec * cc
-        d_keys = tl.dot(vf, tl.trans(d_state))
+        d_keys = tl.dot(vf, tl.trans(d_state), input_precision=PRECISION)
         d_coef_state = tl.sum(d_keys * kf, axis=1) * k_dec
         pos = (start + tl.arange(0, BT)).to(tl.float32) - centre
         acc_ll += tl.where(mask_t, d_coef_state * cc * pos, 0.0)
         tl.atomic_add(dk + row[:, None] * F + offs_f[None, :], d_keys * key_scale[:, None], mask=mask_qk)
         tl.atomic_add(dcoef + row * S + s, d_coef_state, mask=mask_t)
-        tl.atomic_add(dv + row[:, None] * DV + offs_d[None, :], tl.dot(kf * key_scale[:, None], d_state), mask=mask_v)
-        d_state = d_state * chunk_dec + tl.dot(tl.trans(qf * q_dec[:, None]), doc)
+        tl.atomic_add(
+            dv + row[:, None] * DV + offs_d[None, :],
+            tl.dot(kf * key_scale[:, None], d_state, input_precision=PRECISION),
+            mask=mask_v,
+        )
+        d_state = d_state * chunk_dec + tl.dot(tl.trans(qf * q_dec[:, None]), doc, input_precision=PRECISION)
     tl.store(dg0 + st_off, d_state, mask=st_mask)
     init = tl.load(g0 + st_off, mask=st_mask, other=0.0)
     total = tl.sum(acc_ll, axis=0) + (-1.0 - centre) * tl.sum(tl.sum(init * d_state, axis=1), axis=0)
     tl.atomic_add(dll + h * S + s, -total)
+
+
+def _precision(x: torch.Tensor) -> str:
+    """tl.dot precision: full IEEE fp32 for fp32 inputs (TF32 would cost ~1e-3 relative error); 16-bit
+    inputs are rounded already, so their fp32 intermediates may use TF32."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _blocks(chunk_size: int, feat: int, width: int) -> tuple[int, int, int]:
@@ -249,7 +277,10 @@ class SoeScanTriton(torch.autograd.Function):
         s_t = torch.empty_like(s0)
         bt, bf, bd = _blocks(chunk_size, feat, width)
         grid = (batch * heads * n_terms, triton.cdiv(width, bd))
-        _soe_fwd_kernel[grid](q, k, v1, coef, ll, s0, out, s_t, seq_len, heads, n_terms, feat, width, bt, bf, bd)
+        prec = _precision(q)
+        _soe_fwd_kernel[grid](
+            q, k, v1, coef, ll, s0, out, s_t, seq_len, heads, n_terms, feat, width, bt, bf, bd, prec, num_warps=8
+        )
         ctx.save_for_backward(q, k, v1, coef, ll, s0)
         ctx.set_materialize_grads(False)
         ctx.meta = (chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)])
@@ -286,12 +317,12 @@ class SoeScanTriton(torch.autograd.Function):
         centre = (seq_len - 1) / 2.0
         bt, bf, bd = _blocks(chunk_size, feat, width)
         grid = (batch * heads * n_terms, triton.cdiv(width, bd))
-        common = (heads, n_terms, feat, width, bt, bf, bd)
+        common = (heads, n_terms, feat, width, bt, bf, bd, _precision(q))
         _soe_bwd_forward_order_kernel[grid](
-            q, k, v1, coef, ll, s0, d_out, d_st, dq, dk, dv, dcoef, dll, seq_len, centre, *common
+            q, k, v1, coef, ll, s0, d_out, d_st, dq, dk, dv, dcoef, dll, seq_len, centre, *common, num_warps=8
         )
         _soe_bwd_reverse_order_kernel[grid](
-            q, k, v1, coef, ll, s0, d_out, d_st, dk, dv, dcoef, dll, ds0, seq_len, centre, *common
+            q, k, v1, coef, ll, s0, d_out, d_st, dk, dv, dcoef, dll, ds0, seq_len, centre, *common, num_warps=8
         )
         grads = (
             dq.to(dtypes[0]),
