@@ -325,11 +325,12 @@ class VortLayer(nn.Module):
 
         Scan (per head, chunk c, S terms, F features, D values + 1 normaliser column): cross-chunk
         read and state write 2 x 2 S F (D+1); inside a chunk the scores 2 c F, the kernel matrix
-        2 c S and the weighted values 2 c (D+1).
+        2 c S and the weighted values 2 c (D+1). The feature map runs on q and k, 2 x 2 F D; when W
+        is learned the 6 x parameters term already counts one of the two.
         """
         F_, D, S, c = self.n_features, self.head_dim, self.memory.n_terms, self.chunk_size
         scan = 4 * S * F_ * (D + 1) + 2 * c * (F_ + S + D + 1)
-        features = 0 if isinstance(self.features.weight, nn.Parameter) else 2 * 2 * F_ * D
+        features = (1 if isinstance(self.features.weight, nn.Parameter) else 2) * 2 * F_ * D
         return float(self.n_heads * (scan + features))
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model import build_model
 from model.config import ModelConfig, VortConfig
@@ -35,9 +37,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def make_layer(kind: str, seed: int = 0, **vort: object) -> VortLayer:
+def make_layer(kind: str, seed: int = 0, n_heads: int = TINY.n_heads, **vort: object) -> VortLayer:
     torch.manual_seed(seed)
-    layer = VortLayer(tiny(kind, **vort), layer_index=0)
+    layer = VortLayer(dataclasses.replace(tiny(kind, **vort), n_heads=n_heads), layer_index=0)
     for p in layer.parameters():  # the stack's small init would hide errors in tiny outputs
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.3)
@@ -51,19 +53,30 @@ def reference_copy(layer: VortLayer) -> VortLayer:
 
 
 @pytest.mark.parametrize("kind", VORT_KINDS)
-@pytest.mark.parametrize(("batch", "seq_len", "with_state"), [(1, 13, False), (2, 20, True), (1, 1, True)])
-def test_chunked_equals_float64_reference(kind: str, batch: int, seq_len: int, with_state: bool) -> None:
-    layer = make_layer(kind, seed=seq_len)
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(
+    batch=st.integers(1, 2),
+    seq_len=st.integers(1, 27),
+    chunk=st.sampled_from([4, 8, 16]),
+    n_heads=st.sampled_from([1, 2, 4]),
+    n_features=st.sampled_from([4, 8]),
+    prefix=st.integers(0, 9),
+)
+def test_chunked_equals_float64_reference(
+    kind: str, batch: int, seq_len: int, chunk: int, n_heads: int, n_features: int, prefix: int
+) -> None:
+    """Random shapes (T rarely a multiple of the chunk), with and without a carried state."""
+    layer = make_layer(kind, seed=seq_len, n_heads=n_heads, chunk_size=chunk, n_features=n_features)
     layer.backend = "torch"
     ref = reference_copy(layer)
     gen = torch.Generator().manual_seed(seq_len)
     x = torch.randn(batch, seq_len, 32, generator=gen)
     weight = torch.randn(batch, seq_len, 32, generator=gen)
     state = ref_state = None
-    if with_state:  # a carried state from an earlier piece, with gradients flowing into it
-        prefix = torch.randn(batch, 5, 32, generator=gen)
-        _, state = layer(prefix)
-        _, ref_state = ref(prefix.double())
+    if prefix:  # a carried state from an earlier piece, with gradients flowing into it
+        earlier = torch.randn(batch, prefix, 32, generator=gen)
+        _, state = layer(earlier)
+        _, ref_state = ref(earlier.double())
     x64 = x.double().requires_grad_()
     x = x.requires_grad_()
     y, new_state = layer(x, state)
@@ -74,9 +87,13 @@ def test_chunked_equals_float64_reference(kind: str, batch: int, seq_len: int, w
     ((y_ref * weight.double()).sum() + new_ref_state.G.sum()).backward()
     assert rel_err(x.grad, x64.grad) < 1e-5
     named_ref = dict(ref.named_parameters())
+    # A gradient far below the rest sits at fp32's noise floor (at T = 1 the router acts on the
+    # output only through eps): compare it absolutely, against the whole gradient's size.
+    floor = 1e-6 * torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
     for name, p in layer.named_parameters():
         assert p.grad is not None and named_ref[name].grad is not None, name
-        assert rel_err(p.grad, named_ref[name].grad) < 1e-5, name
+        g, g_ref = p.grad.double(), named_ref[name].grad
+        assert (g - g_ref).norm() <= 1e-5 * g_ref.norm() + floor, name
 
 
 def causal_direct(layer: VortLayer, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
