@@ -51,14 +51,7 @@ class PMNetBlock(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = SlidingWindowAttention(config.d_model, config.n_heads, pm.window, config.rope_base)
         self.memory_norm = RMSNorm(config.d_model, config.norm_eps) if with_memory else None
-        self.memory = (
-            PhasorMemory(
-                config.d_model, pm.memory_dim, pm.branching, pm.depth, pm.segment_len, pm.route_temperature,
-                pm.update_memory_train, pm.update_memory_eval, pm.collision_scope, pm.scan_backend,
-            )
-            if with_memory
-            else None
-        )
+        self.memory = PhasorMemory(config.d_model, pm) if with_memory else None
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import kernels
+from model.config import PMNetConfig
 
 
 class MemoryState(NamedTuple):
@@ -104,26 +105,14 @@ class PhasorMemory(nn.Module):
     kernels.phasor_scan(backend="reference")); tests compare it with the fast path.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        memory_dim: int,
-        branching: int,
-        depth: int,
-        segment_len: int,
-        route_temperature: float,
-        update_train: bool,
-        update_eval: bool,
-        collision_scope: str,
-        scan_backend: str,
-    ):
+    def __init__(self, d_model: int, config: PMNetConfig):
         super().__init__()
+        memory_dim, branching, depth = config.memory_dim, config.branching, config.depth
         self.memory_dim, self.branching, self.depth = memory_dim, branching, depth
-        self.n_levels = depth + 1
-        self.n_slots = (branching ** (depth + 1) - 1) // (branching - 1)
-        self.segment_len, self.temperature = segment_len, route_temperature
-        self.update_train, self.update_eval = update_train, update_eval
-        self.collision_scope, self.scan_backend = collision_scope, scan_backend
+        self.n_levels, self.n_slots = depth + 1, config.n_slots
+        self.segment_len, self.temperature = config.segment_len, config.route_temperature
+        self.update_train, self.update_eval = config.update_memory_train, config.update_memory_eval
+        self.collision_scope, self.scan_backend = config.collision_scope, config.scan_backend
         self.reference = False
         offsets = [(branching**h - 1) // (branching - 1) for h in range(depth + 1)]
         self.register_buffer("level_offsets", torch.tensor(offsets), persistent=False)

@@ -178,7 +178,7 @@ def test_collision_scopes_agree_when_one_segment_spans_the_call() -> None:
 @pytest.mark.parametrize("seq_len", [1, 1000, 20000])
 def test_state_is_unit_phasor_at_any_length(seq_len: int) -> None:
     torch.manual_seed(6)
-    memory = PhasorMemory(16, 8, 4, 3, 4096, 0.1, True, True, "sequence", "torch")
+    memory = PhasorMemory(16, PMNetConfig(memory_dim=8, segment_len=4096, scan_backend="torch"))
     torch.nn.init.normal_(memory.write.weight, std=3.0)  # large increments: many wraps
     state = memory.init_state(1)
     with torch.no_grad():
