@@ -15,14 +15,16 @@ run unchanged on byte-level models.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import fsspec
 import numpy as np
 import torch
+from torch.utils.data import IterableDataset, get_worker_info
 
 IGNORE_INDEX = -100
 """Label value for positions that are not scored (PyTorch cross-entropy's default ignore_index)."""
@@ -194,7 +196,8 @@ def _byte_ids(data: bytes) -> np.ndarray:
 class NeedleHaystack:
     """Needle in a haystack of real text at a configurable context length (up to 512k and beyond).
 
-    The haystack is a window of ``haystack`` (bytes, or a path/URL read through fsspec, e.g. a book
+    The haystack is a window of ``haystack`` (bytes, a binary file object, or a path/URL read
+    through fsspec, e.g. a book
     held out from training), starting at a seeded offset and wrapping around if the text is
     shorter than the context. A needle sentence with a random 6-digit number is inserted at a depth
     (fraction of the context; seeded when ``depth`` is None) on a line boundary when possible, and
@@ -209,7 +212,7 @@ class NeedleHaystack:
     def __init__(
         self,
         context_len: int,
-        haystack: bytes | str,
+        haystack: bytes | str | BinaryIO,
         depth: float | None = None,
         seed: int = 0,
         encode: Callable[[bytes], Sequence[int] | np.ndarray] | None = None,
@@ -217,6 +220,8 @@ class NeedleHaystack:
         if isinstance(haystack, str):
             with fsspec.open(haystack, "rb") as f:
                 haystack = f.read()
+        elif hasattr(haystack, "read"):
+            haystack = haystack.read()
         if not haystack:
             raise ValueError("the haystack text is empty")
         self.text = haystack
@@ -259,6 +264,53 @@ class NeedleHaystack:
             at = int(breaks[-1]) + 1 if breaks.size else at
         tokens = np.concatenate([hay[:at], needle, hay[at:], question, answer])
         return _example(tokens, tokens.size - answer.size, {"number": number, "depth": depth, "needle_at": at})
+
+
+class TaskStream(IterableDataset):
+    """A synthetic task as an ``IterableDataset`` for training: rank ``r`` of ``world_size`` gets
+    examples ``start + r + k * world_size`` (resume by passing the number of examples consumed
+    globally as ``start``), each right-padded to ``pad_to`` tokens when given (inputs with
+    ``pad_id``, labels with ``IGNORE_INDEX``) so the default collate can stack them.
+
+    Yields ``{"input_ids", "labels", "index"}``. Generation is cheap, so use it with
+    ``num_workers=0``; more data-loader workers would repeat examples and are refused.
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+        num_examples: int | None = None,
+        pad_to: int | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        super().__init__()
+        self.task = task
+        self.rank = rank
+        self.world_size = world_size
+        self.start = start
+        self.num_examples = num_examples
+        self.pad_to = pad_to
+        self.pad_id = pad_id
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise RuntimeError("TaskStream would repeat examples across data-loader workers; use num_workers=0")
+        for i in itertools.count(self.start + self.rank, self.world_size):
+            if self.num_examples is not None and i >= self.num_examples:
+                return
+            e = self.task.example(i)
+            ids, labels = torch.from_numpy(e.input_ids), torch.from_numpy(e.labels)
+            if self.pad_to is not None:
+                if ids.numel() > self.pad_to:
+                    raise ValueError(f"example {i} has {ids.numel()} tokens, more than pad_to={self.pad_to}")
+                extra = self.pad_to - ids.numel()
+                ids = torch.nn.functional.pad(ids, (0, extra), value=self.pad_id)
+                labels = torch.nn.functional.pad(labels, (0, extra), value=IGNORE_INDEX)
+            yield {"input_ids": ids, "labels": labels, "index": i}
 
 
 def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:

@@ -122,3 +122,27 @@ def test_accuracy_and_collate() -> None:
     copy = [CopyPaste(max_copy=8, max_lookback=16).example(i) for i in range(3)]
     padded = collate(copy, pad_id=257)
     assert padded["input_ids"].shape[1] == max(e.input_ids.size for e in copy)
+
+
+def test_task_stream_partitions_and_pads() -> None:
+    from torch.utils.data import DataLoader
+
+    from data_pipeline.synthetic import TaskStream
+
+    task = CopyPaste(max_copy=16, max_lookback=40, seed=2)
+    width = 1 + 40 + 16
+    ranks = [list(TaskStream(task, rank=r, world_size=2, start=4, num_examples=12, pad_to=width)) for r in range(2)]
+    assert [x["index"] for x in ranks[0]] == [4, 6, 8, 10] and [x["index"] for x in ranks[1]] == [5, 7, 9, 11]
+    for x in ranks[0] + ranks[1]:
+        e = task.example(x["index"])
+        n = e.input_ids.size
+        assert x["input_ids"].shape == (width,) and x["input_ids"][:n].tolist() == e.input_ids.tolist()
+        assert (x["labels"][n - 1 :] == IGNORE_INDEX).all() and x["labels"][: n - 1].tolist() == e.labels[:-1].tolist()
+    batch = next(iter(DataLoader(TaskStream(task, pad_to=width), batch_size=3)))
+    assert batch["input_ids"].shape == (3, width) and batch["index"].tolist() == [0, 1, 2]
+
+
+def test_needle_accepts_a_file_object() -> None:
+    with BOOK.open("rb") as f:
+        task = NeedleHaystack(2048, f, seed=1)
+    assert _same(task.example(0), NeedleHaystack(2048, BOOK.read_bytes(), seed=1).example(0))
