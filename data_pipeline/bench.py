@@ -36,10 +36,14 @@ from data_pipeline.stream import PackedStream
 from data_pipeline.tokenizer import byte_tokenizer, train_sentencepiece
 
 
-def measure_stream(source: str, seq_len: int, epochs: float, shuffle_buffer: int, verify: bool) -> dict:
+def measure_stream(
+    source: str, seq_len: int, epochs: float, shuffle_buffer: int, verify: bool, read: str = "shard"
+) -> dict:
     """Tokens/s of one in-process stream over ``epochs`` epochs from a cold start."""
     t0 = time.perf_counter()
-    stream = PackedStream([(source, 1.0)], seq_len=seq_len, seed=0, shuffle_buffer=shuffle_buffer, verify=verify)
+    stream = PackedStream(
+        [(source, 1.0)], seq_len=seq_len, seed=0, shuffle_buffer=shuffle_buffer, verify=verify, read=read
+    )
     n = int(stream.samples_per_epoch()[0] * epochs)
     it = iter(stream)
     t1, c1 = time.perf_counter(), time.process_time()
@@ -74,11 +78,12 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     rows = []
     for kind, path, m, build_s in (("bytes", byte_dir, mb, build_bytes_s), ("sentencepiece", sp_dir, ms, build_sp_s)):
         for seq_len in args.seq_len:
-            for verify in (True, False):
-                row = measure_stream(path, seq_len, args.epochs, args.shuffle_buffer, verify)
+            for verify, read in ((True, "shard"), (False, "shard"), (False, "range")):
+                row = measure_stream(path, seq_len, args.epochs, args.shuffle_buffer, verify, read)
                 row.update(
                     kind=kind,
                     verify=verify,
+                    read=read,
                     dtype=m.dtype,
                     shards=len(m.shards),
                     corpus_tokens=m.total_tokens,

@@ -183,8 +183,8 @@ def encode_shard(key: str, tokens: np.ndarray, lengths: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _npy_view(buf: bytes, offset: int, size: int, url: str, member: str) -> np.ndarray:
-    """Zero-copy view of an ``.npy`` payload at ``buf[offset:offset+size]`` (no pickles)."""
+def _npy_header(buf: bytes, offset: int, size: int, url: str, member: str) -> tuple[int, int, np.dtype]:
+    """Parse the ``.npy`` header at ``buf[offset:]`` (no pickles): ``(header length, count, dtype)``."""
     header = io.BytesIO(buf[offset : offset + min(size, 4096)])
     try:
         version = np.lib.format.read_magic(header)
@@ -194,11 +194,62 @@ def _npy_view(buf: bytes, offset: int, size: int, url: str, member: str) -> np.n
         raise ShardError(f"shard {url!r}: member {member!r} is not a valid .npy: {exc}") from exc
     if dtype.hasobject or len(shape) != 1 or fortran:
         raise ShardError(f"shard {url!r}: member {member!r} must be a 1-D numeric array")
-    start = offset + header.tell()
     count = int(shape[0])
-    if start + count * dtype.itemsize > offset + size:
+    if header.tell() + count * dtype.itemsize > size:
         raise ShardError(f"shard {url!r}: member {member!r} is shorter than its header says")
-    return np.frombuffer(buf, dtype=dtype, count=count, offset=start)
+    return header.tell(), count, dtype
+
+
+def _npy_view(buf: bytes, offset: int, size: int, url: str, member: str) -> np.ndarray:
+    """Zero-copy view of an ``.npy`` payload at ``buf[offset:offset+size]``."""
+    header_len, count, dtype = _npy_header(buf, offset, size, url, member)
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset + header_len)
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """Where a shard's tokens are, for reading sample-sized byte ranges instead of whole shards.
+
+    ``data_offset``: byte offset of the first token in the file; ``eos_positions``: positions of the
+    EOS separators in the shard's stream (documents each followed by EOS).
+    """
+
+    data_offset: int
+    dtype: np.dtype
+    tokens: int
+    eos_positions: np.ndarray
+
+
+def _tar_member_at(url: str, offset: int, part: str, retries: int) -> tuple[int, int, np.dtype, int, bytes]:
+    """Read the tar header + npy header of member ``*.part`` at ``offset``:
+    ``(payload offset, count, dtype, member size, bytes read from the payload start)``."""
+    head, _ = read_bytes(url, retries, offset, offset + 4096)
+    if len(head) < 512:
+        raise ShardError(f"shard {url!r} is truncated (no tar header at byte {offset})")
+    try:
+        info = tarfile.TarInfo.frombuf(head[:512], tarfile.ENCODING, "surrogateescape")
+    except tarfile.TarError as exc:
+        raise ShardError(f"shard {url!r} is not a readable tar (corrupt or truncated): {exc}") from exc
+    if not info.name.endswith("." + part):
+        raise ShardError(f"shard {url!r}: expected a '*.{part}' member at byte {offset}, found {info.name!r}")
+    header_len, count, dtype = _npy_header(head, 512, info.size, url, part)
+    payload = offset + 512 + header_len
+    return payload, count, dtype, info.size, head[512 + header_len :]
+
+
+def read_index(url: str, retries: int = 2) -> ShardIndex:
+    """Read a shard's token offset and document lengths with small range reads (not the tokens)."""
+    data_offset, count, dtype, size, _ = _tar_member_at(url, 0, "tokens.npy", retries)
+    lengths_at = 512 + -(-size // 512) * 512
+    offset, n_docs, ldtype, _, have = _tar_member_at(url, lengths_at, "lengths.npy", retries)
+    need = n_docs * ldtype.itemsize
+    raw = have[:need] if len(have) >= need else read_bytes(url, retries, offset, offset + need)[0]
+    if len(raw) != need:
+        raise ShardError(f"shard {url!r} is truncated (document lengths cut off)")
+    lengths = np.frombuffer(raw, dtype=ldtype).astype(np.int64)
+    if int(lengths.sum()) != count:
+        raise ShardError(f"shard {url!r}: document lengths sum to {int(lengths.sum())}, tokens {count}")
+    return ShardIndex(data_offset, dtype, count, np.cumsum(lengths + 1) - 1)
 
 
 def decode_shard(buf: bytes, url: str) -> tuple[np.ndarray, np.ndarray]:
@@ -245,8 +296,9 @@ def checked_shard(
     return tokens, lengths
 
 
-def read_bytes(url: str, retries: int = 2) -> tuple[bytes, int]:
-    """Read a whole file through fsspec, retrying transient ``OSError``s; returns ``(data, retries_used)``.
+def read_bytes(url: str, retries: int = 2, start: int | None = None, end: int | None = None) -> tuple[bytes, int]:
+    """Read a file (or its byte range ``[start, end)``) through fsspec, retrying transient
+    ``OSError``s; returns ``(data, retries_used)``.
 
     A missing file is not retried. Failures raise ``ShardError`` naming the URL.
     """
@@ -254,7 +306,7 @@ def read_bytes(url: str, retries: int = 2) -> tuple[bytes, int]:
     for attempt in range(retries + 1):
         try:
             fs, path = url_to_fs(url)
-            return fs.cat_file(path), attempt
+            return fs.cat_file(path, start, end), attempt
         except FileNotFoundError as exc:
             raise ShardError(f"shard {url!r} is missing: {exc}") from exc
         except (OSError, ValueError) as exc:

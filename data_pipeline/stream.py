@@ -37,7 +37,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_pipeline.shards import Manifest, ShardError, checked_shard, load_manifest, read_bytes, sha256_hex
+from data_pipeline.shards import (
+    Manifest,
+    ShardError,
+    ShardIndex,
+    checked_shard,
+    load_manifest,
+    read_bytes,
+    read_index,
+    sha256_hex,
+)
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer, smallest_dtype
 
 STATE_VERSION = 1
@@ -61,7 +70,9 @@ def tokenizer_info(manifest: str | Manifest) -> dict[str, Any]:
 class _Source:
     """One manifest of a mixture: shard table, per-epoch layout, shuffle window and shard cache."""
 
-    def __init__(self, url: str, seq_len: int, seed: int, shuffle_buffer: int, shuffle: bool, prefetch: bool) -> None:
+    def __init__(
+        self, url: str, seq_len: int, seed: int, shuffle_buffer: int, shuffle: bool, prefetch: bool, read: str
+    ) -> None:
         m = load_manifest(url)
         self.manifest = m
         self.url = m.url
@@ -93,7 +104,9 @@ class _Source:
         self._window_perm = np.empty(0, dtype=np.int64)
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._cached_tokens = 0
-        self.prefetch = prefetch
+        self.prefetch = prefetch and read == "shard"
+        self.read = read
+        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._inflight: OrderedDict[int, Future] = OrderedDict()
@@ -185,6 +198,50 @@ class _Source:
             stats["cache_evictions"] += 1
         return stream
 
+    def _index(self, idx: int, stats: dict[str, int], retries: int) -> ShardIndex:
+        """Token offset and EOS positions of shard ``idx`` (range-read mode), through a small LRU cache."""
+        hit = self._indexes.get(idx)
+        if hit is not None:
+            self._indexes.move_to_end(idx)
+            return hit
+        url = self.shard_urls[idx]
+        index = read_index(url, retries)
+        stats["shards_opened"] += 1
+        if (
+            index.tokens != self.tokens[idx]
+            or index.eos_positions.size != self.documents[idx]
+            or index.dtype != self.manifest.dtype
+        ):
+            raise ShardError(
+                f"shard {url!r}: holds {index.tokens} {index.dtype} tokens / {index.eos_positions.size} documents, "
+                f"manifest says {self.tokens[idx]} {self.manifest.dtype} / {self.documents[idx]}"
+            )
+        self._indexes[idx] = index
+        while len(self._indexes) > 64:
+            self._indexes.popitem(last=False)
+        return index
+
+    def _range(self, idx: int, start: int, stop: int, stats: dict[str, int], retries: int) -> np.ndarray:
+        """Stream positions ``[start, stop)`` of shard ``idx`` read as one byte range (no whole-shard read)."""
+        index = self._index(idx, stats, retries)
+        eos = index.eos_positions
+        first, last = int(eos.searchsorted(start)), int(eos.searchsorted(stop))
+        lo, hi = start - first, stop - last
+        item = index.dtype.itemsize
+        url = self.shard_urls[idx]
+        raw, used = read_bytes(url, retries, index.data_offset + lo * item, index.data_offset + hi * item)
+        stats["read_retries"] += used
+        stats["shard_bytes_read"] += len(raw)
+        if len(raw) != (hi - lo) * item:
+            raise ShardError(f"shard {url!r} is truncated (tokens {lo}..{hi} cut off)")
+        out = np.empty(stop - start, dtype=self.out_dtype)
+        at = eos[first:last] - start
+        keep = np.ones(out.size, dtype=bool)
+        keep[at] = False
+        out[keep] = np.frombuffer(raw, dtype=index.dtype)
+        out[at] = self.eos
+        return out
+
     def span(self, epoch: int, start: int, stop: int, stats: dict[str, int], verify: bool, retries: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the epoch's stream (may cross shard boundaries)."""
         self._layout(epoch)
@@ -194,9 +251,13 @@ class _Source:
             shard_end = int(self._ends[pos])
             shard_start = shard_end - int(self.lengths[self._order[pos]])
             following = int(self._order[pos + 1]) if pos + 1 < len(self._order) else None
-            stream = self._shard(int(self._order[pos]), following, stats, verify, retries)
             take = min(stop, shard_end)
-            pieces.append(stream[start - shard_start : take - shard_start])
+            idx = int(self._order[pos])
+            if self.read == "range":
+                pieces.append(self._range(idx, start - shard_start, take - shard_start, stats, retries))
+            else:
+                stream = self._shard(idx, following, stats, verify, retries)
+                pieces.append(stream[start - shard_start : take - shard_start])
             start = take
             pos += 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
@@ -281,6 +342,11 @@ class PackedStream(IterableDataset):
         mix_block: samples per mixture block (the mixture is exact within each block).
         read_retries: retries of a failed (non-missing) shard read before raising ``ShardError``.
         prefetch: read (and hash) the next shard in a background thread while packing the current one.
+        read: ``"shard"`` reads, verifies and caches whole shards (every rank reads every shard of its
+            shuffle windows); ``"range"`` reads only each sample's byte range plus a small per-shard
+            index, so a rank reads ~1/world_size of the data. sha256 needs whole files, so
+            ``"range"`` requires ``verify=False`` (structure and counts are still checked; verify the
+            set once with ``python -m data_pipeline.verify``).
 
     Each sample is a dict: ``input_ids`` (int64 ``[seq_len]``), ``labels`` (int64 ``[seq_len]``,
     ``labels[t] = input_ids[t + 1]`` within the packed stream), ``index`` (global sample number),
@@ -304,6 +370,7 @@ class PackedStream(IterableDataset):
         mix_block: int = 4096,
         read_retries: int = 2,
         prefetch: bool = True,
+        read: str = "shard",
     ) -> None:
         super().__init__()
         if seq_len < 1:
@@ -314,6 +381,10 @@ class PackedStream(IterableDataset):
             raise ValueError("batch_size must be >= 1")
         if not sources:
             raise ValueError("at least one source is needed")
+        if read not in ("shard", "range"):
+            raise ValueError(f"read must be 'shard' or 'range', not {read!r}")
+        if read == "range" and verify:
+            raise ValueError("read='range' cannot check sha256 (it never reads whole shards); pass verify=False")
         self.seq_len = seq_len
         self.seed = seed
         self.rank = rank
@@ -325,7 +396,7 @@ class PackedStream(IterableDataset):
         self.max_samples = max_samples
         self.read_retries = read_retries
         self.shuffle = shuffle
-        self._sources = [_Source(url, seq_len, seed, shuffle_buffer, shuffle, prefetch) for url, _ in sources]
+        self._sources = [_Source(url, seq_len, seed, shuffle_buffer, shuffle, prefetch, read) for url, _ in sources]
         fingerprints = [s.fingerprint for s in self._sources]
         if len(set(fingerprints)) != len(fingerprints):
             raise ValueError("the same dataset appears twice in sources; merge their weights instead")

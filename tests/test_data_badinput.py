@@ -168,3 +168,15 @@ def test_verify_cli_reports_each_bad_shard(shards: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "shard-000001.tar' is missing" in out and "shard-000003.tar': sha256 mismatch" in out
     assert "2 problem(s)" in out
+
+
+def test_range_reads_detect_truncation_and_bad_counts(shards: Path) -> None:
+    victim = shards / "shard-000001.tar"
+    victim.write_bytes(victim.read_bytes()[:700])
+    with pytest.raises(ShardError, match=r"shard-000001\.tar.*truncated"):
+        _read_all(shards, read="range", verify=False)
+    doc = _manifest(shards)
+    doc["shards"][0]["documents"] += 1
+    (shards / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ShardError, match=r"shard-000000\.tar.*manifest says"):
+        _read_all(shards, read="range", verify=False)

@@ -330,3 +330,22 @@ def test_mixture_quotas_property(weights: list[float], block: int) -> None:
         s, k = mix.locate(n)
         assert k == seen[s]
         seen[s] += 1
+
+
+def test_range_reads_match_whole_shards_and_read_a_rank_share(data: dict) -> None:
+    """read='range': identical samples at every rank; each rank reads only about its share of bytes."""
+    world = 3
+    n = _stream(data).samples_per_epoch()[0]
+    per_rank = n // world
+    for r in range(world):
+        whole = _stream(data, r, world, doc_boundaries=True)
+        ranged = _stream(data, r, world, doc_boundaries=True, read="range", verify=False)
+        a, b = _take(whole, per_rank), _take(ranged, per_rank)
+        for x, y in zip(a, b):
+            assert x["index"] == y["index"]
+            for key in ("input_ids", "labels", "doc_start"):
+                assert torch.equal(x[key], y[key])
+        content = ranged.stats()["shard_bytes_read"]
+        assert content <= per_rank * (SEQ + 2) < whole.stats()["shard_bytes_read"]  # +1: token before (doc_start)
+    with pytest.raises(ValueError, match="verify=False"):
+        _stream(data, read="range")
