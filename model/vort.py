@@ -70,6 +70,23 @@ def bank_orders(cfg: VortConfig) -> tuple[float, ...]:
 # ----------------------------------------------------------------------------- feature map
 
 
+class Fp32Tables(nn.Module):
+    """Base of modules whose own buffers are fixed tables (SOE decays and coefficients, features).
+
+    Casting the model (`.bfloat16()`, DeepSpeed's bf16 mode) moves these buffers to the new device
+    but keeps them fp32: rounded to bf16's 8 mantissa bits the SOE coefficients would no longer meet
+    their certificate, and a checkpoint's features would differ from the ones trained with.
+    """
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        tables = {n: b for n, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        super()._apply(fn, recurse)
+        for name, table in tables.items():
+            self._buffers[name] = table.to(device=self._buffers[name].device)
+        return self
+
+
+
 def orthogonal_gaussian(n_heads: int, n_features: int, dim: int, generator: torch.Generator) -> torch.Tensor:
     """[H, F, D] projections: blocks of orthogonal rows, each row rescaled to a chi(D) norm.
 
@@ -88,7 +105,7 @@ def orthogonal_gaussian(n_heads: int, n_features: int, dim: int, generator: torc
     return torch.stack(heads).float()
 
 
-class PositiveRandomFeatures(nn.Module):
+class PositiveRandomFeatures(Fp32Tables):
     """phi(x) = exp(W x - |x|^2 / 2) / sqrt(F), so that E[phi(q).phi(k)] = exp(q.k) and phi > 0.
 
     W is drawn once from `feature_seed` and the layer index. "fixed" keeps it as a buffer (saved in
@@ -153,7 +170,7 @@ class OrderRouter(nn.Module):
         return alpha, entropy, entity
 
 
-class VariableOrderMemory(nn.Module):
+class VariableOrderMemory(Fp32Tables):
     """The vort kernel: routed orders, K banks of SOE coefficients, interpolation between banks."""
 
     def __init__(self, config: ModelConfig):
@@ -193,7 +210,7 @@ class VariableOrderMemory(nn.Module):
         }
 
 
-class FixedOrderMemory(nn.Module):
+class FixedOrderMemory(Fp32Tables):
     """The pl kernel: the SOE power law of one fixed order for every token."""
 
     def __init__(self, config: ModelConfig):
@@ -240,7 +257,7 @@ class ExpMemory(nn.Module):
         return {"timescale": self.log_timescale.detach().float().exp()}
 
 
-class MixtureMemory(nn.Module):
+class MixtureMemory(Fp32Tables):
     """The m5 kernel: five fixed decays exp(-1 / tau_s) with learned positive weights per head."""
 
     def __init__(self, config: ModelConfig):

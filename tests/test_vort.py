@@ -256,6 +256,21 @@ def test_random_features_are_positive_and_unbiased_for_the_exponential_kernel() 
     assert single < 0.1 and averaged < 0.03 and averaged < 0.5 * single
 
 
+@pytest.mark.parametrize("kind", ["vort", "m5"])
+def test_bf16_cast_keeps_kernel_tables_fp32(kind: str) -> None:
+    torch.manual_seed(5)
+    model = build_model(tiny(kind)).eval()
+    ids = torch.randint(0, 32, (2, 12))
+    reference = model(ids).logits
+    model.bfloat16()
+    mixer = model.blocks[0].mixer
+    assert mixer.qkv.weight.dtype == torch.bfloat16
+    assert mixer.memory.log_lambda.dtype == torch.float32 and mixer.features.weight.dtype == torch.float32
+    assert torch.equal(mixer.features.weight, build_model(tiny(kind)).blocks[0].mixer.features.weight)
+    logits = model(ids).logits
+    assert logits.dtype == torch.bfloat16 and rel_err(logits, reference) < 0.05
+
+
 @pytest.mark.parametrize("kind", [*VORT_KINDS, "transformer"])
 def test_family_builds_from_config_and_learns_a_repetitive_sequence(kind: str) -> None:
     config = load_model_config(CONFIGS / f"{kind}-tiny.yaml")
