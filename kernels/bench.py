@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     mm = matmul_gflops(args.repeats)
     print(f"fp32 matmul: {mm:.1f} GFLOP/s, threads={torch.get_num_threads()}, torch {torch.__version__}")
-    print(f"{'op':7} {'mode':7} {'T':>7} {'time_s':>9} {'GFLOP/s':>8} {'%mm':>5} {'Mtok/s':>7} {'sdpa_s':>9} x_sdpa")
+    print(f"{'op':7} {'mode':7} {'T':>7} {'time_s':>9} {'GFLOP/s':>8} {'%mm':>5} {'ktok/s':>8} {'sdpa_s':>9} x_sdpa")
     rows = []
     for op in args.ops:
         for mode in args.modes:
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     "time_s": secs,
                     "gflops": flops / secs / 1e9 if flops else None,
                     "frac_matmul": flops / secs / 1e9 / mm if flops else None,
-                    "mtok_per_s": tokens / secs / 1e6,
+                    "ktok_per_s": tokens / secs / 1e3,
                     "sdpa_time_s": sdpa,
                     "sdpa_gflops": sdpa_flops(tokens, args.H, seq_len, args.F, backward) / sdpa / 1e9 if sdpa else None,
                     "speedup_vs_sdpa": sdpa / secs if sdpa else None,
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 rows.append(row)
                 print(
                     f"{op:7} {mode:7} {seq_len:7d} {secs:9.4f} {row['gflops'] or 0:8.1f} "
-                    f"{100 * (row['frac_matmul'] or 0):5.0f} {row['mtok_per_s']:7.2f} "
+                    f"{100 * (row['frac_matmul'] or 0):5.0f} {row['ktok_per_s']:8.1f} "
                     f"{sdpa if sdpa else float('nan'):9.4f} {row['speedup_vs_sdpa'] or float('nan'):7.1f}",
                     flush=True,
                 )

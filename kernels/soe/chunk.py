@@ -137,29 +137,28 @@ class _Intra:
         self.a = q @ k.transpose(-1, -2)
 
 
-def _intra_forward(q, k, v, coef, log_lam) -> torch.Tensor:
-    """(Q K^T * Wc) V' for a block of chunks."""
+def _intra_forward(q, k, v, coef, log_lam, out: torch.Tensor) -> None:
+    """out <- (Q K^T * Wc) V' for a block of chunks."""
     intra = _Intra(q, k, coef, log_lam)
-    return (intra.a * intra.wc) @ v
+    torch.matmul(intra.a * intra.wc, v, out=out)
 
 
-def _intra_backward(q, k, v, coef, log_lam, d_out) -> tuple[torch.Tensor, ...]:
-    """Gradients (dq, dk, dv', dcoef, dlog_lam [H, S]) of the intra-chunk term of a block of chunks."""
+def _intra_backward(q, k, v, coef, log_lam, d_out, dq, dk, dv, dcoef) -> torch.Tensor:
+    """dq, dk, dv', dcoef <- the gradients of the intra-chunk term of a block of chunks; returns dlog_lam [H, S]."""
     n_chunks, bh, c, n_terms = coef.shape
     intra = _Intra(q, k, coef, log_lam)
     d_p = d_out @ v.transpose(-1, -2)  # dL/dP for P = A * Wc (the upper triangle of Wc is zero)
-    dv = (intra.a * intra.wc).transpose(-1, -2) @ d_out
+    torch.matmul((intra.a * intra.wc).transpose(-1, -2), d_out, out=dv)
     d_a = d_p * intra.wc
-    dq = d_a @ k
-    dk = d_a.transpose(-1, -2) @ q
+    torch.matmul(d_a, k, out=dq)
+    torch.matmul(d_a.transpose(-1, -2), q, out=dk)
     d_wc = (d_p * intra.a).view(n_chunks, bh, c * c)
     d_pc = d_wc.new_zeros(d_wc.shape)
     d_pc[..., intra.p_pos] = d_wc[..., intra.w_pos]
     d_pc = d_pc.view(*intra.by_head, c, c)  # [n, B, H, c (j), c (d)]
-    dcoef = (d_pc @ intra.powers.transpose(-1, -2)).view(coef.shape)
+    torch.matmul(d_pc, intra.powers.transpose(-1, -2), out=dcoef.view(*intra.by_head, c, n_terms))
     coef_t = coef.view(*intra.by_head, c, n_terms).transpose(-1, -2)
-    d_log_lam = ((coef_t @ d_pc).sum((0, 1)) * intra.dist * intra.powers).sum(-1)
-    return dq, dk, dv, dcoef, d_log_lam
+    return ((coef_t @ d_pc).sum((0, 1)) * intra.dist * intra.powers).sum(-1)
 
 
 def soe_forward_chunked(
@@ -175,7 +174,9 @@ def soe_forward_chunked(
     n_chunks, bh, c, feat = q.shape
     n_terms = coef.shape[-1]
     chunks = _Chunks(log_lam, seq_len, c, bh // log_lam.shape[0])
-    out = torch.cat([_intra_forward(q[b], k[b], v[b], coef[b], log_lam) for b in _blocks(n_chunks)])
+    out = torch.empty_like(v)
+    for b in _blocks(n_chunks):
+        _intra_forward(q[b], k[b], v[b], coef[b], log_lam, out[b])
     g = g0.clone().view(bh, n_terms * feat, -1)
     for n in range(n_chunks):
         r, dec = chunks.length(n), chunks.decays(n)
@@ -201,9 +202,11 @@ def soe_backward_chunked(
     chunks = _Chunks(log_lam, seq_len, c, bh // heads)
 
     # Intra-chunk part, block by block.
-    parts = [_intra_backward(q[b], k[b], v[b], coef[b], log_lam, d_out[b]) for b in _blocks(n_chunks)]
-    dq, dk, dv, dcoef = (torch.cat([p[i] for p in parts]) for i in range(4))
-    d_log_lam = sum(p[4] for p in parts)
+    dq, dk, dv, dcoef = (torch.empty_like(x) for x in (q, k, v, coef))
+    d_log_lam = sum(
+        _intra_backward(q[b], k[b], v[b], coef[b], log_lam, d_out[b], dq[b], dk[b], dv[b], dcoef[b])
+        for b in _blocks(n_chunks)
+    )
 
     # Cross-chunk part. Positions are centred so the reader and writer sums stay small.
     centre = (seq_len - 1) / 2.0
