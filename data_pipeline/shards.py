@@ -23,6 +23,7 @@ import hashlib
 import io
 import json
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,22 +297,35 @@ def checked_shard(
     return tokens, lengths
 
 
-def read_bytes(url: str, retries: int = 2, start: int | None = None, end: int | None = None) -> tuple[bytes, int]:
-    """Read a file (or its byte range ``[start, end)``) through fsspec, retrying transient
-    ``OSError``s; returns ``(data, retries_used)``.
+def with_retries(
+    url: str, retries: int, read: Callable[[], bytes], on_error: Callable[[], None] | None = None
+) -> tuple[bytes, int]:
+    """Run ``read()`` retrying transient ``OSError``s; returns ``(data, retries_used)``.
 
-    A missing file is not retried. Failures raise ``ShardError`` naming the URL.
+    A missing file is not retried. ``on_error`` runs after each failed attempt (e.g. to drop a
+    cached file handle). Failures raise ``ShardError`` naming the URL.
     """
     last: Exception | None = None
     for attempt in range(retries + 1):
         try:
-            fs, path = url_to_fs(url)
-            return fs.cat_file(path, start, end), attempt
+            return read(), attempt
         except FileNotFoundError as exc:
             raise ShardError(f"shard {url!r} is missing: {exc}") from exc
         except (OSError, ValueError) as exc:
             last = exc
+            if on_error is not None:
+                on_error()
     raise ShardError(f"cannot read shard {url!r} after {retries + 1} attempts: {last}") from last
+
+
+def read_bytes(url: str, retries: int = 2, start: int | None = None, end: int | None = None) -> tuple[bytes, int]:
+    """Read a file (or its byte range ``[start, end)``) through fsspec with ``with_retries``."""
+
+    def read() -> bytes:
+        fs, path = url_to_fs(url)
+        return fs.cat_file(path, start, end)
+
+    return with_retries(url, retries, read)
 
 
 def sha256_hex(data: bytes) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fsspec.core import url_to_fs
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline.shards import (
@@ -46,6 +47,7 @@ from data_pipeline.shards import (
     read_bytes,
     read_index,
     sha256_hex,
+    with_retries,
 )
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer, smallest_dtype
 
@@ -107,6 +109,8 @@ class _Source:
         self.prefetch = prefetch and read == "shard"
         self.read = read
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
+        self._handles: OrderedDict[int, Any] = OrderedDict()
+        self._handles_pid = -1
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._inflight: OrderedDict[int, Future] = OrderedDict()
@@ -115,7 +119,36 @@ class _Source:
         """Pickle without the shard cache and the prefetch thread (workers rebuild them)."""
         state = dict(self.__dict__)
         state.update(_cache=OrderedDict(), _cached_tokens=0, _pool=None, _pool_pid=-1, _inflight=OrderedDict())
+        state.update(_handles=OrderedDict(), _handles_pid=-1)
         return state
+
+    def _handle(self, idx: int) -> Any:
+        """An open fsspec file for shard ``idx`` (range mode), kept in a small LRU; reopened after fork."""
+        if self._handles_pid != os.getpid():
+            self._handles, self._handles_pid = OrderedDict(), os.getpid()
+        f = self._handles.get(idx)
+        if f is None:
+            fs, path = url_to_fs(self.shard_urls[idx])
+            f = self._handles[idx] = fs.open(path, "rb")
+            while len(self._handles) > 16:
+                self._handles.popitem(last=False)[1].close()
+        self._handles.move_to_end(idx)
+        return f
+
+    def _drop_handle(self, idx: int) -> None:
+        f = self._handles.pop(idx, None)
+        if f is not None:
+            f.close()
+
+    def _read_range(self, idx: int, start: int, stop: int, retries: int) -> tuple[bytes, int]:
+        """Bytes ``[start, stop)`` of shard ``idx`` through its cached handle."""
+
+        def read() -> bytes:
+            f = self._handle(idx)
+            f.seek(start)
+            return f.read(stop - start)
+
+        return with_retries(self.shard_urls[idx], retries, read, lambda: self._drop_handle(idx))
 
     def _fetch(self, idx: int, verify: bool, retries: int) -> tuple[bytes, int, str]:
         """Read shard ``idx`` and hash it (runs in the prefetch thread or inline)."""
@@ -229,7 +262,7 @@ class _Source:
         lo, hi = start - first, stop - last
         item = index.dtype.itemsize
         url = self.shard_urls[idx]
-        raw, used = read_bytes(url, retries, index.data_offset + lo * item, index.data_offset + hi * item)
+        raw, used = self._read_range(idx, index.data_offset + lo * item, index.data_offset + hi * item, retries)
         stats["read_retries"] += used
         stats["shard_bytes_read"] += len(raw)
         if len(raw) != (hi - lo) * item:
