@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,13 +77,12 @@ def test_window_attention_matches_dense_band_and_streams(window: int, seq_len: i
     torch.testing.assert_close(torch.cat(pieces, dim=1), y, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("scope", ["sequence", "segment"])
-def test_reference_equals_fast_path_forward_and_gradients(scope: str) -> None:
+def run_reference_and_fast(backend: str, scope: str) -> None:
     """Token-by-token routing with the sequential reference scan == segment-parallel fast path."""
     ids = torch.randint(0, 258, (2, 21), generator=torch.Generator().manual_seed(1))
     results = []
     for reference in (True, False):
-        model = make_model(seed=3, scan_backend="torch", collision_scope=scope)
+        model = make_model(seed=3, scan_backend=backend, collision_scope=scope)
         model.set_reference(reference)
         logits, _ = model(ids)
         (logits.float().pow(2).mean() + logits[:, -1].sum()).backward()
@@ -91,6 +93,26 @@ def test_reference_equals_fast_path_forward_and_gradients(scope: str) -> None:
         assert rel_err(fast_grads[name], grad) < 1e-5, name
     assert ref_grads["blocks.0.memory.write.weight"].abs().sum() > 0
     assert ref_grads["blocks.0.memory.anchors"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("scope", ["sequence", "segment"])
+def test_reference_equals_fast_path_forward_and_gradients(scope: str) -> None:
+    run_reference_and_fast("torch", scope)
+
+
+@pytest.mark.slow
+def test_reference_equals_triton_path_under_the_interpreter() -> None:
+    """The CUDA path of the scan inside the model, run by Triton's CPU interpreter (~15 s).
+
+    In a fresh process: TRITON_INTERPRET must be set before any Triton kernel is first built.
+    """
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    code = f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import torch; torch.set_num_threads(1); "
+    code += "from test_pmnet import run_reference_and_fast; run_reference_and_fast('triton', 'sequence')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_pieces_equal_whole() -> None:
