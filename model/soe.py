@@ -13,7 +13,8 @@ number of banks.  This module builds such kernels and certifies them:
 * ``design_nodes`` / ``fit_coefficients``: nodes on a geometric grid of decay rates (the
   trapezoidal rule of the Laplace integral in x = log t) that reaches down to rates ~ 1/T, so the
   smallest rate carries the small-t tail; coefficients fitted per order by equality-constrained
-  minimax (Lawson) least squares on the relative error, with w_0 = 1 reproduced exactly.  The node
+  minimax (Lawson) least squares on the relative error, with w_0 = 1 reproduced exactly
+  (``quadrature_coefficients`` is the unfitted trapezoidal baseline).  The node
   set always contains lambda = 1 (log_lambda = 0): its coefficient is 1 for alpha = 1 (exact running
   sum) and 0 for every alpha < 1.
 * ``certify`` / ``build_kernel``: choose the smallest S meeting eps on an alpha range and measure the
@@ -99,6 +100,38 @@ def design_nodes(T: int, num_decaying: int, lo: float = 0.3, hi: float = 7.0) ->
         raise ValueError("need T >= 1 and at least one decaying node")
     rates = np.geomspace(lo / T, hi, num_decaying) if num_decaying > 1 else np.array([lo / T])
     return np.concatenate([np.sort(-rates), [0.0]])
+
+
+def quadrature_coefficients(log_lambda: np.ndarray, alpha: float, tail: bool = True) -> np.ndarray:
+    """Coefficients straight from the trapezoidal rule of the Laplace integral (no fitting).
+
+    w_n = sin(pi a)/pi * int_0^inf exp(-t (n + a)) (1 - exp(-t))^(-a) dt; with t = exp(x) and the
+    geometric rates r_s of ``design_nodes`` (log-step h), c_s = sin(pi a)/pi * h r_s exp(-r_s a)
+    (1 - exp(-r_s))^(-a).  With ``tail`` the mass left of the grid, int_0^{t_L} t^(-a) dt with
+    t_L = r_min exp(-h/2), is added to the slowest node.  This is the baseline the fit improves on
+    (docs/soe.md compares them); it does not reproduce w_0 = 1, and alpha = 1 gives the exact unit
+    vector on the lambda = 1 node.
+    """
+    log_lambda = np.asarray(log_lambda, dtype=np.float64)
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+    decaying = np.flatnonzero(log_lambda < 0.0)
+    coef = np.zeros_like(log_lambda)
+    if alpha == 1.0:
+        coef[log_lambda == 0.0] = 1.0
+        return coef
+    rates = -log_lambda[decaying]
+    steps = np.diff(np.log(np.sort(rates)))
+    if rates.size < 2 or not np.allclose(steps, steps[0], rtol=1e-9):
+        raise ValueError("quadrature coefficients need at least two geometrically spaced rates")
+    h = float(steps[0])
+    scale = math.sin(math.pi * alpha) / math.pi
+    coef[decaying] = scale * h * rates * np.exp(-rates * alpha) * (-np.expm1(-rates)) ** (-alpha)
+    if tail:
+        slowest = decaying[np.argmin(rates)]
+        t_left = rates.min() * math.exp(-h / 2)
+        coef[slowest] += scale * t_left ** (1.0 - alpha) / (1.0 - alpha)
+    return coef
 
 
 def _fit_sample(T: int) -> np.ndarray:

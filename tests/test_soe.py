@@ -151,6 +151,23 @@ def test_build_kernel_for_layer_banks() -> None:
     only_one = soe.build_kernel([1.0], 1024)
     assert only_one.S == 1 and only_one.kernel.coef.tolist() == [[1.0]]
 
+
+def test_tail_mass_rescues_quadrature_and_fit_beats_both() -> None:
+    T = 4096
+    nodes = soe.design_nodes(T, 16, lo=0.01)
+    n = np.arange(1, T + 1, dtype=np.float64)
+    for alpha in (0.5, 0.95):
+        exact = soe.gl_weights(n, alpha)
+
+        def err(coef: np.ndarray, exact: np.ndarray = exact) -> float:
+            return float(np.abs(soe.soe_weights(nodes, coef, n) / exact - 1.0).max())
+
+        plain = err(soe.quadrature_coefficients(nodes, alpha, tail=False))
+        tail = err(soe.quadrature_coefficients(nodes, alpha, tail=True))
+        fitted = err(soe.fit_coefficients(nodes, alpha, T))
+        assert fitted < tail < plain
+    assert soe.quadrature_coefficients(nodes, 1.0).tolist() == [0.0] * 16 + [1.0]
+
 @settings(deadline=None, max_examples=25)
 @given(alpha=st.floats(0.1, 0.95), n=st.lists(st.integers(0, SMALL_T), min_size=1, max_size=64))
 def test_soe_accuracy_random_alpha_and_lags(small_cert: soe.Certificate, alpha: float, n: list[int]) -> None:
