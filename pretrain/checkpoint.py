@@ -1,15 +1,26 @@
 """Checkpoints: one directory per step holding everything needed to continue exactly.
 
-Layout of `<checkpoint dir>/step_00000100/`:
+Layout of `<root>/step_00000100/` (root: a local path or any fsspec URL):
   engine/                 model + optimizer, written by the engine (safetensors + weights-only
                           torch files, a DeepSpeed checkpoint, or a torch.distributed.checkpoint)
-  trainer_state.json      step, tokens seen, skipped steps, the data loader's state
+  trainer_state.json      step, tokens seen, skipped steps, world size, the data loader's state
   rng/rank_<r>.json|.safetensors   every rank's python, numpy and torch (CPU, CUDA) RNG states
   config.yaml             the resolved run config
-  manifest.json           sha256 and size of every file above; written last
+  manifest.json           sha256 and size of every file above; written last: the commit marker
 
-A checkpoint is written under `step_XXXXXXXX.tmp`, committed by renaming it, and only then is
-the `latest` pointer replaced. Loading reads nothing through pickle that could run code.
+How a save commits (crash-safe at every point):
+  1. every rank writes its part into a local staging directory `<staging>/step_X` (collective);
+  2. rank 0 hashes the files, writes them under `<root>/step_X.tmp/` (skipped when the root is
+     the local staging area itself), writes manifest.json, renames the directory to `step_X`,
+     then replaces `<root>/latest` (write to a temporary name, fsync, rename);
+  3. old checkpoints beyond `keep_last` are deleted, except milestones.
+Step 2 and 3 run in a background thread when `async_save` is on (at most one in flight; an error
+there is raised in the training loop at the next `poll()`). A directory without a manifest, or
+whose files disagree with it, is never loaded: auto-resume reports it and falls back to the
+previous checkpoint.
+
+Loading never unpickles code: safetensors, JSON, and torch.load(weights_only=True) (DeepSpeed's
+files with its three plain data classes allow-listed).
 """
 
 from __future__ import annotations
@@ -19,13 +30,18 @@ import json
 import os
 import random
 import shutil
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from fsspec.core import url_to_fs
 from safetensors.torch import load_file, save_file, save_model
+
+from pretrain.log import get_logger
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -102,14 +118,14 @@ def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> No
             torch.cuda.set_rng_state_all(cuda)
 
 
-# ----------------------------------------------------------------------------- directories
+# ----------------------------------------------------------------------------- files and hashes
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _sha256(path: Path) -> str:
+def _sha256_local(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -117,40 +133,65 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_manifest(directory: Path, step: int) -> None:
-    files = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        rel = path.relative_to(directory).as_posix()
-        if rel != MANIFEST:
-            files[rel] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
-    manifest = {"step": step, "files": files}
-    _write_synced(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-
-
-def _write_synced(path: Path, text: str) -> None:
+def _fsync_write(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
 
-def verify(directory: str | Path) -> dict[str, Any]:
-    """Check a committed checkpoint against its manifest; returns the manifest or raises."""
-    directory = Path(directory)
+def _is_local(url: str) -> bool:
+    return "://" not in str(url) or str(url).startswith("file://")
+
+
+def _local_path(url: str) -> Path:
+    return Path(str(url).removeprefix("file://"))
+
+
+def _manifest_for(directory: Path, step: int) -> dict[str, Any]:
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel != MANIFEST:
+            files[rel] = {"sha256": _sha256_local(path), "bytes": path.stat().st_size}
+    return {"step": step, "files": files}
+
+
+def verify_local(directory: Path) -> dict[str, Any]:
+    """Check a local checkpoint directory against its manifest; returns the manifest or raises."""
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{directory}: no {MANIFEST} (incomplete checkpoint)")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{manifest_path}: not valid JSON: {err}") from err
-    for rel, meta in manifest["files"].items():
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_path}: not a valid manifest: {err}") from err
+    for rel, meta in files.items():
         path = directory / rel
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the manifest but missing")
-        if path.stat().st_size != meta["bytes"] or _sha256(path) != meta["sha256"]:
+        if path.stat().st_size != meta["bytes"] or _sha256_local(path) != meta["sha256"]:
             raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupt checkpoint)")
     return manifest
+
+
+def verify(url: str | Path) -> dict[str, Any]:
+    """Verify a checkpoint at a local path or fsspec URL (remote ones are read to hash them)."""
+    if _is_local(str(url)):
+        return verify_local(_local_path(str(url)))
+    with tempfile.TemporaryDirectory() as tmp:
+        return verify_local(fetch(str(url), Path(tmp)))
+
+
+def fetch(url: str, into: Path) -> Path:
+    """Copy a remote checkpoint directory to local disk (DeepSpeed and DCP read local files)."""
+    fs, path = url_to_fs(url)
+    if not fs.exists(path):
+        raise CheckpointError(f"{url}: checkpoint not found")
+    target = into / Path(path).name
+    fs.get(path.rstrip("/") + "/", str(target), recursive=True)
+    return target
 
 
 def _barrier() -> None:
@@ -162,100 +203,170 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_checkpoint(root: str | Path, step: int, engine: Any, trainer_state: dict[str, Any], config_yaml: str) -> Path:
-    """Collective: every rank writes its part into a temporary directory; rank 0 commits it."""
-    root = Path(root)
-    final = root / step_dir_name(step)
-    tmp = root / (step_dir_name(step) + ".tmp")
-    rank = _rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    _barrier()
-    engine.save(str(tmp / "engine"))
-    plain, tensors = rng_state()
-    _write_synced(tmp / "rng" / f"rank_{rank}.json", json.dumps(plain))
-    save_file(tensors, str(tmp / "rng" / f"rank_{rank}.safetensors"))
-    if rank == 0:
-        _write_synced(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1, sort_keys=True))
-        _write_synced(tmp / "config.yaml", config_yaml)
-    _barrier()
-    if rank == 0:
-        _write_manifest(tmp, step)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_synced(root / (LATEST + ".tmp"), final.name)
-        os.replace(root / (LATEST + ".tmp"), root / LATEST)
-    _barrier()
-    return final
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Committed step directories, newest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    steps = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")]
-    return sorted(steps, key=lambda p: p.name, reverse=True)
+# ----------------------------------------------------------------------------- the checkpointer
 
 
-def load_checkpoint(directory: str | Path, engine: Any) -> dict[str, Any]:
-    """Restore engine and this rank's RNG from a checkpoint; returns the trainer state."""
-    directory = Path(directory)
-    engine.load(str(directory / "engine"))
-    rank = _rank()
-    plain_path = directory / "rng" / f"rank_{rank}.json"
-    if plain_path.is_file():
-        tensors = load_file(str(directory / "rng" / f"rank_{rank}.safetensors"))
-        set_rng_state(json.loads(plain_path.read_text()), tensors)
-    return json.loads((directory / "trainer_state.json").read_text())
+class Checkpointer:
+    """Saves, prunes and restores the checkpoints of one run under `root` (path or fsspec URL).
 
-
-def _newest_valid(candidates: list[Path]) -> Path | None:
-    from pretrain.log import get_logger
-
-    for path in candidates:
-        try:
-            verify(path)
-            return path
-        except CheckpointError as err:
-            get_logger().warning("skipping checkpoint %s: %s", path, err)
-    return None
-
-
-def resume(root: str | Path, mode: str, engine: Any) -> dict[str, Any] | None:
-    """Restore according to `mode`: "none", "auto" (newest checkpoint that verifies; corrupt or
-    partial ones are reported and skipped) or an explicit checkpoint directory.
-
-    Rank 0 chooses; every rank loads the same directory. Returns the saved trainer state with the
-    chosen "path", or None when starting fresh.
+    `staging` is a local directory on a filesystem every rank of the node (or job) can reach: the
+    engines write there. For a local root, the staging area is the root itself.
     """
-    if mode == "none":
-        return None
-    if _rank() == 0:
-        if mode == "auto":
-            chosen = _newest_valid(list_checkpoints(root))
+
+    def __init__(self, root: str, staging: Path, keep_last: int, milestone_every: int, async_save: bool):
+        self.root = str(root)
+        self.local = _is_local(self.root)
+        self.staging = _local_path(self.root) if self.local else Path(staging)
+        self.keep_last, self.milestone_every, self.async_save = keep_last, milestone_every, async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_committed: str | None = None
+
+    # -- saving
+
+    def save(self, step: int, engine: Any, trainer_state: dict[str, Any], config_yaml: str) -> None:
+        """Collective: write this step's checkpoint; commit it now or in the background."""
+        self.wait()
+        stage = self.staging / (step_dir_name(step) + ".tmp")
+        rank = _rank()
+        if rank == 0:
+            shutil.rmtree(stage, ignore_errors=True)
+            (stage / "rng").mkdir(parents=True)
+        _barrier()
+        engine.save(str(stage / "engine"))
+        plain, tensors = rng_state()
+        _fsync_write(stage / "rng" / f"rank_{rank}.json", json.dumps(plain))
+        save_file(tensors, str(stage / "rng" / f"rank_{rank}.safetensors"))
+        if rank == 0:
+            state = {**trainer_state, "world_size": _world()}
+            _fsync_write(stage / "trainer_state.json", json.dumps(state, indent=1, sort_keys=True))
+            _fsync_write(stage / "config.yaml", config_yaml)
+        _barrier()
+        if rank != 0:
+            return
+        if self.async_save:
+            self._thread = threading.Thread(target=self._commit_guarded, args=(stage, step), daemon=True)
+            self._thread.start()
         else:
-            verify(mode)
-            chosen = Path(mode)
-        choice = [str(chosen) if chosen else None]
-    else:
-        choice = [None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None
-    state = load_checkpoint(choice[0], engine)
-    state["path"] = choice[0]
-    return state
+            self._commit(stage, step)
 
+    def _commit_guarded(self, stage: Path, step: int) -> None:
+        try:
+            self._commit(stage, step)
+        except BaseException as err:  # surfaced in the training loop by poll()
+            self._error = err
 
-def prune(root: str | Path, keep_last: int, milestone_every: int) -> None:
-    """Delete committed checkpoints beyond the newest `keep_last`, keeping every milestone."""
-    if _rank() != 0:
-        return
-    for path in list_checkpoints(root)[keep_last:]:
-        step = int(path.name.split("_")[1])
-        if milestone_every and step % milestone_every == 0:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
+    def _commit(self, stage: Path, step: int) -> None:
+        manifest = _manifest_for(stage, step)
+        _fsync_write(stage / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        name = step_dir_name(step)
+        if self.local:
+            final = self.staging / name
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(stage, final)
+            _fsync_write(self.staging / (LATEST + ".tmp"), name)
+            os.replace(self.staging / (LATEST + ".tmp"), self.staging / LATEST)
+        else:
+            fs, root = url_to_fs(self.root)
+            remote_tmp, remote_final = f"{root}/{name}.tmp", f"{root}/{name}"
+            if fs.exists(remote_tmp):
+                fs.rm(remote_tmp, recursive=True)
+            files = sorted(p for p in stage.rglob("*") if p.is_file() and p.name != MANIFEST)
+            for path in [*files, stage / MANIFEST]:  # the manifest last: it marks completeness
+                rel = path.relative_to(stage).as_posix()
+                fs.makedirs(f"{remote_tmp}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+                fs.put_file(str(path), f"{remote_tmp}/{rel}")
+            if fs.exists(remote_final):
+                fs.rm(remote_final, recursive=True)
+            fs.mv(remote_tmp, remote_final, recursive=True)
+            with fs.open(f"{root}/{LATEST}", "w") as f:
+                f.write(name)
+            shutil.rmtree(stage, ignore_errors=True)
+        self.last_committed = name
+        self.prune()
+
+    def poll(self) -> None:
+        """Raise, in the caller's thread, an error that happened in a background save."""
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"background checkpoint save failed: {err}") from err
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has committed, then surface its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.poll()
+
+    def prune(self) -> None:
+        """Delete committed checkpoints beyond the newest `keep_last`, keeping every milestone."""
+        for name in self.list()[self.keep_last :]:
+            step = int(name.split("_")[1])
+            if self.milestone_every and step % self.milestone_every == 0:
+                continue
+            fs, root = url_to_fs(self.root)
+            fs.rm(f"{root}/{name}", recursive=True)
+
+    # -- listing and restoring
+
+    def list(self) -> list[str]:
+        """Names of committed step directories (not `.tmp`), newest first."""
+        fs, root = url_to_fs(self.root)
+        if not fs.exists(root):
+            return []
+        names = [Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)]
+        steps = [n for n in names if n.startswith("step_") and not n.endswith(".tmp")]
+        return sorted(steps, reverse=True)
+
+    def _local_copy(self, url: str) -> Path:
+        if _is_local(url):
+            return _local_path(url)
+        cache = self.staging / "restore"
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir(parents=True)
+        return fetch(url, cache)
+
+    def _choose(self, mode: str) -> Path | None:
+        """Rank 0: the local directory to restore from (verified), or None for a fresh start."""
+        if mode == "auto":
+            for name in self.list():
+                url = f"{self.root.rstrip('/')}/{name}"
+                try:
+                    local = self._local_copy(url)
+                    verify_local(local)
+                    return local
+                except CheckpointError as err:
+                    get_logger().warning("skipping checkpoint %s: %s", url, err)
+            return None
+        local = self._local_copy(mode)
+        verify_local(local)
+        return local
+
+    def resume(self, mode: str, engine: Any) -> dict[str, Any] | None:
+        """Restore according to `mode`: "none", "auto" (the newest checkpoint that verifies;
+        corrupt or partial ones are reported and skipped) or an explicit checkpoint path/URL.
+
+        Rank 0 chooses and verifies; every rank then loads the same directory (which must be
+        visible to all ranks). Returns the saved trainer state plus "path", or None.
+        """
+        if mode == "none":
+            return None
+        choice = [str(self._choose(mode) or "")] if _rank() == 0 else [None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if not choice[0]:
+            return None
+        directory = Path(choice[0])
+        engine.load(str(directory / "engine"))
+        rank = _rank()
+        plain = directory / "rng" / f"rank_{rank}.json"
+        if plain.is_file():  # a rank that did not exist when saving keeps its fresh seed
+            tensors = load_file(str(directory / "rng" / f"rank_{rank}.safetensors"))
+            set_rng_state(json.loads(plain.read_text()), tensors)
+        state = json.loads((directory / "trainer_state.json").read_text())
+        state["path"] = str(directory)
+        return state

@@ -243,7 +243,22 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(path, tag="ds")
 
     def load(self, path: str) -> None:
-        loaded, _ = self.engine.load_checkpoint(path, tag="ds", load_module_strict=True)
+        """DeepSpeed reads its files with full pickle; ours go through weights_only=True with the
+        three plain data classes its optimizer files hold allow-listed."""
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        checkpoint_engine = self.engine.checkpoint_engine
+        unsafe_load = checkpoint_engine.load
+        checkpoint_engine.load = lambda file, map_location=None: torch.load(
+            file, map_location=map_location, weights_only=True
+        )
+        try:
+            with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+                loaded, _ = self.engine.load_checkpoint(path, tag="ds", load_module_strict=True)
+        finally:
+            checkpoint_engine.load = unsafe_load
         if loaded is None:
             raise FileNotFoundError(f"{path}: no DeepSpeed checkpoint found")
 

@@ -23,7 +23,7 @@ from data_pipeline.shards import ManifestError, load_manifest
 from data_pipeline.stream import PackedStream, StreamLoader
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
-from pretrain import checkpoint as ckpt
+from pretrain.checkpoint import Checkpointer
 from pretrain.config import RunConfig, config_to_dict
 from pretrain.engines import build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.log import get_logger
@@ -158,7 +158,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     rank, world = init_distributed(cfg)
     gas = grad_accumulation_steps(cfg, world)
     run_dir = Path(cfg.run.dir)
-    ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    checkpointer = Checkpointer(
+        cfg.checkpoint.dir or str(run_dir / "checkpoints"), run_dir / ".checkpoint_staging",
+        cfg.checkpoint.keep_last, cfg.checkpoint.milestone_every, cfg.checkpoint.async_save,
+    )
     config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,10 +178,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
 
     state = TrainerState()
     resume = resume if resume is not None else cfg.checkpoint.resume
-    restored = ckpt.resume(ckpt_dir, resume, engine)
+    restored = checkpointer.resume(resume, engine)
     if restored is not None:
-        saved = restored["trainer"]
-        state = TrainerState(**saved)
+        state = TrainerState(**restored["trainer"])
         loader.load_state_dict(restored["data"])
         log.info("resumed from %s at step %d", restored["path"], state.step)
 
@@ -195,9 +197,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
 
     def save() -> None:
         trainer_state = {"trainer": vars(state), "data": loader.state_dict()}
-        path = ckpt.save_checkpoint(ckpt_dir, state.step, engine, trainer_state, config_yaml)
-        ckpt.prune(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.milestone_every)
-        metrics.console(f"saved checkpoint {path}")
+        checkpointer.save(state.step, engine, trainer_state, config_yaml)
+        metrics.console(f"checkpoint of step {state.step} written (async={cfg.checkpoint.async_save})")
 
     exit_code = 0
     window_start, window_tokens = time.time(), 0
@@ -208,6 +209,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
             batch = next(batches)
             micro_batches.append((batch["input_ids"].to(device), batch["labels"].to(device)))
         info = engine.train_step(micro_batches, lr)
+        checkpointer.poll()
         loss_value = all_reduce_mean([info.loss])[0]
         state.step += 1
         state.tokens_seen += tokens_per_step
@@ -263,6 +265,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
 
     if exit_code == 0:
         save()
+    checkpointer.wait()
     metrics.close()
     return exit_code
 
