@@ -21,7 +21,10 @@ resumable state is therefore just the number of global samples consumed (plus th
 bookkeeping), so a run saved at one world size / worker count / batch size resumes at any other
 with exactly the samples not yet consumed.
 
-Memory: O(number of shards) small arrays (16 bytes per shard and per source), one shuffle-window
+Reading: ``read="shard"`` loads whole shards (sha256-verified, cached, the next one prefetched in a
+thread); ``read="range"`` reads only each sample's byte range plus a small per-shard index.
+
+Memory: per shard two int64 counts, its URL and its hash (~200 bytes), one shuffle-window
 permutation, and a bounded cache of decoded shards; nothing proportional to tokens or documents.
 """
 
@@ -486,6 +489,8 @@ class PackedStream(IterableDataset):
 
     def locate(self, g: int) -> tuple[int, int]:
         """``(source, position within that source's infinite sample sequence)`` of global sample ``g``."""
+        if g < self._origin:
+            raise ValueError(f"sample {g} precedes the mixture change at sample {self._origin}; it has no source")
         s, k = self._mixture.locate(g - self._origin)
         return s, int(self._offsets[s]) + k
 
