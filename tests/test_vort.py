@@ -311,3 +311,18 @@ def test_config_rejects_bad_values() -> None:
         VortConfig(n_banks=1)
     with pytest.raises(ValueError, match="m5_timescales"):
         VortConfig(m5_timescales=[1.0, 2.0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["125m", "350m"])
+def test_sized_configs_match_their_names_and_each_other(size: str) -> None:
+    """Every family at a size has about the nominal parameter count and within 1% of the Transformer's."""
+    nominal = {"125m": 125e6, "350m": 350e6}[size]
+    counts = {}
+    for kind in (*VORT_KINDS, "transformer"):
+        model = build_model(load_model_config(CONFIGS / f"{kind}-{size}.yaml"))
+        counts[kind] = model.num_parameters()
+        assert model.flops_per_token(4096) > 6 * model.num_parameters(exclude_embeddings=True)
+    for kind, count in counts.items():
+        assert 0.9 * nominal < count < 1.1 * nominal, (kind, count)
+        assert abs(count / counts["transformer"] - 1) < 0.01, (kind, count)
