@@ -1,0 +1,352 @@
+"""Streaming evaluation of an exported model on raw text, at context lengths up to 512k and beyond.
+
+    python -m pretrain.evaluate --model <export dir> --data <text files> --context 4096,65536,524288 \\
+        [--chunk 2048] [--json out.json] [--plot out.png] [--tasks copy,needle,zipf]
+
+The text files are tokenised with the export's tokenizer (each file is a document followed by
+EOS) and cut into consecutive, non-overlapping windows of each context length. A window is fed to
+the model `--chunk` tokens at a time, starting from `init_state` and passing on the state each
+call returns, so memory stays flat however long the context: the recurrent families (VORT, PMNet)
+carry their whole memory in that state; the Transformer baseline carries only its position and
+therefore sees at most one chunk of context.
+
+Reported per context: bits per token (= bits per byte for byte-level models; plus bits per
+character for tokenized ones), the same per position bucket (log-spaced, for the loss-vs-position
+curve), throughput and the process's peak RSS. With --tasks, argmax accuracy on the synthetic
+long-context tasks of data_pipeline.synthetic, also run in streaming mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from data_pipeline import synthetic
+from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
+from model import CausalLM
+from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
+
+TASKS = ("copy", "needle", "zipf")
+
+
+class EvalError(RuntimeError):
+    """Input that cannot be evaluated; the message names the path or option."""
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def load_export_tokenizer(export_dir: Path) -> Tokenizer:
+    """The tokenizer described by the export's tokenizer.json (sentencepiece: its checksum is checked)."""
+    path = export_dir / TOKENIZER_JSON
+    if not path.is_file():
+        raise EvalError(f"{path}: missing; re-export the checkpoint with python -m pretrain.export")
+    info = json.loads(path.read_text())
+    if info.get("kind") == "bytes":
+        return byte_tokenizer()
+    model_file = export_dir / info.get("file", SENTENCEPIECE_FILE)
+    try:
+        tok = load_tokenizer(str(model_file))
+    except (OSError, ValueError) as err:
+        raise EvalError(f"{model_file}: {err}") from err
+    if tok.sha256 != info.get("sha256"):
+        raise EvalError(
+            f"{model_file}: sha256 {tok.sha256[:12]} differs from the {str(info.get('sha256'))[:12]} in {path}"
+        )
+    return tok
+
+
+@dataclass
+class Text:
+    """The evaluation text as token ids (documents separated by EOS) and its size in characters."""
+
+    ids: np.ndarray
+    n_bytes: int
+    n_chars: int
+    paths: list[str] = field(default_factory=list)
+
+
+def read_text(paths: Sequence[str], tok: Tokenizer) -> Text:
+    """Tokenise each file as one document, followed by EOS."""
+    pieces, n_bytes, n_chars = [], 0, 0
+    for path in paths:
+        try:
+            with fsspec.open(path, "rb") as f:
+                data = f.read()
+        except (FileNotFoundError, IsADirectoryError, OSError) as err:
+            raise EvalError(f"{path}: cannot read the text file: {err}") from err
+        if not data:
+            raise EvalError(f"{path}: the text file is empty")
+        ids, _ = tok.encode(data)
+        pieces += [ids.astype(np.int64), np.array([tok.eos_id], dtype=np.int64)]
+        n_bytes += len(data)
+        n_chars += len(data.decode("utf-8", errors="replace"))
+    return Text(np.concatenate(pieces), n_bytes, n_chars, list(paths))
+
+
+def position_buckets(context: int, per_octave: int = 4) -> np.ndarray:
+    """Bucket edges over positions [0, context): 0, 1, then log-spaced (`per_octave` per doubling)."""
+    edges = np.unique(np.round(np.logspace(0, math.log2(context), int(math.log2(context) * per_octave) + 1, base=2)))
+    return np.unique(np.concatenate([[0], edges.astype(np.int64), [context]]))
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def stream_logits(model: CausalLM, input_ids: torch.Tensor, chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Run `input_ids` [B, T] through the model `chunk` tokens at a time, carrying the state;
+    yields (start, logits) per chunk, so that a caller that drops the logits keeps memory flat."""
+    state = model.init_state(input_ids.shape[0], input_ids.device)
+    for start in range(0, input_ids.shape[1], chunk):
+        logits, state = model(input_ids[:, start : start + chunk], state)
+        yield start, logits
+
+
+@torch.inference_mode()
+def evaluate_context(
+    model: CausalLM, text: Text, context: int, chunk: int, max_windows: int | None, device: torch.device
+) -> dict[str, Any]:
+    """Streaming next-token loss over consecutive windows of `context` tokens."""
+    n_windows = (text.ids.size - 1) // context
+    if max_windows is not None:
+        n_windows = min(n_windows, max_windows)
+    if n_windows == 0:
+        return {"skipped": f"the text has {text.ids.size} tokens; a window needs context + 1 = {context + 1}"}
+    edges = position_buckets(context)
+    bucket_of = torch.from_numpy(np.searchsorted(edges, np.arange(context), side="right") - 1)
+    sums = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    counts = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    started = time.perf_counter()
+    for w in range(n_windows):
+        window = torch.from_numpy(text.ids[w * context : (w + 1) * context + 1]).to(device)
+        inputs, targets = window[None, :-1], window[1:]
+        for start, logits in stream_logits(model, inputs, chunk):
+            n = logits.shape[1]
+            nll = F.cross_entropy(logits[0].float(), targets[start : start + n], reduction="none").double().cpu()
+            buckets = bucket_of[start : start + n]
+            sums.index_add_(0, buckets, nll)
+            counts.index_add_(0, buckets, torch.ones_like(nll))
+    seconds = time.perf_counter() - started
+    tokens = n_windows * context
+    bits = float(sums.sum()) / math.log(2)
+    result: dict[str, Any] = {
+        "windows": n_windows,
+        "tokens": tokens,
+        "bits_per_token": bits / tokens,
+        "buckets": [
+            {"start": int(lo), "end": int(hi), "bits_per_token": float(total / n) / math.log(2)}
+            for lo, hi, total, n in zip(edges[:-1], edges[1:], sums, counts)
+            if n > 0
+        ],
+        "seconds": seconds,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "peak_rss_mb": peak_rss_mb(),
+    }
+    return result
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def add_text_units(result: dict[str, Any], text: Text, tok: Tokenizer) -> None:
+    """Bits per byte (byte-level: a token is a byte) or per character (tokenized, whole-text ratio)."""
+    if "skipped" in result:
+        return
+    if tok.kind == "bytes":
+        result["bits_per_byte"] = result["bits_per_token"]
+    else:
+        chars_per_token = text.n_chars / text.ids.size
+        result["bits_per_character"] = result["bits_per_token"] / chars_per_token
+
+
+# ----------------------------------------------------------------------------- synthetic tasks
+
+
+@torch.inference_mode()
+def task_accuracy(
+    model: CausalLM, examples: list[synthetic.Example], chunk: int, device: torch.device
+) -> dict[str, float]:
+    """Argmax accuracy on the answer tokens, each example streamed like the text windows."""
+    predictions = []
+    for example in examples:
+        ids = torch.from_numpy(example.input_ids).to(device)[None]
+        parts = [logits[0].argmax(-1).cpu() for _, logits in stream_logits(model, ids, chunk)]
+        predictions.append(torch.cat(parts))
+    return synthetic.accuracy(examples, predictions)
+
+
+def run_tasks(
+    model: CausalLM,
+    tasks: Sequence[str],
+    tok: Tokenizer,
+    length: int,
+    n: int,
+    chunk: int,
+    device: torch.device,
+    haystack: bytes,
+) -> dict[str, Any]:
+    """Accuracy of each requested task on `n` examples of about `length` tokens."""
+    results: dict[str, Any] = {}
+    for task in tasks:
+        if task == "copy":
+            gen: Any = synthetic.CopyPaste(max_copy=max(1, length // 8), max_lookback=length - length // 8 - 1)
+        elif task == "needle":
+            gen = synthetic.NeedleHaystack(length, haystack, encode=lambda b: tok.encode(b)[0])
+        else:
+            gen = synthetic.ZipfRetrieval(length, vocab_size=tok.content_vocab)
+        examples = [gen.example(i) for i in range(n)]
+        results[task] = {"examples": n, "length": length, **task_accuracy(model, examples, chunk, device)}
+    return results
+
+
+# ----------------------------------------------------------------------------- plot and CLI
+
+
+def plot(results: dict[str, Any], path: str, title: str) -> None:
+    """Bits per token against position in the context (log x), one line per context length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for context, result in results.items():
+        if "buckets" not in result:
+            continue
+        mids = [max(1.0, (b["start"] + b["end"] - 1) / 2) for b in result["buckets"]]
+        ax.plot(mids, [b["bits_per_token"] for b in result["buckets"]], marker=".", label=f"context {context}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("position in the context (tokens)")
+    ax.set_ylabel("bits per token")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def evaluate(
+    model_dir: str | Path,
+    data: Sequence[str],
+    contexts: Sequence[int],
+    chunk: int = 2048,
+    tasks: Sequence[str] = (),
+    task_len: int = 2048,
+    task_examples: int = 8,
+    max_windows: int | None = None,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Evaluate an export directory; returns the JSON-able report (see module docstring)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise EvalError(f"{model_dir}: no such export directory")
+    if chunk < 1 or not contexts or min(contexts) < 1:
+        raise EvalError(f"--chunk and --context must be positive (chunk={chunk}, contexts={list(contexts)})")
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise EvalError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
+    try:
+        config = read_export_config(model_dir)
+        model = load_exported(model_dir, device)
+    except ExportError as err:
+        raise EvalError(str(err)) from err
+    tok = load_export_tokenizer(model_dir)
+    text = read_text(data, tok)
+    dev = torch.device(device)
+    report: dict[str, Any] = {
+        "model": str(model_dir),
+        "family": config["lm_config"]["kind"],
+        "parameters": model.num_parameters(),
+        "tokenizer": tok.kind,
+        "data": list(data),
+        "text_tokens": int(text.ids.size),
+        "text_bytes": text.n_bytes,
+        "chunk": chunk,
+        "contexts": {},
+    }
+    for context in contexts:
+        result = evaluate_context(model, text, context, chunk, max_windows, dev)
+        add_text_units(result, text, tok)
+        report["contexts"][str(context)] = result
+    if tasks:
+        with fsspec.open(data[0], "rb") as f:
+            haystack = f.read()
+        report["tasks"] = run_tasks(model, tasks, tok, task_len, task_examples, chunk, dev, haystack)
+    report["peak_rss_mb"] = peak_rss_mb()
+    return report
+
+
+def _contexts(value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from err
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="export directory (python -m pretrain.export)")
+    parser.add_argument("--data", required=True, nargs="+", help="raw text files (paths or fsspec URLs)")
+    parser.add_argument("--context", type=_contexts, default=[4096], help="comma-separated context lengths")
+    parser.add_argument("--chunk", type=int, default=2048, help="tokens per forward call (the state carries the rest)")
+    parser.add_argument("--max-windows", type=int, default=None, help="at most this many windows per context")
+    parser.add_argument("--tasks", type=lambda v: [t for t in v.split(",") if t], default=[], help="copy,needle,zipf")
+    parser.add_argument("--task-len", type=int, default=2048, help="tokens per synthetic-task example")
+    parser.add_argument("--task-examples", type=int, default=8, help="examples per synthetic task")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--plot", help="write a PNG of bits per token against position here")
+    args = parser.parse_args(argv)
+    try:
+        report = evaluate(
+            args.model,
+            args.data,
+            args.context,
+            args.chunk,
+            args.tasks,
+            args.task_len,
+            args.task_examples,
+            args.max_windows,
+            args.device,
+        )
+    except EvalError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for context, result in report["contexts"].items():
+        if "skipped" in result:
+            print(f"context {context}: skipped ({result['skipped']})")
+            continue
+        unit = "bits/byte" if "bits_per_byte" in result else "bits/token"
+        extra = f", {result['bits_per_character']:.4f} bits/char" if "bits_per_character" in result else ""
+        print(
+            f"context {context}: {result['bits_per_token']:.4f} {unit}{extra} over {result['tokens']:,} tokens "
+            f"({result['windows']} windows), {result['tokens_per_s']:,.0f} tok/s, "
+            f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+        )
+    for task, result in report.get("tasks", {}).items():
+        print(f"task {task}: exact {result['exact']:.3f}, token {result['token']:.3f} ({result['examples']} examples)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot(report["contexts"], args.plot, f"{report['family']} ({report['parameters']:,} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""transformers wrapper of an exported recurrent-pretrain model (copied into every export).
+
+The network itself is the project's CausalLM, built by the project's own code which travels in the
+export as flat `rlm_*.py` modules (see pretrain/export.py, `write_code`). Parameter names are the
+CausalLM's own (`embed.weight`, `blocks.0....`), so model.safetensors is shared with the project's
+loader: the wrapper registers the CausalLM's submodules as its own instead of nesting it.
+
+forward(input_ids, state=None, labels=None) returns logits, the recurrent state after the last
+token (pass it back to continue a long text in pieces) and, with labels, the mean next-token loss
+in the transformers convention (labels are the input ids; the shift happens here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_recurrent import RecurrentLMConfig
+from .rlm_model import build_model
+from .rlm_model_config import ModelConfig, PMNetConfig, VortConfig
+from .rlm_sources import CARRIED_SOURCES
+
+
+def model_config_from_dict(lm_config: dict[str, Any]) -> ModelConfig:
+    """The nested `lm_config` dict back into the project's dataclasses (validated by them)."""
+    top = {k: v for k, v in lm_config.items() if k not in ("vort", "pmnet")}
+    vort, pmnet = VortConfig(**lm_config.get("vort", {})), PMNetConfig(**lm_config.get("pmnet", {}))
+    return ModelConfig(**top, vort=vort, pmnet=pmnet)
+
+
+@dataclass
+class RecurrentLMOutput(ModelOutput):
+    """Loss (with labels), next-token logits [B, T, V] and the recurrent state after the last token."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    state: Any = None
+
+
+class RecurrentLMForCausalLM(PreTrainedModel):
+    """An exported VORT / PMNet / baseline language model behind transformers' interface."""
+
+    config_class = RecurrentLMConfig
+    base_model_prefix = ""
+    main_input_name = "input_ids"
+    carried_sources = CARRIED_SOURCES
+
+    def __init__(self, config: RecurrentLMConfig) -> None:
+        super().__init__(config)
+        lm_config = model_config_from_dict(config.lm_config)
+        # transformers builds models on the meta device and then fills in the saved weights; our
+        # models also compute constants at construction (SOE banks, random-feature projections,
+        # tree offsets) that are not all in the weights file, so the CausalLM is built for real.
+        with torch.device("cpu"):
+            lm = build_model(lm_config)
+        if lm._parameters or lm._buffers:
+            raise ValueError("the CausalLM holds tensors outside its submodules; the wrapper cannot adopt it")
+        object.__setattr__(self, "_lm", lm)
+        # Non-persistent buffers (constants such as PMNet's tree offsets) are not in the weights
+        # file; transformers empties them while loading and asks `_init_weights` to refill them.
+        self._constants = {
+            id(module): {
+                name: buffer.detach().clone()
+                for name, buffer in module._buffers.items()
+                if name in module._non_persistent_buffers_set
+            }
+            for module in lm.modules()
+        }
+        for name, child in lm.named_children():
+            self.add_module(name, child)
+        if lm_config.tie_embeddings:
+            self._tied_weights_keys = {"head.weight": "embed.weight"}
+        self.post_init()
+
+    @property
+    def lm(self) -> torch.nn.Module:
+        """The project's CausalLM (sharing every submodule with this wrapper)."""
+        return self._lm
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """Restore `module`'s constants; parameters need nothing: the CausalLM initialised itself
+        and loading overwrites them from model.safetensors."""
+        for name, value in self._constants.get(id(module), {}).items():
+            module._buffers[name] = value.to(module._buffers[name].device)
+
+    def train(self, mode: bool = True) -> RecurrentLMForCausalLM:
+        super().train(mode)
+        self._lm.training = mode
+        return self
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self._lm.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self._lm.head
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> Any:
+        """The recurrent state before the first token (None for a model without memory)."""
+        return self._lm.init_state(batch_size, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        state: Any = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **_: Any,
+    ) -> RecurrentLMOutput | tuple:
+        logits, new_state = self._lm(input_ids, state)
+        loss = None
+        if labels is not None:
+            shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+            loss = F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=-100)
+        output = RecurrentLMOutput(loss=loss, logits=logits, state=new_state)
+        if return_dict is False:
+            return output.to_tuple()
+        return output
