@@ -628,6 +628,7 @@ class StreamLoader:
         self.stream = stream
         self.num_workers = num_workers
         self.loader_kwargs = loader_kwargs
+        stream.load_state_dict(stream.state_dict())  # start after samples the stream already yielded
         self._consumed_local = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

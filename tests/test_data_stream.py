@@ -349,3 +349,19 @@ def test_range_reads_match_whole_shards_and_read_a_rank_share(data: dict) -> Non
         assert content <= per_rank * (SEQ + 2) < whole.stats()["shard_bytes_read"]  # +1: token before (doc_start)
     with pytest.raises(ValueError, match="verify=False"):
         _stream(data, read="range")
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("read", ["shard", "range"])
+def test_workers_after_parent_read_reopen_files_and_threads(data: dict, read: str) -> None:
+    """The parent reads first (open handles / prefetch thread exist), then forked workers read too."""
+    kw = {"read": read, "verify": read == "shard", "batch_size": 2}
+    stream = _stream(data, **kw)
+    parent = _ids(_take(stream, 4))
+    loader = StreamLoader(stream, num_workers=2)
+    got = _loader_ids(loader, 4)
+    assert got == list(range(4, 12))
+    reference = _ids(_take(_stream(data, **kw), 14))
+    assert parent == reference[:4]
+    batch = next(iter(loader))
+    assert [tuple(r) for r in batch["input_ids"].tolist()] == [x for _, x in reference[12:14]]
