@@ -37,10 +37,11 @@ def test_byte_vocab_constants() -> None:
     assert tok.vocab_size == BYTE_VOCAB_SIZE and tok.eos_id == EOS_ID and tok.storage_dtype == np.uint8
 
 
-def test_build_is_deterministic_and_worker_independent(tmp_path: Path) -> None:
+def test_build_is_deterministic_and_worker_independent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = [str(DEMO / "train" / "sonnets.txt"), str(DEMO / "train" / "tempest.txt")]
     build_shards(inputs, str(tmp_path / "one"), shard_tokens=50_000)
     build_shards(inputs, str(tmp_path / "two"), shard_tokens=50_000)
+    monkeypatch.setattr(build_cli, "_BATCH_BYTES", 1)  # one document per batch, several in flight
     build_shards(inputs, str(tmp_path / "par"), shard_tokens=50_000, workers=2)
     one = _tree_bytes(tmp_path / "one")
     assert one == _tree_bytes(tmp_path / "two") == _tree_bytes(tmp_path / "par")
