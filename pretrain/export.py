@@ -456,7 +456,7 @@ def model_card(cfg: RunConfig, provenance: dict[str, Any], evals: dict[str, floa
         f"`{cfg.engine.kind}`, sequence length {cfg.data.seq_len}",
         f"- tokenizer: `{provenance['tokenizer']}`",
         f"- data manifest fingerprint (sha256): `{provenance['data_fingerprint']}`",
-        f"- exported from: `{provenance['checkpoint']}`",
+        f"- exported from: `{provenance['checkpoint'] or 'a model in memory (write_export)'}`",
         "",
         "## Evaluation logged during training",
         "",
@@ -487,6 +487,36 @@ def model_card(cfg: RunConfig, provenance: dict[str, Any], evals: dict[str, floa
 # ----------------------------------------------------------------------------- export and load
 
 
+def write_export(
+    model: CausalLM,
+    cfg: RunConfig,
+    out: str | Path,
+    training: dict[str, Any] | None = None,
+    evals: dict[str, float] | None = None,
+) -> Path:
+    """Write `model` (built from `cfg.model`) as an export directory. `training` adds provenance
+    (checkpoint, step, tokens_seen) and `evals` the metrics shown in the model card."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_tokenizer(out, cfg.data.tokenizer)
+    provenance = {
+        "format": EXPORT_FORMAT,
+        "checkpoint": None,
+        "engine": cfg.engine.kind + (f" zero_stage={cfg.engine.zero_stage}" if cfg.engine.kind == "deepspeed" else ""),
+        "step": 0,
+        "tokens_seen": 0,
+        **(training or {}),
+        "parameters": model.num_parameters(),
+        "tokenizer": tokenizer["kind"] if tokenizer["kind"] == "bytes" else cfg.data.tokenizer,
+        "data_fingerprint": _data_fingerprint(cfg),
+    }
+    save_model(model, str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer, provenance), indent=1) + "\n")
+    write_code(out)
+    (out / "README.md").write_text(model_card(cfg, provenance, evals or {}))
+    return out
+
+
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     """Verify, consolidate and write the export directory; returns it."""
     step_dir = resolve_checkpoint(checkpoint)
@@ -500,25 +530,9 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         trainer = json.loads((step_dir / "trainer_state.json").read_text()).get("trainer", {})
     except (OSError, json.JSONDecodeError) as err:
         raise ExportError(f"{step_dir / 'trainer_state.json'}: {err}") from err
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = write_tokenizer(out, cfg.data.tokenizer)
     step = int(trainer.get("step", manifest.get("step", 0)))
-    provenance = {
-        "format": EXPORT_FORMAT,
-        "checkpoint": str(step_dir.resolve()),
-        "engine": cfg.engine.kind + (f" zero_stage={cfg.engine.zero_stage}" if cfg.engine.kind == "deepspeed" else ""),
-        "step": step,
-        "tokens_seen": int(trainer.get("tokens_seen", 0)),
-        "parameters": model.num_parameters(),
-        "tokenizer": tokenizer["kind"] if tokenizer["kind"] == "bytes" else cfg.data.tokenizer,
-        "data_fingerprint": _data_fingerprint(cfg),
-    }
-    save_model(model, str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer, provenance), indent=1) + "\n")
-    write_code(out)
-    (out / "README.md").write_text(model_card(cfg, provenance, _eval_metrics(step_dir, step)))
-    return out
+    training = {"checkpoint": str(step_dir.resolve()), "step": step, "tokens_seen": int(trainer.get("tokens_seen", 0))}
+    return write_export(model, cfg, out, training, _eval_metrics(step_dir, step))
 
 
 def read_export_config(export_dir: str | Path) -> dict[str, Any]:

@@ -1,0 +1,156 @@
+"""pretrain.export: trained checkpoints -> export -> the project's loader and transformers give the
+training model's logits; single-process here, DeepSpeed ZeRO-2/3 and FSDP2 (2 ranks) marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_model
+
+from model import build_model
+from pretrain import export as ex
+from tests.launchers import run_training
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _offline_transformers(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No network; remote code is copied into a temporary module cache (when transformers is first
+    imported by these tests)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path_factory.getbasetemp() / "hf_modules"))
+
+
+def _config(root: Path, family: str) -> Path:
+    path = root / f"{family}.yaml"
+    path.write_text(
+        f"extends: [{REPO / 'configs' / 'tiny.yaml'}, {REPO / 'configs' / 'model' / f'{family}-tiny.yaml'}]\n"
+    )
+    return path
+
+
+def _train(root: Path, shards: dict[str, str], family: str, launcher: str, ranks: int, *extra: str) -> Path:
+    run_dir = root / "run"
+    run_training(launcher, ranks, [
+        "--config", str(_config(root, family)), f"data.train=[{{path: {shards['train']}}}]", "data.valid=[]",
+        f"run.dir={run_dir}", "train.steps=2", "checkpoint.every=0", *extra,
+    ])  # fmt: skip
+    return run_dir
+
+
+def _hf_model(export_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(export_dir), trust_remote_code=True).eval()
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, str]) -> Path:
+    return _train(tmp_path_factory.mktemp("single"), demo_shards, "vort", "python", 1)
+
+
+def test_single_export_gives_training_logits(single_run: Path, tmp_path: Path) -> None:
+    step_dir = single_run / "checkpoints" / "step_00000002"
+    cfg = ex.read_run_config(step_dir)
+    trained = build_model(cfg.model)
+    load_model(trained, str(step_dir / "engine" / "model.safetensors"))  # the weights exactly as the trainer saved them
+    trained.eval()
+
+    out = tmp_path / "export"
+    assert ex.main(["--checkpoint", str(single_run), "--out", str(out)]) == 0  # a run dir resolves to its latest step
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    expected = _logits(trained, ids)
+    assert torch.equal(_logits(ex.load_exported(out), ids), expected)
+
+    hf = _hf_model(out)
+    assert type(hf).__module__.startswith("transformers_modules.")  # the code that travelled, not ours
+    assert torch.equal(_logits(hf, ids), expected)
+    with torch.no_grad():  # the recurrent state also travels through the transformers interface
+        first = hf(ids[:, :20], state=hf.init_state(2))
+        second = hf(ids[:, 20:], state=first.state)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), expected, rtol=1e-4, atol=1e-5)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "recurrent_lm" and config["architectures"] == ["RecurrentLMForCausalLM"]
+    assert config["lm_config"]["kind"] == "vort" and config["vocab_size"] == 258
+    assert config["recurrent_export"]["step"] == 2 and config["recurrent_export"]["checkpoint"] == str(
+        step_dir.resolve()
+    )
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    assert (tokenizer["kind"], tokenizer["vocab_size"], tokenizer["eos_id"]) == ("bytes", 258, 256)
+    card = (out / "README.md").read_text()
+    assert "vort" in card and "2 steps" in card and config["recurrent_export"]["data_fingerprint"] in card
+
+
+def test_bad_checkpoints_are_named(single_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere"
+    assert ex.main(["--checkpoint", str(missing), "--out", str(tmp_path / "o1")]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ex.ExportError, match="holds no step_"):
+        ex.export(empty, tmp_path / "o2")
+
+    corrupt = tmp_path / "step_00000002"
+    shutil.copytree(single_run / "checkpoints" / "step_00000002", corrupt)
+    weights = corrupt / "engine" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert ex.main(["--checkpoint", str(corrupt), "--out", str(tmp_path / "o3")]) == 2
+    err = capsys.readouterr().err
+    assert "failed verification" in err and str(weights) in err
+    assert not (tmp_path / "o3").exists()
+
+    with pytest.raises(ex.ExportError, match=r"config\.json"):
+        ex.load_exported(tmp_path)
+
+
+def _deepspeed_module_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    """ZeRO-2 keeps whole fp32 module weights beside the partitions: an independent reference."""
+    with torch.serialization.safe_globals(ex._deepspeed_safe_globals()):
+        saved = torch.load(step_dir / "engine" / "ds" / "mp_rank_00_model_states.pt", weights_only=True)
+    return {k.removeprefix("model."): v for k, v in saved["module"].items()}
+
+
+@pytest.mark.slow
+def test_sharded_exports_give_training_logits(
+    tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, str]
+) -> None:
+    """2-rank DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 PMNet runs: the export of each gives, through both
+    loaders, the logits of the training model (ZeRO-2: its module weights; ZeRO-3 and FSDP2, which
+    hold no whole copy, train identically, so they must match ZeRO-2's to fp32 reduction noise)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    engines = {
+        "zero2": ("deepspeed", "engine.kind=deepspeed", "engine.zero_stage=2"),
+        "zero3": ("deepspeed", "engine.kind=deepspeed", "engine.zero_stage=3"),
+        "fsdp": ("torchrun", "engine.kind=fsdp"),
+    }
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name, (launcher, *overrides) in engines.items():
+        root = tmp_path_factory.mktemp(name)
+        run_dir = _train(root, demo_shards, "pmnet", launcher, 2, *overrides)
+        out = ex.export(run_dir / "checkpoints", root / "export")
+        own = _logits(ex.load_exported(out), ids)
+        assert torch.equal(_logits(_hf_model(out), ids), own)
+        logits[name] = own
+        if name == "zero2":
+            step_dir = run_dir / "checkpoints" / "step_00000002"
+            trained = build_model(ex.read_run_config(step_dir).model)
+            trained.load_state_dict(_deepspeed_module_weights(step_dir), strict=True)
+            assert torch.equal(own, _logits(trained.eval(), ids))
+    torch.testing.assert_close(logits["zero3"], logits["zero2"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits["fsdp"], logits["zero2"], rtol=1e-4, atol=1e-4)
