@@ -99,7 +99,8 @@ def bank_table() -> str:
 def prop_table() -> str:
     """L2 errors of exponential fits with rates >= Lambda, against T, per alpha."""
     lines = [
-        "| alpha | T | best M-term fit error | grid-span error (lower bound) | norm of w | M-term error / norm |",
+        "| alpha | T | optimised M-term fit error (upper bound) | grid-span error (lower bound) | norm of w |"
+        " M-term error / norm |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for alpha in PROP_ALPHAS:
