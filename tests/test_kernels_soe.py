@@ -155,3 +155,41 @@ def test_shape_errors():
 def test_torch_matches_reference_long():
     inputs = soe_inputs(1, 2000, 2, 16, 16, 32, True, seed=9)
     assert_matches_reference(inputs, "torch", 64)
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    """The CPU path takes bf16 (the models' compute dtype): outputs come back in bf16, the state in fp32,
+    and both match the reference run on the same (bf16-rounded) inputs to bf16 precision."""
+    inputs = soe_inputs(1, 70, 2, 8, 8, 4, False, seed=6)
+    low = {n: x.to(torch.bfloat16) for n, x in inputs.items()}
+    o, z, (g, b) = soe_scan(*low.values(), output_final_state=True)
+    ref_o, ref_z, (ref_g, _) = soe_scan(
+        *(x.double() for x in low.values()), output_final_state=True, backend="reference"
+    )
+    assert o.dtype == z.dtype == torch.bfloat16 and g.dtype == b.dtype == torch.float32
+    assert rel_err(o, ref_o) < 1e-2 and rel_err(z, ref_z) < 1e-2
+    assert rel_err(g, ref_g) < 1e-5
+
+
+def test_gradients_only_where_asked_and_no_grad_mode():
+    inputs = soe_inputs(1, 20, 1, 3, 3, 2, False, seed=8)
+    q, k, v, coef, log_lam = (x.float() for x in inputs.values())
+    v.requires_grad_()
+    o, z, _ = soe_scan(q, k, v, coef, log_lam, chunk_size=8)
+    (o.sum() + z.sum()).backward()
+    assert v.grad is not None and q.grad is None and log_lam.grad is None
+    with torch.no_grad():
+        o2, _, _ = soe_scan(q, k, v, coef, log_lam, chunk_size=8)
+    assert not o2.requires_grad and torch.allclose(o2, o.detach())
+
+
+def test_non_contiguous_inputs():
+    inputs = soe_inputs(2, 30, 2, 4, 4, 3, True, seed=2)
+    names = ("q", "k", "v", "coef", "log_lam")
+    base = soe_scan(*(inputs[n].float() for n in names), chunk_size=8)
+    wide = {
+        n: torch.cat([x.float(), x.float()], dim=-1)[..., : x.shape[-1]] for n, x in inputs.items() if n != "log_lam"
+    }
+    strided = soe_scan(wide["q"], wide["k"], wide["v"], wide["coef"], inputs["log_lam"].float(), chunk_size=8)
+    assert not wide["q"].is_contiguous()
+    assert torch.equal(strided[0], base[0]) and torch.equal(strided[1], base[1])
