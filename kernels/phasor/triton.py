@@ -42,7 +42,7 @@ def _phasor_fwd_kernel(
         t = start + offs_t
         mask_t = t < seq_len
         for lvl in range(0, L):
-            entry = (b * seq_len + t) * L + lvl
+            entry = ((b * seq_len + t) * L + lvl).to(tl.int64)
             sl = tl.load(slots + entry, mask=mask_t, other=-1)
             mask = mask_t[:, None] & mask_m[None, :]
             d = tl.load(delta + entry[:, None] * M + offs_m[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -73,7 +73,7 @@ def _phasor_bwd_kernel(
         t = (n_chunks - 1 - rev) * BT + offs_t
         mask_t = t < seq_len
         for lvl in range(0, L):
-            entry = (b * seq_len + t) * L + lvl
+            entry = ((b * seq_len + t) * L + lvl).to(tl.int64)
             sl = tl.load(slots + entry, mask=mask_t, other=-1)
             mask = mask_t[:, None] & mask_m[None, :]
             g = tl.load(d_read + entry[:, None] * M + offs_m[None, :], mask=mask, other=0.0).to(tl.float32)

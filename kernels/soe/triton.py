@@ -51,7 +51,7 @@ def _load_chunk(
     offs_f = tl.arange(0, BF)
     offs_d = i_d * BD + tl.arange(0, BD)
     mask_t = offs_t < seq_len
-    row = (b * seq_len + offs_t) * H + h
+    row = ((b * seq_len + offs_t) * H + h).to(tl.int64)  # row * F overflows int32 at long B*T*H
     mask_qk = mask_t[:, None] & (offs_f < F)[None, :]
     mask_v = mask_t[:, None] & (offs_d < DV)[None, :]
     qc = tl.load(q + row[:, None] * F + offs_f[None, :], mask=mask_qk, other=0.0)
