@@ -19,6 +19,7 @@ long-context tasks of data_pipeline.synthetic, also run in streaming mode.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import resource
@@ -58,14 +59,15 @@ def load_export_tokenizer(export_dir: Path) -> Tokenizer:
     if info.get("kind") == "bytes":
         return byte_tokenizer()
     model_file = export_dir / info.get("file", SENTENCEPIECE_FILE)
+    if not model_file.is_file():
+        raise EvalError(f"{model_file}: missing (named by {path})")
+    digest = hashlib.sha256(model_file.read_bytes()).hexdigest()
+    if digest != info.get("sha256"):
+        raise EvalError(f"{model_file}: sha256 {digest[:12]} differs from the {str(info.get('sha256'))[:12]} in {path}")
     try:
         tok = load_tokenizer(str(model_file))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RuntimeError) as err:
         raise EvalError(f"{model_file}: {err}") from err
-    if tok.sha256 != info.get("sha256"):
-        raise EvalError(
-            f"{model_file}: sha256 {tok.sha256[:12]} differs from the {str(info.get('sha256'))[:12]} in {path}"
-        )
     return tok
 
 

@@ -114,3 +114,29 @@ def test_bad_input_names_the_path(
     assert str(not_export / "config.json") in capsys.readouterr().err
     with pytest.raises(ev.EvalError, match="--tasks"):
         ev.evaluate(exports["vort"], [str(text_file)], [256], tasks=["sorting"])
+
+
+def test_sentencepiece_export_reports_bits_per_character(text_file: Path, tmp_path: Path) -> None:
+    """A tokenized model: the tokenizer travels with its sha256 and evaluation reports bits per
+    token and per character."""
+    from data_pipeline.tokenizer import train_sentencepiece
+
+    tok = train_sentencepiece([str(BOOK)], 512, str(tmp_path / "sp"), sample_bytes=200_000)
+    tree = yaml.safe_load((REPO / "configs" / "model" / "vort-tiny.yaml").read_text())
+    tree["model"]["vocab_size"] = tok.vocab_size
+    tree["data"] = {"tokenizer": tok.model}
+    cfg = config_from_dict(tree)
+    out = write_export(build_model(cfg.model), cfg, tmp_path / "export")
+    info = json.loads((out / "tokenizer.json").read_text())
+    assert info["kind"] == "sentencepiece" and info["sha256"] == tok.sha256
+    assert (out / info["file"]).read_bytes() == Path(tok.model).read_bytes()
+
+    report = ev.evaluate(out, [str(text_file)], [128], chunk=50)
+    result = report["contexts"]["128"]
+    assert report["tokenizer"] == "sentencepiece" and "bits_per_byte" not in result
+    chars_per_token = 3000 / report["text_tokens"]  # the excerpt is ASCII: one byte per character
+    assert result["bits_per_character"] == pytest.approx(result["bits_per_token"] / chars_per_token)
+
+    (out / info["file"]).write_bytes(b"not the model")
+    with pytest.raises(ev.EvalError, match=r"tokenizer\.model"):
+        ev.evaluate(out, [str(text_file)], [128])
