@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -326,3 +330,30 @@ def test_sized_configs_match_their_names_and_each_other(size: str) -> None:
     for kind, count in counts.items():
         assert 0.9 * nominal < count < 1.1 * nominal, (kind, count)
         assert abs(count / counts["transformer"] - 1) < 0.01, (kind, count)
+
+
+TRITON_CHECK = """
+import json, torch
+from tests.test_vort import make_layer, reference_copy, rel_err
+layer = make_layer("vort", seed=0)
+layer.backend = "triton"
+ref = reference_copy(layer)
+x = torch.randn(2, 19, 32, generator=torch.Generator().manual_seed(0))
+(y, state), (y_ref, state_ref) = layer(x), ref(x.double())
+y.square().sum().backward()
+y_ref.square().sum().backward()
+named = dict(ref.named_parameters())
+grads = max(rel_err(p.grad, named[n].grad) for n, p in layer.named_parameters())
+print(json.dumps({"out": rel_err(y, y_ref), "state": rel_err(state.G, state_ref.G), "grads": grads}))
+"""
+
+
+def test_layer_on_the_triton_path_matches_the_reference() -> None:
+    """The GPU path of the whole layer, run by the Triton interpreter (it must be set before import)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert max(errors.values()) < 1e-5, errors
