@@ -197,6 +197,21 @@ def test_collision_scopes_agree_when_one_segment_spans_the_call() -> None:
     assert max(rel_err(seq, seg) for seq, seg in several) > 1e-3
 
 
+def test_activation_checkpointing_gives_the_same_gradients_and_stats() -> None:
+    """Recomputation must not register the sequence-scope hooks or the stats hook twice."""
+    ids = torch.randint(0, 258, (2, 30), generator=torch.Generator().manual_seed(7))
+    runs = []
+    for checkpointing in (False, True):
+        model = make_model(seed=2)
+        model.activation_checkpointing = checkpointing
+        model.loss(ids[:, :-1], ids[:, 1:])[0].backward()
+        runs.append(([p.grad for p in model.parameters()], model.stats()["pmnet/memory_write_grad_norm"]))
+    (plain, plain_norm), (recomputed, recomputed_norm) = runs
+    for a, b in zip(plain, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    assert plain_norm == pytest.approx(recomputed_norm, rel=1e-6)
+
+
 @pytest.mark.parametrize("seq_len", [1, 1000, 20000])
 def test_state_is_unit_phasor_at_any_length(seq_len: int) -> None:
     torch.manual_seed(6)
