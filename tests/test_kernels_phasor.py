@@ -104,3 +104,9 @@ def test_input_errors():
         phasor_scan(delta, slots.float(), 4)
     with pytest.raises(ValueError, match="initial_state"):
         phasor_scan(delta, slots, 4, torch.zeros(1, 5, 3))
+
+
+@pytest.mark.slow
+def test_torch_matches_reference_long():
+    inputs, n_slots = phasor_inputs(2, 5000, 3, 16, 4, True, seed=7)
+    assert_matches_reference(inputs, n_slots, "torch")
