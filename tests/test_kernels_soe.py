@@ -193,3 +193,24 @@ def test_non_contiguous_inputs():
     strided = soe_scan(wide["q"], wide["k"], wide["v"], wide["coef"], inputs["log_lam"].float(), chunk_size=8)
     assert not wide["q"].is_contiguous()
     assert torch.equal(strided[0], base[0]) and torch.equal(strided[1], base[1])
+
+
+def test_backward_saves_only_inputs():
+    """The chunked backward recomputes states: what autograd keeps is O(inputs), not O(T * S * F * D)."""
+    batch, seq_len, heads, feat, dim_v, n_terms = 1, 256, 2, 8, 8, 8
+    inputs = {
+        n: x.float().requires_grad_()
+        for n, x in soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, True, 0).items()
+    }
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = soe_scan(*(inputs[n] for n in ("q", "k", "v", "coef", "log_lam")), (inputs["g0"], inputs["b0"]))[0]
+    assert o.requires_grad
+    input_size = sum(x.numel() for x in inputs.values()) + seq_len * heads  # + the ones column of v
+    assert sum(saved) <= 1.5 * input_size
+    assert sum(saved) < seq_len * heads * n_terms * feat * dim_v / 4
