@@ -110,3 +110,13 @@ def test_input_errors():
 def test_torch_matches_reference_long():
     inputs, n_slots = phasor_inputs(2, 5000, 3, 16, 4, True, seed=7)
     assert_matches_reference(inputs, n_slots, "torch")
+
+
+def test_torch_in_many_pieces_matches_reference(monkeypatch):
+    """Long inputs run in pieces with the state carried between them; force tiny pieces to check that path."""
+    import kernels.phasor.segment as segment
+
+    monkeypatch.setattr(segment, "PIECE_VALUES", 40)
+    inputs, n_slots = phasor_inputs(2, 45, 3, 4, 3, True, seed=12)
+    assert len(segment._pieces(inputs["delta"])) > 5
+    assert_matches_reference(inputs, n_slots, "torch")

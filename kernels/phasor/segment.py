@@ -110,20 +110,42 @@ def phasor_backward_segmented(
     return seg.unsort(d_delta, shape, dtype), d_init.float().view(batch, -1, width)
 
 
+PIECE_VALUES = 1 << 20  # increments per piece: keeps every float64 temporary near 8 MB
+
+
+def _pieces(delta: torch.Tensor) -> list[slice]:
+    """Token ranges processed one after another, carrying the state: the scan is exact across pieces, and
+    small pieces keep temporaries in cache and below the allocator's mmap threshold (fresh large buffers
+    cost page faults)."""
+    batch, seq_len, levels, width = delta.shape
+    step = max(1, PIECE_VALUES // (batch * levels * width))
+    return [slice(lo, min(lo + step, seq_len)) for lo in range(0, seq_len, step)]
+
+
 class PhasorScanSegmented(torch.autograd.Function):
-    """Autograd wrapper: saves the sort (integers) only; the backward needs no forward activations."""
+    """Autograd wrapper: saves the sorts (integers) only; the backward needs no forward activations."""
 
     @staticmethod
     def forward(ctx, delta, slots, n_slots, init):
-        seg = SlotSegments(slots, n_slots)
-        read, final = phasor_forward_segmented(delta, seg, init)
-        ctx.seg = seg
+        pieces = _pieces(delta)
+        read = torch.empty_like(delta)
+        segs, state = [], init
+        for piece in pieces:
+            seg = SlotSegments(slots[:, piece], n_slots)
+            read[:, piece], state = phasor_forward_segmented(delta[:, piece], seg, state)
+            segs.append(seg)
+        ctx.segs, ctx.pieces = segs, pieces
         ctx.meta = (delta.shape, delta.dtype, init.dtype)
         ctx.set_materialize_grads(False)
-        return read, final
+        return read, state.float()
 
     @staticmethod
     def backward(ctx, d_read, d_final):
         shape, dtype, init_dtype = ctx.meta
-        d_delta, d_init = phasor_backward_segmented(d_read, d_final, ctx.seg, shape, dtype)
-        return d_delta, None, None, d_init.to(init_dtype)
+        d_delta = torch.empty(shape, dtype=dtype, device=ctx.segs[0].order.device)
+        d_state = d_final
+        for piece, seg in zip(reversed(ctx.pieces), reversed(ctx.segs)):
+            piece_read = None if d_read is None else d_read[:, piece]
+            piece_shape = d_delta[:, piece].shape
+            d_delta[:, piece], d_state = phasor_backward_segmented(piece_read, d_state, seg, piece_shape, dtype)
+        return d_delta, None, None, d_state.to(init_dtype)
