@@ -30,6 +30,7 @@ import hashlib
 import json
 import shutil
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,9 @@ def _fsdp_state(engine_dir: Path) -> dict[str, torch.Tensor]:
     if not wanted:
         raise ExportError(f"{engine_dir}: the checkpoint holds no 'model' tensors")
     try:
-        dcp.load({"model": wanted}, checkpoint_id=str(engine_dir), no_dist=True)
+        with warnings.catch_warnings():  # torch warns that no process group is initialised: that is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": wanted}, checkpoint_id=str(engine_dir), no_dist=True)
     except Exception as err:
         raise ExportError(f"{engine_dir}: cannot read the model tensors: {err}") from err
     return _strip_engine_prefix(wanted, engine_dir)
