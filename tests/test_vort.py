@@ -32,6 +32,16 @@ TINY = ModelConfig(
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These shapes are too small to gain from intra-op threads, and on a shared machine extra threads
+    oversubscribe the cores (measured 2-4x slower); restored after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(kind: str, **vort: object) -> ModelConfig:
     return dataclasses.replace(TINY, kind=kind, vort=dataclasses.replace(TINY.vort, **vort))
 
