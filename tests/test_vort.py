@@ -227,6 +227,19 @@ def test_gradients_reach_the_router() -> None:
             assert p.grad is not None and p.grad.abs().max() > 0, f"layer {i} router.{name} got no gradient"
 
 
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    torch.manual_seed(6)
+    model = build_model(tiny("vort"))
+    ids = torch.randint(0, 32, (2, 20))
+    grads = []
+    for checkpointing in (False, True):
+        model.zero_grad()
+        model.activation_checkpointing = checkpointing
+        model.loss(ids[:, :-1], ids[:, 1:])[0].backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert rel_err(grads[1], grads[0]) < 1e-6
+
+
 def test_stats_describe_the_last_forward() -> None:
     torch.manual_seed(3)
     model = build_model(tiny("vort"))
