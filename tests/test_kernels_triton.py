@@ -12,6 +12,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import itertools
 import math
 
 import pytest
@@ -49,17 +50,48 @@ def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_term
     _check_soe(soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed=seq_len), chunk_size)
 
 
+def _soe_in_pieces(inputs, bounds):
+    x = {n: t.float().to(DEVICE).requires_grad_() for n, t in inputs.items()}
+    state, outs = (x["g0"], x["b0"]), []
+    for lo, hi in itertools.pairwise(bounds):
+        piece = [x[n][:, lo:hi] for n in ("q", "k", "v", "coef")]
+        o, z, state = soe_scan(*piece, x["log_lam"], state, True, 16, "triton")
+        outs.append(o * z[..., None])
+    out = torch.cat(outs, 1)
+    gen = torch.Generator().manual_seed(0)
+    ((out * torch.randn(out.shape, generator=gen).to(DEVICE)).sum() + state[0].sum() + state[1].sum()).backward()
+    return [out.detach(), state[0].detach(), state[1].detach()], {n: t.grad for n, t in x.items()}
+
+
 def test_soe_triton_carried_state_equals_one_pass():
     inputs = soe_inputs(1, 50, 1, 4, 4, 2, True, seed=1)
-    x = {n: t.float().to(DEVICE) for n, t in inputs.items()}
-    whole = soe_scan(x["q"], x["k"], x["v"], x["coef"], x["log_lam"], (x["g0"], x["b0"]), True, 16, "triton")
-    state, outs = (x["g0"], x["b0"]), []
-    for lo, hi in ((0, 19), (19, 50)):
-        piece = [x[n][:, lo:hi] for n in ("q", "k", "v", "coef")]
-        o, _z, state = soe_scan(*piece, x["log_lam"], state, True, 16, "triton")
-        outs.append(o)
-    assert rel_err(torch.cat(outs, 1), whole[0]) <= FWD_TOL
-    assert rel_err(state[0], whole[2][0]) <= FWD_TOL and rel_err(state[1], whole[2][1]) <= FWD_TOL
+    whole, whole_grads = _soe_in_pieces(inputs, [0, 50])
+    split, split_grads = _soe_in_pieces(inputs, [0, 19, 50])
+    for a, b in zip(split, whole):
+        assert rel_err(a, b) <= FWD_TOL
+    for name in whole_grads:
+        assert rel_err(split_grads[name], whole_grads[name]) <= GRAD_TOL, name
+
+
+def test_phasor_triton_carried_state_equals_one_pass():
+    inputs, n_slots = phasor_inputs(1, 40, 2, 3, 2, True, seed=3)
+    results = []
+    for bounds in ([0, 40], [0, 13, 40]):
+        delta = inputs["delta"].float().to(DEVICE).requires_grad_()
+        state = init = inputs["init"].float().to(DEVICE).requires_grad_()
+        reads = []
+        for lo, hi in itertools.pairwise(bounds):
+            read, state = phasor_scan(
+                delta[:, lo:hi], inputs["slots"][:, lo:hi].to(DEVICE), n_slots, state, True, "triton"
+            )
+            reads.append(read)
+        read = torch.cat(reads, 1)
+        gen = torch.Generator().manual_seed(0)
+        ((read * torch.randn(read.shape, generator=gen).to(DEVICE)).sum() + 2 * state.sum()).backward()
+        results.append((read.detach(), state.detach(), delta.grad, init.grad))
+    (r1, f1, gd1, gi1), (r2, f2, gd2, gi2) = results
+    assert angle_err(r1, r2) <= 1e-5 and angle_err(f1, f2) <= 1e-5
+    assert rel_err(gd2, gd1) <= GRAD_TOL and rel_err(gi2, gi1) <= GRAD_TOL
 
 
 @pytest.mark.parametrize(
