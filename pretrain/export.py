@@ -406,11 +406,13 @@ def _data_fingerprint(cfg: RunConfig) -> str:
     return digest.hexdigest()
 
 
-def _eval_metrics(step_dir: Path, step: int) -> dict[str, float]:
-    """The run's last logged eval/* numbers at or before `step` (metrics.jsonl of the run dir)."""
-    metrics = step_dir.parent.parent / "metrics.jsonl"
+def _eval_metrics(step_dir: Path, cfg: RunConfig, step: int) -> dict[str, float]:
+    """The run's last logged eval/* numbers at or before `step`, from metrics.jsonl in the run
+    directory (the checkpoint's grandparent by default, else the configured run.dir)."""
     found: dict[str, float] = {}
-    if not metrics.is_file():
+    candidates = [step_dir.parent.parent / "metrics.jsonl", Path(cfg.run.dir) / "metrics.jsonl"]
+    metrics = next((path for path in candidates if path.is_file()), None)
+    if metrics is None:
         return found
     for line in metrics.read_text().splitlines():
         try:
@@ -535,7 +537,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         raise ExportError(f"{step_dir / 'trainer_state.json'}: {err}") from err
     step = int(trainer.get("step", manifest.get("step", 0)))
     training = {"checkpoint": str(step_dir.resolve()), "step": step, "tokens_seen": int(trainer.get("tokens_seen", 0))}
-    return write_export(model, cfg, out, training, _eval_metrics(step_dir, step))
+    return write_export(model, cfg, out, training, _eval_metrics(step_dir, cfg, step))
 
 
 def read_export_config(export_dir: str | Path) -> dict[str, Any]:

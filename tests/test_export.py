@@ -59,7 +59,9 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, str]) -> Path:
-    return _train(tmp_path_factory.mktemp("single"), demo_shards, "vort", "python", 1)
+    """Two steps of VORT, one process, with a held-out evaluation logged at step 2 (for the card)."""
+    root = tmp_path_factory.mktemp("single")
+    return _train(root, demo_shards, "vort", "python", 1, f"data.valid=[{demo_shards['valid']}]", "eval.every=2")
 
 
 def test_single_export_gives_training_logits(single_run: Path, tmp_path: Path) -> None:
@@ -93,6 +95,7 @@ def test_single_export_gives_training_logits(single_run: Path, tmp_path: Path) -
     assert (tokenizer["kind"], tokenizer["vocab_size"], tokenizer["eos_id"]) == ("bytes", 258, 256)
     card = (out / "README.md").read_text()
     assert "vort" in card and "2 steps" in card and config["recurrent_export"]["data_fingerprint"] in card
+    assert "| eval/bits_per_token@64 |" in card
 
 
 @pytest.mark.parametrize("family", ["pmnet", "transformer"])
