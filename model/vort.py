@@ -219,7 +219,7 @@ class FixedOrderMemory(Fp32Tables):
         self.n_heads = config.n_heads
         log_lambda, coef, _ = certified_kernel((cfg.pl_alpha,), cfg.soe_horizon, cfg.soe_eps).as_tensors()
         self.register_buffer("log_lambda", log_lambda)
-        self.register_buffer("coef", coef[0])
+        self.register_buffer("coef", coef[0].clone())
 
     @property
     def n_terms(self) -> int:
