@@ -55,9 +55,12 @@ class StepInfo:
 
 def init_distributed(cfg: RunConfig) -> tuple[int, int]:
     """Join the process group the launcher set up (gloo on CPU, NCCL on CUDA); (rank, world)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 or dist.is_initialized():
+    launched = "MASTER_ADDR" in os.environ and "RANK" in os.environ  # deepspeed / torchrun / SLURM wrapper
+    if dist.is_initialized() or not (launched or cfg.engine.kind == "deepspeed"):
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if not launched:  # a plain `python` run of the DeepSpeed engine: a group of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
+                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=cfg.engine.dist_timeout_s)
     if cfg.engine.kind == "deepspeed":
