@@ -104,6 +104,10 @@ def test_input_errors():
         phasor_scan(delta, slots.float(), 4)
     with pytest.raises(ValueError, match="initial_state"):
         phasor_scan(delta, slots, 4, torch.zeros(1, 5, 3))
+    with pytest.raises(ValueError, match="share a slot"):
+        phasor_scan(delta, slots, 4)  # both levels write slot 0
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        phasor_scan(delta, torch.stack([slots[..., 0], slots[..., 1] + 4], -1), 4)
 
 
 @pytest.mark.slow

@@ -34,6 +34,12 @@ def phasor_scan(
     batch, _, _, width = delta.shape
     if initial_state is not None and initial_state.shape != (batch, n_slots, width):
         raise ValueError(f"initial_state must be [B, n_slots, M] = {(batch, n_slots, width)}")
+    if not slots.is_cuda and slots.numel():  # a host-side check would stall a GPU stream
+        if slots.min() < 0 or slots.max() >= n_slots:
+            raise ValueError(f"slot ids must lie in [0, {n_slots})")
+        levels = slots.shape[-1]
+        if any((slots[..., i] == slots[..., j]).any() for i in range(levels) for j in range(i + 1, levels)):
+            raise ValueError("two levels of one token share a slot; levels must use disjoint slot ids")
     which = resolve_backend(backend, delta)
     if which == "reference":
         return phasor_scan_reference(delta, slots, n_slots, initial_state, output_final_state)
