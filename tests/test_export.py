@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_model
+from safetensors.torch import load_file, load_model, save_file
 
 from model import build_model
 from pretrain import export as ex
@@ -57,6 +59,31 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
+STANDALONE = """
+import sys
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = model(load_file(sys.argv[2])["ids"]).logits
+assert not {"model", "kernels", "pretrain"} & set(sys.modules), "the project's own packages were imported"
+save_file({"logits": logits.contiguous()}, sys.argv[3])
+"""
+
+
+def _logits_without_project(export_dir: Path, ids: torch.Tensor, work: Path) -> torch.Tensor:
+    """Logits from a fresh interpreter, outside the repository and with nothing of it on the path:
+    the export must need only torch and transformers."""
+    save_file({"ids": ids}, str(work / "ids.safetensors"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(work / "hf_modules"), OMP_NUM_THREADS="1")
+    args = [str(export_dir), str(work / "ids.safetensors"), str(work / "out.safetensors")]
+    subprocess.run([sys.executable, "-c", STANDALONE, *args], cwd=work, env=env, check=True, timeout=300)
+    return load_file(str(work / "out.safetensors"))["logits"]
+
+
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, str]) -> Path:
     """Two steps of VORT, one process, with a held-out evaluation logged at step 2 (for the card)."""
@@ -84,6 +111,8 @@ def test_single_export_gives_training_logits(single_run: Path, tmp_path: Path) -
         first = hf(ids[:, :20], state=hf.init_state(2))
         second = hf(ids[:, 20:], state=first.state)
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), expected, rtol=1e-4, atol=1e-5)
+
+    assert torch.equal(_logits_without_project(out, ids, tmp_path), expected)
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "recurrent_lm" and config["architectures"] == ["RecurrentLMForCausalLM"]
