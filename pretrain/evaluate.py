@@ -26,7 +26,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from model import CausalLM
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
 
 TASKS = ("copy", "needle", "zipf")
+MIN_TASK_LEN = 128  # room for the needle sentence and question, and for 8 Zipf records
 
 
 class EvalError(RuntimeError):
@@ -78,7 +79,6 @@ class Text:
     ids: np.ndarray
     n_bytes: int
     n_chars: int
-    paths: list[str] = field(default_factory=list)
 
 
 def read_text(paths: Sequence[str], tok: Tokenizer) -> Text:
@@ -96,7 +96,7 @@ def read_text(paths: Sequence[str], tok: Tokenizer) -> Text:
         pieces += [ids.astype(np.int64), np.array([tok.eos_id], dtype=np.int64)]
         n_bytes += len(data)
         n_chars += len(data.decode("utf-8", errors="replace"))
-    return Text(np.concatenate(pieces), n_bytes, n_chars, list(paths))
+    return Text(np.concatenate(pieces), n_bytes, n_chars)
 
 
 def position_buckets(context: int, per_octave: int = 4) -> np.ndarray:
@@ -263,6 +263,8 @@ def evaluate(
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise EvalError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
+    if tasks and task_len < MIN_TASK_LEN:
+        raise EvalError(f"--task-len: {task_len} is too short for the synthetic tasks (at least {MIN_TASK_LEN})")
     try:
         config = read_export_config(model_dir)
         model = load_exported(model_dir, device)

@@ -114,6 +114,8 @@ def test_bad_input_names_the_path(
     assert str(not_export / "config.json") in capsys.readouterr().err
     with pytest.raises(ev.EvalError, match="--tasks"):
         ev.evaluate(exports["vort"], [str(text_file)], [256], tasks=["sorting"])
+    with pytest.raises(ev.EvalError, match="--task-len"):
+        ev.evaluate(exports["vort"], [str(text_file)], [256], tasks=["copy"], task_len=16)
 
 
 def test_sentencepiece_export_reports_bits_per_character(text_file: Path, tmp_path: Path) -> None:
