@@ -23,19 +23,26 @@ from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, soe_i
 TOLERANCES = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (3e-2, 6e-2)}
 
 
-def check_correctness() -> list[tuple[str, float, float, bool]]:
+def check_correctness(
+    device: str = "cuda",
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+    seq_len: int = 300,
+    width: int = 32,
+    n_terms: int = 8,
+) -> list[tuple[str, float, float, bool]]:
     """(case, worst forward error, worst gradient error, passed) for each scan and dtype."""
     results = []
-    soe = soe_inputs(2, 300, 2, 32, 32, 8, True, seed=0)
+    soe = soe_inputs(2, seq_len, 2, width, width, n_terms, True, seed=0)
     soe_ref, soe_ref_grads = soe_run(soe, "reference", dtype=torch.float64)
-    ph, n_slots = phasor_inputs(2, 300, 3, 64, 4, True, seed=0)
+    ph, n_slots = phasor_inputs(2, seq_len, 3, 2 * width, 4, True, seed=0)
     (ph_read, ph_final), ph_ref_grads = phasor_run(ph, n_slots, "reference", dtype=torch.float64)
-    for dtype, (fwd_tol, grad_tol) in TOLERANCES.items():
-        outs, grads = soe_run(soe, "triton", dtype=dtype, device="cuda")
+    for dtype in dtypes:
+        fwd_tol, grad_tol = TOLERANCES[dtype]
+        outs, grads = soe_run(soe, "triton", dtype=dtype, device=device)
         fwd = max(rel_err(a, b) for a, b in zip(outs, soe_ref))
         bwd = max(rel_err(grads[n], soe_ref_grads[n]) for n in grads)
         results.append((f"soe {str(dtype)[6:]}", fwd, bwd, fwd <= fwd_tol and bwd <= grad_tol))
-        (read, final), grads = phasor_run(ph, n_slots, "triton", dtype=dtype, device="cuda")
+        (read, final), grads = phasor_run(ph, n_slots, "triton", dtype=dtype, device=device)
         # bf16 inputs round the increments themselves; compare phases in radians against 2*pi.
         fwd = max(angle_err(read, ph_read), angle_err(final, ph_final)) / (2 * torch.pi)
         bwd = max(rel_err(grads[n], ph_ref_grads[n]) for n in grads)

@@ -73,7 +73,11 @@ def _run_with_grads(
     seed: int,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     leaves = {
-        name: (x.to(device=device, dtype=dtype).requires_grad_() if x.is_floating_point() else x.to(device))
+        name: (
+            x.detach().to(device=device, dtype=dtype, copy=True).requires_grad_()
+            if x.is_floating_point()
+            else x.to(device)
+        )
         for name, x in inputs.items()
     }
     outs = call(leaves)

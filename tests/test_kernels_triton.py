@@ -123,6 +123,15 @@ def test_triton_rejects_float64():
         soe_scan(*(t.to(DEVICE) for t in inputs.values()), backend="triton")
 
 
+def test_gpu_script_check_runs_under_the_interpreter():
+    """The GPU script's correctness step, at a small fp32 shape, on whatever device is here."""
+    from benchmarks.gpu_kernels import check_correctness
+
+    results = check_correctness(DEVICE, (torch.float32,), seq_len=40, width=16, n_terms=2)
+    assert [case for case, *_ in results] == ["soe float32", "phasor float32"]
+    assert all(passed for *_, passed in results), results
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is only right on a GPU")
 def test_soe_triton_bf16_on_cuda():
     inputs = soe_inputs(2, 300, 2, 32, 32, 8, True, seed=3)
