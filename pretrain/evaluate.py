@@ -52,7 +52,7 @@ class EvalError(RuntimeError):
 
 
 def load_export_tokenizer(export_dir: Path) -> Tokenizer:
-    """The tokenizer described by the export's tokenizer.json (sentencepiece: its checksum is checked)."""
+    """The tokenizer described by the export's recurrent_tokenizer.json (sentencepiece: its checksum is checked)."""
     path = export_dir / TOKENIZER_JSON
     if not path.is_file():
         raise EvalError(f"{path}: missing; re-export the checkpoint with python -m pretrain.export")

@@ -10,7 +10,7 @@ missing or unexpected key fails here, not in a user's notebook) and written as:
   model.safetensors       fp32 weights; tied head/embedding stored once, as safetensors' save_model does
   config.json             transformers-style: model_type, architectures, auto_map, our model config
                           nested under "lm_config", vocabulary and special ids, provenance
-  tokenizer.json          ours, not the HF `tokenizers` format: kind, vocab size, special ids, sha256;
+  recurrent_tokenizer.json  kind, vocab size, special ids, sha256 (a name HF tokenizers will not misread);
                           plus tokenizer.model (a copy of the sentencepiece model) for tokenized runs
   README.md               a short model card
   configuration_recurrent.py, modeling_recurrent.py, rlm_*.py
@@ -47,7 +47,7 @@ from pretrain.config import ConfigError, RunConfig, config_from_dict, config_to_
 REPO = Path(__file__).resolve().parents[1]
 HF_TEMPLATES = Path(__file__).resolve().parent / "hf_export"
 WEIGHTS = "model.safetensors"
-TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_JSON = "recurrent_tokenizer.json"  # not "tokenizer.json": that name is the HF tokenizers format
 SENTENCEPIECE_FILE = "tokenizer.model"
 CODE_PREFIX = "rlm_"
 PROJECT_PACKAGES = ("model", "kernels")
@@ -365,7 +365,7 @@ def _sha256_bytes(data: bytes) -> str:
 
 
 def write_tokenizer(out: Path, spec: str) -> dict[str, Any]:
-    """tokenizer.json describing the run's tokenizer (and a copy of a sentencepiece model)."""
+    """recurrent_tokenizer.json describing the run's tokenizer (and a copy of a sentencepiece model)."""
     from data_pipeline.tokenizer import load_tokenizer
 
     try:

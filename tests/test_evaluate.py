@@ -129,7 +129,7 @@ def test_sentencepiece_export_reports_bits_per_character(text_file: Path, tmp_pa
     tree["data"] = {"tokenizer": tok.model}
     cfg = config_from_dict(tree)
     out = write_export(build_model(cfg.model), cfg, tmp_path / "export")
-    info = json.loads((out / "tokenizer.json").read_text())
+    info = json.loads((out / ev.TOKENIZER_JSON).read_text())
     assert info["kind"] == "sentencepiece" and info["sha256"] == tok.sha256
     assert (out / info["file"]).read_bytes() == Path(tok.model).read_bytes()
 

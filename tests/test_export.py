@@ -120,7 +120,7 @@ def test_single_export_gives_training_logits(single_run: Path, tmp_path: Path) -
     assert config["recurrent_export"]["step"] == 2 and config["recurrent_export"]["checkpoint"] == str(
         step_dir.resolve()
     )
-    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    tokenizer = json.loads((out / ex.TOKENIZER_JSON).read_text())
     assert (tokenizer["kind"], tokenizer["vocab_size"], tokenizer["eos_id"]) == ("bytes", 258, 256)
     card = (out / "README.md").read_text()
     assert "vort" in card and "2 steps" in card and config["recurrent_export"]["data_fingerprint"] in card
