@@ -20,6 +20,7 @@ import torch
 from kernels import phasor_scan, soe_scan
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, soe_inputs, soe_run
 
+COLUMNS = ("soe_fwd", "soe_fwdbwd", "phasor_fwd", "phasor_fwdbwd", "sdpa_fwd", "sdpa_fwdbwd")
 TOLERANCES = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (3e-2, 6e-2)}
 
 
@@ -73,9 +74,14 @@ def _fwd_bwd(run: Callable[[], Sequence[torch.Tensor]], leaves: Sequence[torch.T
     return call
 
 
-def time_row(args: argparse.Namespace, seq_len: int) -> dict[str, float]:
-    """Forward and forward+backward milliseconds of both scans and of SDPA at one length, in bf16."""
-    dev, bf = "cuda", torch.bfloat16
+def time_row(
+    args: argparse.Namespace,
+    seq_len: int,
+    dev: str = "cuda",
+    bf: torch.dtype = torch.bfloat16,
+    timer: Callable[[Callable[[], object]], float] = cuda_ms,
+) -> dict[str, float]:
+    """Forward and forward+backward milliseconds of both scans and of SDPA at one length (bf16 by default)."""
     b, h, f, d, s = args.B, args.H, args.F, args.D, args.S
     q = (torch.rand(b, seq_len, h, f, device=dev) / f).to(bf).requires_grad_()
     k = (torch.rand(b, seq_len, h, f, device=dev) / f).to(bf).requires_grad_()
@@ -102,12 +108,12 @@ def time_row(args: argparse.Namespace, seq_len: int) -> dict[str, float]:
 
     row = {"T": seq_len}
     with torch.no_grad():
-        row["soe_fwd"] = cuda_ms(soe)
-        row["phasor_fwd"] = cuda_ms(phasor)
-        row["sdpa_fwd"] = cuda_ms(sdpa)
-    row["soe_fwdbwd"] = cuda_ms(_fwd_bwd(soe, soe_leaves))
-    row["phasor_fwdbwd"] = cuda_ms(_fwd_bwd(phasor, (delta,)))
-    row["sdpa_fwdbwd"] = cuda_ms(_fwd_bwd(sdpa, (qs, ks, vs)))
+        row["soe_fwd"] = timer(soe)
+        row["phasor_fwd"] = timer(phasor)
+        row["sdpa_fwd"] = timer(sdpa)
+    row["soe_fwdbwd"] = timer(_fwd_bwd(soe, soe_leaves))
+    row["phasor_fwdbwd"] = timer(_fwd_bwd(phasor, (delta,)))
+    row["sdpa_fwdbwd"] = timer(_fwd_bwd(sdpa, (qs, ks, vs)))
     return row
 
 
@@ -137,11 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for case, fwd, bwd, passed in check_correctness():
             ok &= passed
             print(f"check {case:16} fwd rel err {fwd:.1e}  grad rel err {bwd:.1e}  {'ok' if passed else 'FAIL'}")
-    cols = ("soe_fwd", "soe_fwdbwd", "phasor_fwd", "phasor_fwdbwd", "sdpa_fwd", "sdpa_fwdbwd")
-    print(f"{'T':>7} " + " ".join(f"{c + '_ms':>16}" for c in cols))
+    print(f"{'T':>7} " + " ".join(f"{c + '_ms':>16}" for c in COLUMNS))
     for seq_len in args.T:
         row = time_row(args, seq_len)
-        print(f"{seq_len:7d} " + " ".join(f"{row[c]:16.2f}" for c in cols), flush=True)
+        print(f"{seq_len:7d} " + " ".join(f"{row[c]:16.2f}" for c in COLUMNS), flush=True)
     return 0 if ok else 1
 
 

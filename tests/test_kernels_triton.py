@@ -132,6 +132,21 @@ def test_gpu_script_check_runs_under_the_interpreter():
     assert all(passed for *_, passed in results), results
 
 
+def test_gpu_script_timing_row_runs_under_the_interpreter():
+    from benchmarks.gpu_kernels import COLUMNS, parse_args, time_row
+
+    calls = []
+
+    def count(fn):
+        fn()
+        calls.append(1)
+        return 1.0
+
+    args = parse_args(["--H", "1", "--F", "16", "--D", "16", "--S", "2"])
+    row = time_row(args, 32, DEVICE, torch.float32, count)
+    assert set(row) == {"T", *COLUMNS} and len(calls) == len(COLUMNS)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is only right on a GPU")
 def test_soe_triton_bf16_on_cuda():
     inputs = soe_inputs(2, 300, 2, 32, 32, 8, True, seed=3)
