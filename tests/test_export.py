@@ -138,7 +138,15 @@ def test_transformers_matches_own_loader(family: str, tmp_path: Path) -> None:
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     expected = _logits(model, ids)
     assert torch.equal(_logits(ex.load_exported(out), ids), expected)
-    assert torch.equal(_logits(_hf_model(out), ids), expected)
+    hf = _hf_model(out)
+    assert torch.equal(_logits(hf, ids), expected)
+    with torch.no_grad():  # transformers' loss convention: labels are the inputs, shifted inside
+        loss = hf(ids, labels=ids, attention_mask=torch.ones_like(ids)).loss
+    torch.testing.assert_close(
+        loss, torch.nn.functional.cross_entropy(expected[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    )
+    with pytest.raises(ValueError, match="padding"):
+        hf(ids, attention_mask=torch.zeros_like(ids))
 
 
 def test_bad_checkpoints_are_named(single_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

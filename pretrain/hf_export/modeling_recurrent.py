@@ -108,9 +108,17 @@ class RecurrentLMForCausalLM(PreTrainedModel):
         input_ids: torch.Tensor,
         state: Any = None,
         labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         return_dict: bool | None = None,
         **_: Any,
     ) -> RecurrentLMOutput | tuple:
+        """Logits (and loss with `labels`) for `input_ids` [B, T], continuing from `state`.
+
+        Other transformers keyword arguments (use_cache, output_attentions, ...) are accepted and
+        ignored. Padding is refused: a pad token would enter the recurrent memory.
+        """
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask with padding is not supported: feed unpadded sequences")
         logits, new_state = self._lm(input_ids, state)
         loss = None
         if labels is not None:
