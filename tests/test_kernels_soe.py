@@ -214,3 +214,24 @@ def test_backward_saves_only_inputs():
     input_size = sum(x.numel() for x in inputs.values()) + seq_len * heads  # + the ones column of v
     assert sum(saved) <= 1.5 * input_size
     assert sum(saved) < seq_len * heads * n_terms * feat * dim_v / 4
+
+
+@pytest.mark.parametrize("fixed", [("log_lam",), ("q",), ("q", "log_lam")])
+def test_gradients_when_q_or_log_lam_are_fixed(fixed):
+    """The backward skips the work for inputs that need no gradient; the other gradients do not change."""
+    inputs = soe_inputs(1, 45, 2, 3, 4, 3, True, seed=21)
+    names = ("q", "k", "v", "coef", "log_lam")
+    grads = []
+    for skip in ((), fixed):
+        leaves = {n: x.float().requires_grad_(n not in skip) for n, x in inputs.items()}
+        o, z, (g, b) = soe_scan(*(leaves[n] for n in names), (leaves["g0"], leaves["b0"]), True, chunk_size=16)
+        gen = torch.Generator().manual_seed(1)
+        loss = sum((t * torch.randn(t.shape, generator=gen)).sum() for t in (o, z, g, b))
+        loss.backward()
+        grads.append({n: x.grad for n, x in leaves.items()})
+    full, partial = grads
+    for name in inputs:
+        if name in fixed:
+            assert partial[name] is None
+        else:
+            assert torch.allclose(partial[name], full[name], rtol=1e-6, atol=1e-7), name

@@ -195,8 +195,14 @@ def soe_backward_chunked(
     d_out: torch.Tensor,
     d_gt: torch.Tensor,
     seq_len: int,
+    need_q: bool = True,
+    need_log_lam: bool = True,
 ) -> tuple[torch.Tensor, ...]:
-    """Gradients (dq, dk, dv', dcoef, dlog_lam [H, S], dG0) of <d_out, o'> + <d_gt, G_T>; same layout as forward."""
+    """Gradients (dq, dk, dv', dcoef, dlog_lam [H, S], dG0) of <d_out, o'> + <d_gt, G_T>; same layout as forward.
+
+    Without ``need_q`` and ``need_log_lam`` the forward-order pass is skipped (dq then holds only its
+    intra-chunk part); without ``need_log_lam`` the decay-gradient sums are skipped (dlog_lam is 0).
+    """
     n_chunks, bh, c, feat = q.shape
     heads, n_terms = log_lam.shape
     chunks = _Chunks(log_lam, seq_len, c, bh // heads)
@@ -213,16 +219,18 @@ def soe_backward_chunked(
     reader = q.new_zeros(bh, n_terms)
     writer = q.new_zeros(bh, n_terms)
     g = g0.clone().view(bh, n_terms * feat, -1)
-    for n in range(n_chunks):
+    for n in range(n_chunks if need_q or need_log_lam else 0):
         r, dec = chunks.length(n), chunks.decays(n)
         q_n = q[n, :, :r]
         d_query = torch.bmm(g, d_out[n, :, :r].transpose(1, 2)).view(bh, n_terms, feat, r)
         d_query *= dec.query.transpose(1, 2)[:, :, None, :]
         dq[n, :, :r] += d_query.sum(1).transpose(1, 2)
-        reads = (d_query * q_n.transpose(1, 2)[:, None]).sum(2)  # [BH, S, r]
-        reader += reads @ chunks.positions(n, centre, q)
+        if need_log_lam:
+            reads = (d_query * q_n.transpose(1, 2)[:, None]).sum(2)  # [BH, S, r]
+            reader += reads @ chunks.positions(n, centre, q)
         _advance(g, k[n, :, :r], v[n, :, :r], coef[n, :, :r], dec)
-    reader += (seq_len - 1 - centre) * (g.view(d_gt.shape) * d_gt).sum((-1, -2))
+    if need_log_lam:
+        reader += (seq_len - 1 - centre) * (g.view(d_gt.shape) * d_gt).sum((-1, -2))
 
     dg = d_gt.clone().view(bh, n_terms * feat, -1)
     for n in reversed(range(n_chunks)):
@@ -233,11 +241,14 @@ def soe_backward_chunked(
         dk[n, :, :r] += (d_keys * key_scale.transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
         d_coef_state = (d_keys * k_n.transpose(1, 2)[:, None]).sum(2) * dec.key.transpose(1, 2)  # [BH, S, r]
         dcoef[n, :, :r] += d_coef_state.transpose(1, 2)
-        writer += (d_coef_state * coef_n.transpose(1, 2)) @ chunks.positions(n, centre, q)
+        if need_log_lam:
+            writer += (d_coef_state * coef_n.transpose(1, 2)) @ chunks.positions(n, centre, q)
         dv[n, :, :r] += torch.bmm(_scaled(k_n, key_scale), dg)
         dg.view(bh, n_terms, feat, -1).mul_(dec.chunk)
         dg.baddbmm_(_scaled_t(q[n, :, :r], dec.query), d_out[n, :, :r])
     dg = dg.view(g0.shape)
+    if not need_log_lam:
+        return dq, dk, dv, dcoef, torch.zeros_like(log_lam), dg
     writer += (-1 - centre) * (g0 * dg).sum((-1, -2))
     d_log_lam = d_log_lam + (reader - writer).view(-1, heads, n_terms).sum(0)
     return dq, dk, dv, dcoef, d_log_lam, dg
@@ -294,14 +305,17 @@ class SoeScanChunked(torch.autograd.Function):
         if d_b is not None:
             d_st[..., -1] = d_b.flatten(0, 1)
         d_out = to_chunk_major(d_out, chunk_size, qw.dtype)
-        dq, dk, dv, dcoef, dll, ds0 = soe_backward_chunked(qw, kw, vw, cw, ll, s0, d_out, d_st, seq_len)
+        needs = ctx.needs_input_grad
+        dq, dk, dv, dcoef, dll, ds0 = soe_backward_chunked(
+            qw, kw, vw, cw, ll, s0, d_out, d_st, seq_len, need_q=needs[0], need_log_lam=needs[4]
+        )
         dg0, db0 = split_state(ds0, batch)
         grads = (
-            from_chunk_major(dq, batch, seq_len, dtypes[0]),
+            from_chunk_major(dq, batch, seq_len, dtypes[0]) if needs[0] else None,
             from_chunk_major(dk, batch, seq_len, dtypes[1]),
             from_chunk_major(dv, batch, seq_len, dtypes[2])[..., :-1],
             from_chunk_major(dcoef, batch, seq_len, dtypes[3]),
-            dll.to(dtypes[4]),
+            dll.to(dtypes[4]) if needs[4] else None,
             dg0.to(dtypes[5]),
             db0.to(dtypes[6]),
         )
