@@ -35,7 +35,7 @@ lint: install
 
 # The main job: build the demo shards, then train the demo model with 2 DeepSpeed ranks on CPU.
 demo: install
-	$(BIN)/python -m data_pipeline.build --input "data/demo/train/*.txt" --output data/shards/demo/train --tokenizer bytes
+	$(BIN)/python -m data_pipeline.build --input "data/demo/train/*.txt" --output data/shards/demo/train --tokenizer bytes --shard-tokens 262144
 	$(BIN)/python -m data_pipeline.build --input "data/demo/valid/*.txt" --output data/shards/demo/valid --tokenizer bytes
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus 2 launch/pretrain.py --config configs/demo.yaml
 

@@ -152,7 +152,7 @@ class OrderRouter(nn.Module):
         self.probe_down = nn.Parameter(torch.randn(d_model, cfg.probe_rank) / math.sqrt(d_model))
         self.probe_up = nn.Parameter(torch.randn(cfg.probe_rank, cfg.probe_classes) / math.sqrt(cfg.probe_rank))
         self.entity_weight = nn.Parameter(torch.randn(d_model) / math.sqrt(d_model))
-        self.entity_bias = nn.Parameter(torch.zeros(()))
+        self.entity_bias = nn.Parameter(torch.zeros(1))  # 1-D: DeepSpeed cannot broadcast 0-dim parameters
         self.entropy_gain = nn.Parameter(torch.full((n_heads,), 2.0))
         self.entity_gain = nn.Parameter(torch.full((n_heads,), 2.0))
         self.bias = nn.Parameter(torch.linspace(-2.0, 2.0, n_heads) if n_heads > 1 else torch.zeros(1))

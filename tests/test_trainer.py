@@ -134,3 +134,10 @@ def test_short_single_process_run_learns_and_writes_run_dir(tmp_path: Path, demo
     assert any("eval/bits_per_token@64" in r for r in records)
     assert load_config(run / "config.yaml") == load_config(TINY, overrides)
     assert (run / "checkpoints" / "latest").read_text() == "step_00000020"
+
+
+@pytest.mark.parametrize("family", ["vort", "pl", "exp", "m5", "pmnet", "transformer"])
+def test_every_family_has_only_parameters_deepspeed_can_broadcast(family: str) -> None:
+    """DeepSpeed broadcasts parameters as byte views, which fails for 0-dim tensors."""
+    model = build_model(load_config(str(REPO / "configs" / "model" / f"{family}-tiny.yaml")).model)
+    assert [n for n, p in model.named_parameters() if p.ndim == 0] == []
