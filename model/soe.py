@@ -18,7 +18,10 @@ number of banks.  This module builds such kernels and certifies them:
   set always contains lambda = 1 (log_lambda = 0): its coefficient is 1 for alpha = 1 (exact running
   sum) and 0 for every alpha < 1.
 * ``certify`` / ``build_kernel``: choose the smallest S meeting eps on an alpha range and measure the
-  maximum relative error over *every* n in [0, T] against the reference.
+  maximum relative error over *every* n in [0, T] against the reference (``max_relative_error``:
+  one float64 matmul per chunk of lags and an exact running-product reference, about 1 s for 40
+  orders at T = 524288).  ``build_kernel(..., cache=True)`` reuses certificates from this process
+  and from checksummed JSON files under ``default_cache_dir()`` (re-checked before use).
 * ``interpolate_coefficients``: differentiable linear interpolation between neighbouring banks
   (torch), and ``bank_layout_error`` / ``equidistributed_banks`` for the quantisation error of a
   bank layout (the paper's Theorem 4.1).
@@ -33,11 +36,18 @@ Command line (shape relied on by tools outside the project)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import hashlib
 import json
 import math
+import os
 import sys
+import tempfile
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,6 +66,17 @@ _NODE_LO = (0.3, 0.15)
 _NODE_HI = (7.0, 5.0, 10.0)
 # Orders used to choose the nodes inside an alpha range (the smallest order is the hardest).
 _DESIGN_POINTS = 9
+# Fitting sample: every n <= _FIT_HEAD plus _FIT_DENSE log-spaced lags up to T.
+_FIT_HEAD = 63
+_FIT_DENSE = 400
+# Largest S ``certify`` tries by default.
+_MAX_TERMS = 96
+# Bump whenever a change to the construction could change the kernel produced for the same inputs
+# (node family, fitting sample, Lawson rule, certify's search): cached kernels of another version
+# are then ignored instead of being served under the new code.
+CACHE_VERSION = 1
+# Environment variable naming the project's cache root (kernels go to its ``soe`` subfolder).
+CACHE_ENV = "RECURRENT_CACHE_DIR"
 
 
 def gl_weights(n: np.ndarray | Sequence[float] | float, alpha: np.ndarray | Sequence[float] | float) -> np.ndarray:
@@ -134,32 +155,57 @@ def quadrature_coefficients(log_lambda: np.ndarray, alpha: float, tail: bool = T
     return coef
 
 
+@functools.lru_cache(maxsize=64)
+def _fit_sample_cached(T: int) -> np.ndarray:
+    dense = np.round(np.geomspace(1.0, float(T), _FIT_DENSE))
+    return np.unique(np.concatenate([np.arange(min(T, _FIT_HEAD) + 1), dense])).astype(np.float64)
+
+
 def _fit_sample(T: int) -> np.ndarray:
-    """Lags the coefficients are fitted on: n = 0..63 and a dense log-spaced sample up to T."""
-    dense = np.round(np.geomspace(1.0, float(T), 400))
-    return np.unique(np.concatenate([np.arange(min(T, 63) + 1), dense])).astype(np.float64)
+    """Lags the coefficients are fitted on: n = 0..63 and a dense log-spaced sample up to T.
+
+    Memoised (a fresh copy each call, so callers may write to it): the node search asks for it
+    once per trial fit.
+    """
+    return _fit_sample_cached(int(T)).copy()
 
 
 def fit_coefficients(log_lambda: np.ndarray, alpha: float, T: int) -> np.ndarray:
     """Coefficients c_s(alpha) on shared nodes, minimising the max relative error over n in [0, T].
 
-    alpha = 1 returns the exact unit vector on the lambda = 1 node.  For alpha < 1 the lambda = 1
-    coefficient is 0 (the kernel decays to zero beyond any horizon) and the rest solve an
-    equality-constrained least-squares problem on the relative residual (sum_s c_s = 1, i.e.
-    w_0 = 1 exactly), re-weighted by Lawson's rule towards the minimax solution (until it stalls); the best iterate
-    on the fitting sample is returned.
+    alpha = 1 returns the exact unit vector on the lambda = 1 node, whatever the other nodes (also
+    when lambda = 1 is the only node).  For alpha < 1 the lambda = 1 coefficient is 0 (the kernel
+    decays to zero beyond any horizon) and the rest solve an equality-constrained least-squares
+    problem on the relative residual (sum_s c_s = 1, i.e. w_0 = 1 exactly), re-weighted by Lawson's
+    rule towards the minimax solution (until it stalls); the best iterate on the fitting sample is
+    returned.  An order below 1 needs at least one decaying node (ValueError otherwise).
+
+    Results are memoised per (nodes, alpha, T): the node search and ``certify`` fit the same order
+    on the same nodes several times, and each fit is tens of least-squares solves.
     """
     log_lambda = np.asarray(log_lambda, dtype=np.float64)
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+    if log_lambda.ndim != 1:
+        raise ValueError("log_lambda must be 1-D")
+    return _fit_cached(log_lambda.tobytes(), float(alpha), int(T)).copy()
+
+
+@functools.lru_cache(maxsize=4096)
+def _fit_cached(nodes_bytes: bytes, alpha: float, T: int) -> np.ndarray:
+    """The fit itself (see ``fit_coefficients``), keyed by the raw bytes of the node array."""
+    log_lambda = np.frombuffer(nodes_bytes, dtype=np.float64)
     one = np.flatnonzero(log_lambda == 0.0)
     if one.size != 1:
         raise ValueError("the node set must contain exactly one lambda = 1 node (log_lambda = 0)")
     coef = np.zeros_like(log_lambda)
     if alpha == 1.0:
         coef[one] = 1.0
+        coef.flags.writeable = False
         return coef
     decaying = np.flatnonzero(log_lambda < 0.0)
+    if decaying.size == 0:
+        raise ValueError(f"alpha={alpha} < 1 needs at least one decaying node (log_lambda < 0)")
     n = _fit_sample(T)
     rel = np.exp(np.outer(n, log_lambda[decaying])) / gl_weights(n, alpha)[:, None]
     m = decaying.size
@@ -171,7 +217,7 @@ def fit_coefficients(log_lambda: np.ndarray, alpha: float, T: int) -> np.ndarray
     rhs = 1.0 - rel @ base
     weight = np.full(n.size, 1.0 / n.size)
     best_err, best, since_gain = np.inf, base, 0
-    for _ in range(_LAWSON_ITERS):
+    for _ in range(_LAWSON_ITERS if m > 1 else 0):  # one decaying node: sum(c) = 1 fixes it
         root = np.sqrt(weight)
         z = np.linalg.lstsq(root[:, None] * lhs, root * rhs, rcond=None)[0]
         c = base + basis @ z
@@ -187,6 +233,7 @@ def fit_coefficients(log_lambda: np.ndarray, alpha: float, T: int) -> np.ndarray
             break
         weight /= total
     coef[decaying] = best
+    coef.flags.writeable = False
     return coef
 
 
@@ -200,21 +247,52 @@ def max_relative_error(log_lambda: np.ndarray, coef: np.ndarray, alphas: Sequenc
                        T: int) -> np.ndarray:
     """Max over every integer n in [0, T] of |soe - w_n(alpha)| / w_n(alpha), one value per order.
 
-    ``coef`` is [K, S] aligned with ``alphas``.  All T + 1 lags are evaluated (in chunks), so this is
-    a measurement, not an estimate from a sample.
+    ``coef`` is [K, S] aligned with ``alphas``.  All T + 1 lags are evaluated (in chunks of
+    ``_CHUNK``), so this is a measurement, not an estimate from a sample.
+
+    Speed: the SOE side is one float64 matmul per chunk against a [S, chunk] table of powers that is
+    computed once per call and shared by every order (the chunk offset is folded into the
+    coefficients).  The reference side is the exact recurrence w_n = w_{n-1} (n - 1 + alpha) / n run
+    as a cumulative product along n, carried from chunk to chunk from w_0 = 1, instead of three
+    lgammas per (n, alpha).  Each step rounds three times (add, divide, multiply), so the reference
+    is within 3 (T + 1) u of the true weight (u = 2^-53: 1.7e-10 relative at T = 524288), tighter
+    than the lgamma difference used by ``gl_weights`` (~1e-9 there) and nowhere near any eps used.
     """
-    alphas = np.asarray(alphas, dtype=np.float64)
+    alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
     coef = np.atleast_2d(np.asarray(coef, dtype=np.float64))
     log_lambda = np.asarray(log_lambda, dtype=np.float64)
-    # lambda**(start + j) = lambda**j * lambda**start: one table of powers serves every chunk, and the
-    # chunk offset is folded into the coefficients (all factors <= 1, no division).
-    table = np.exp(np.arange(min(_CHUNK, T + 1), dtype=np.float64)[:, None] * log_lambda)
+    if coef.shape != (alphas.size, log_lambda.size):
+        raise ValueError(f"coef must be [{alphas.size}, {log_lambda.size}], got {list(coef.shape)}")
+    if np.any(alphas <= 0.0):
+        raise ValueError("orders must be > 0 (relative error against w_n(0) = 0 for n > 0 is undefined)")
     worst = np.zeros(alphas.size)
-    for start in range(0, T + 1, _CHUNK):
-        n = np.arange(start, min(T + 1, start + _CHUNK), dtype=np.float64)
-        approx = table[: n.size] @ (coef * np.exp(start * log_lambda)).T
-        exact = gl_weights(n[:, None], alphas[None, :])
-        worst = np.maximum(worst, np.max(np.abs(approx - exact) / exact, axis=0))
+    if alphas.size == 0:
+        return worst
+    width = min(_CHUNK, T + 1)
+    # lambda**(start + j) = lambda**j * lambda**start, all factors <= 1 (no division, no overflow).
+    table = np.exp(log_lambda[:, None] * np.arange(width, dtype=np.float64)[None, :])
+    exact = np.empty((alphas.size, width))
+    approx = np.empty((alphas.size, width))
+    last = np.ones(alphas.size)  # w_{start - 1}, carried across chunks
+    for start in range(0, T + 1, width):
+        count = min(T + 1, start + width) - start
+        n = np.arange(start, start + count, dtype=np.float64)
+        ex, ap = exact[:, :count], approx[:, :count]
+        # Ratios w_n / w_{n-1} = (n - 1 + alpha) / n, then a running product.
+        np.add((n - 1.0)[None, :], alphas[:, None], out=ex)
+        if start == 0:
+            ex[:, 0] = 1.0  # w_0 = 1 exactly
+            np.divide(ex[:, 1:], n[None, 1:], out=ex[:, 1:])
+        else:
+            np.divide(ex, n[None, :], out=ex)
+            ex[:, 0] *= last
+        np.cumprod(ex, axis=1, out=ex)
+        last = ex[:, -1].copy()
+        np.matmul(coef * np.exp(start * log_lambda), table[:, :count], out=ap)
+        np.subtract(ap, ex, out=ap)
+        np.abs(ap, out=ap)
+        np.divide(ap, ex, out=ap)
+        np.maximum(worst, ap.max(axis=1), out=worst)
     return worst
 
 
@@ -282,14 +360,24 @@ def _design_alphas(alpha_range: tuple[float, float]) -> np.ndarray:
 
 
 def _sample_error(log_lambda: np.ndarray, alpha: float, T: int) -> float:
-    """Max relative error of the fitted kernel on the fitting sample (cheap screen before certifying)."""
+    """Max relative error of the fitted kernel on the fitting sample (cheap screen before certifying).
+
+    Memoised per (nodes, alpha, T) like the fit: the bisection, the placement scan and certify's
+    retry ask about the same node sets repeatedly.
+    """
+    return _sample_error_cached(np.asarray(log_lambda, dtype=np.float64).tobytes(), float(alpha), int(T))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sample_error_cached(nodes_bytes: bytes, alpha: float, T: int) -> float:
+    log_lambda = np.frombuffer(nodes_bytes, dtype=np.float64)
     n = _fit_sample(T)
     c = fit_coefficients(log_lambda, alpha, T)
     return float(np.max(np.abs(soe_weights(log_lambda, c, n) / gl_weights(n, alpha) - 1.0)))
 
 
 def choose_nodes(T: int, eps: float, alpha_range: tuple[float, float] = DEFAULT_ALPHA_RANGE,
-                 max_terms: int = 96) -> np.ndarray:
+                 max_terms: int = _MAX_TERMS) -> np.ndarray:
     """Smallest shared node set whose fitted kernels meet ``eps`` on the fitting sample for the range.
 
     Doubling then bisection on the number of decaying nodes, with the default grid placement and
@@ -329,7 +417,7 @@ def choose_nodes(T: int, eps: float, alpha_range: tuple[float, float] = DEFAULT_
 
 
 def certify(T: int, eps: float, alphas: Sequence[float] | np.ndarray | None = None,
-            alpha_range: tuple[float, float] = DEFAULT_ALPHA_RANGE, max_terms: int = 96) -> Certificate:
+            alpha_range: tuple[float, float] = DEFAULT_ALPHA_RANGE, max_terms: int = _MAX_TERMS) -> Certificate:
     """Choose the smallest S meeting ``eps`` and measure the error over every n in [0, T].
 
     The nodes are designed for ``alpha_range`` widened to contain every requested order below 1,
@@ -350,13 +438,17 @@ def certify(T: int, eps: float, alphas: Sequence[float] | np.ndarray | None = No
     nodes = choose_nodes(T, eps, (lo, hi), max_terms)
     while True:
         design_coef = bank_coefficients(design, nodes, T)
-        design_rel = max_relative_error(nodes, design_coef, design, T)
-        design_err = float(design_rel.max(initial=0.0))
         if requested is None:
-            banks, coef, rel = design, design_coef, design_rel
+            banks, coef = design, design_coef
+            rel = design_rel = max_relative_error(nodes, design_coef, design, T)
         else:
+            # One pass over every lag for the design and the requested orders together: the table
+            # of powers is built once and the per-chunk work is one matmul for all of them.
             banks, coef = requested, bank_coefficients(requested, nodes, T)
-            rel = max_relative_error(nodes, coef, banks, T)
+            both = max_relative_error(nodes, np.concatenate([design_coef, coef]),
+                                      np.concatenate([design, banks]), T)
+            design_rel, rel = both[: design.size], both[design.size:]
+        design_err = float(design_rel.max(initial=0.0))
         if max(design_err, float(rel.max(initial=0.0))) <= eps:
             return Certificate(SOEKernel(nodes, coef, banks), T, eps, (lo, hi), rel, design_err)
         if nodes.size >= max_terms:
@@ -367,14 +459,175 @@ def certify(T: int, eps: float, alphas: Sequence[float] | np.ndarray | None = No
                     key=lambda nd: max(_sample_error(nd, a, T) for a in design))
 
 
-def build_kernel(banks: Sequence[float] | np.ndarray, T: int, eps: float = 1e-3) -> Certificate:
-    """Certified SOE kernel for the given bank orders (the layer's constructor entry point)."""
+def build_kernel(banks: Sequence[float] | np.ndarray, T: int, eps: float = 1e-3, *, cache: bool = False,
+                 cache_dir: str | os.PathLike[str] | None = None) -> Certificate:
+    """Certified SOE kernel for the given bank orders (the layer's constructor entry point).
+
+    With ``cache=True`` a certificate already built for the same (banks, T, eps, node family,
+    ``CACHE_VERSION``) is reused: first from this process (a copy, so callers cannot alter the
+    stored one), then from a JSON file in ``cache_dir`` (default ``default_cache_dir()``).  A file
+    is only used after ``_load_entry`` has checked its checksum, its shapes and its inputs, and has
+    re-measured the kernel on the fitting sample; anything unreadable or inconsistent is ignored and
+    the kernel is rebuilt (and the file rewritten).  A fresh certificate is always measured over
+    every n in [0, T].  Without ``cache`` nothing is read or written (pure computation).
+    """
     banks = np.asarray(banks, dtype=np.float64)
     if banks.ndim != 1 or banks.size == 0 or np.any(np.diff(banks) <= 0):
         raise ValueError("banks must be a non-empty increasing 1-D sequence")
+    if not cache:
+        return _certify_banks(banks, T, eps)
+    key = _cache_key(banks, T, eps)
+    held = _MEMORY_CACHE.get(key)
+    if held is not None and np.array_equal(held.kernel.banks, banks):
+        return _copy_certificate(held)
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = folder / f"{key}.json"
+    cert = _load_entry(path, key, banks, T, eps)
+    if cert is None:
+        cert = _certify_banks(banks, T, eps)
+        _store_entry(path, key, cert)
+    _MEMORY_CACHE[key] = _copy_certificate(cert)
+    return cert
+
+
+def _certify_banks(banks: np.ndarray, T: int, eps: float) -> Certificate:
+    """``certify`` on the range spanned by the banks below 1 (just alpha = 1 when there are none)."""
     below_one = banks[banks < 1.0]
     rng = (float(below_one.min()), float(below_one.max())) if below_one.size else (1.0, 1.0)
     return certify(T, eps, banks, alpha_range=rng)
+
+
+# --- cache of certified kernels -------------------------------------------------------------------
+
+_MEMORY_CACHE: dict[str, Certificate] = {}
+# A cached entry re-measured on the fitting sample must reproduce its stored sample error this closely
+# (relative), which it does to rounding when the file is what this code wrote.
+_VERIFY_RTOL = 1e-6
+
+
+def default_cache_dir() -> Path:
+    """``$RECURRENT_CACHE_DIR/soe`` when the variable is set, else ``~/.cache/recurrent-pretrain/soe``."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root) / "soe" if root else Path.home() / ".cache" / "recurrent-pretrain" / "soe"
+
+
+def clear_memory_cache() -> None:
+    """Forget the certificates held by this process (the files on disk stay)."""
+    _MEMORY_CACHE.clear()
+
+
+def _family() -> dict[str, object]:
+    """Everything besides the inputs that decides which kernel ``certify`` builds (part of the key)."""
+    return {
+        "node_lo": list(_NODE_LO), "node_hi": list(_NODE_HI), "design_points": _DESIGN_POINTS,
+        "lawson_iters": _LAWSON_ITERS, "lawson_patience": _LAWSON_PATIENCE, "fit_head": _FIT_HEAD,
+        "fit_dense": _FIT_DENSE, "max_terms": _MAX_TERMS,
+    }
+
+
+def _cache_key(banks: np.ndarray, T: int, eps: float) -> str:
+    """sha256 of the inputs: banks rounded to 12 decimals (the stored banks must still match exactly)."""
+    spec = {"version": CACHE_VERSION, "banks": [round(float(b), 12) for b in banks], "T": int(T),
+            "eps": float(eps), "family": _family()}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _checksum(payload: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _copy_certificate(cert: Certificate) -> Certificate:
+    k = cert.kernel
+    return Certificate(SOEKernel(k.log_lambda.copy(), k.coef.copy(), k.banks.copy()), cert.T, cert.eps,
+                       cert.alpha_range, cert.rel_err.copy(), cert.design_err)
+
+
+def _sample_errors(log_lambda: np.ndarray, coef: np.ndarray, alphas: np.ndarray, T: int) -> np.ndarray:
+    """Max relative error per order on the fitting sample (the cache's cheap re-measurement)."""
+    n = _fit_sample(T)
+    exact = gl_weights(n[None, :], alphas[:, None])
+    return np.max(np.abs(soe_weights(log_lambda, coef, n) / exact - 1.0), axis=1)
+
+
+def _store_entry(path: Path, key: str, cert: Certificate) -> None:
+    """Write the certificate as JSON, atomically (temp file in the same folder, then os.replace).
+
+    A failure to write (read-only home, full disk) only costs the next process a rebuild: warn.
+    """
+    k = cert.kernel
+    payload = {
+        "version": CACHE_VERSION, "key": key, "T": int(cert.T), "eps": float(cert.eps),
+        "banks": k.banks.tolist(), "alpha_range": list(cert.alpha_range), "log_lambda": k.log_lambda.tolist(),
+        "coef": k.coef.tolist(), "rel_err": cert.rel_err.tolist(), "design_err": float(cert.design_err),
+        "sample_err": _sample_errors(k.log_lambda, k.coef, k.banks, cert.T).tolist(),
+    }
+    text = json.dumps({"payload": payload, "sha256": _checksum(payload)})
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache folder should stay readable
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        warnings.warn(f"SOE kernel cache: could not write {path}: {exc}", stacklevel=3)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _load_entry(path: Path, key: str, banks: np.ndarray, T: int, eps: float) -> Certificate | None:
+    """The cached certificate at ``path``, or None when it is missing or fails any check.
+
+    Checks, in order: the file parses as JSON; the sha256 of its payload matches (a truncated or
+    edited file fails here); version, key, T, eps and the banks (exactly, as float64) are the ones
+    asked for; the arrays have the certificate's shapes and invariants (finite, log_lambda ascending
+    <= 0 ending in 0, rows summing to 1) and the recorded errors meet eps; and the kernel re-measured
+    on the fitting sample reproduces the recorded sample errors.  The full measurement over every n
+    was done when the entry was written (``max_relative_error`` can repeat it at any time).
+    """
+    try:
+        doc = json.loads(path.read_text())
+        payload = doc["payload"]
+        if doc["sha256"] != _checksum(payload):
+            return None
+        if (payload["version"] != CACHE_VERSION or payload["key"] != key or payload["T"] != int(T)
+                or payload["eps"] != float(eps)):
+            return None
+        stored_banks = np.asarray(payload["banks"], dtype=np.float64)
+        if stored_banks.shape != banks.shape or not np.array_equal(stored_banks, banks):
+            return None
+        log_lambda = np.asarray(payload["log_lambda"], dtype=np.float64)
+        coef = np.asarray(payload["coef"], dtype=np.float64)
+        rel_err = np.asarray(payload["rel_err"], dtype=np.float64)
+        sample_err = np.asarray(payload["sample_err"], dtype=np.float64)
+        design_err = float(payload["design_err"])
+        lo, hi = (float(x) for x in payload["alpha_range"])
+        S = log_lambda.size
+        if (log_lambda.ndim != 1 or S == 0 or coef.shape != (banks.size, S) or rel_err.shape != banks.shape
+                or sample_err.shape != banks.shape):
+            return None
+        arrays = (log_lambda, coef, rel_err, sample_err)
+        if not all(np.all(np.isfinite(x)) for x in arrays) or not math.isfinite(design_err):
+            return None
+        if log_lambda[-1] != 0.0 or np.any(np.diff(log_lambda) <= 0.0):
+            return None
+        if not np.allclose(coef.sum(axis=1), 1.0, rtol=0.0, atol=1e-9):
+            return None
+        if rel_err.max() > eps or design_err > eps:
+            return None
+        again = _sample_errors(log_lambda, coef, banks, T)
+        # The sample is a subset of [0, T]: its errors cannot exceed the recorded all-lag maxima
+        # (up to the two references' ~1e-9 disagreement at the longest lags).
+        if (not np.allclose(again, sample_err, rtol=_VERIFY_RTOL, atol=1e-15)
+                or np.any(again > rel_err + 1e-8)):
+            return None
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return Certificate(SOEKernel(log_lambda, coef, banks.copy()), int(T), float(eps), (lo, hi), rel_err, design_err)
 
 
 def interpolate_coefficients(alpha: torch.Tensor, banks: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
