@@ -88,6 +88,18 @@ def load_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Op
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def deepspeed_safe_globals() -> list[Any]:
+    """The non-tensor classes DeepSpeed pickles into its checkpoint files (loss scaler, ZeRO stage
+    enum, fragment addresses, ...): plain data holders, allow-listed so weights_only=True works."""
+    import argparse
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [argparse.Namespace, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
 # ----------------------------------------------------------------------------- RNG
 
 

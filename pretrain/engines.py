@@ -23,7 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from model import CausalLM
-from pretrain.checkpoint import load_dcp_state, load_torch_state, save_dcp_state, save_torch_state
+from pretrain.checkpoint import (
+    deepspeed_safe_globals,
+    load_dcp_state,
+    load_torch_state,
+    save_dcp_state,
+    save_torch_state,
+)
 from pretrain.config import ConfigError, RunConfig
 from pretrain.optim import param_groups
 
@@ -247,18 +253,14 @@ class DeepSpeedEngine:
 
     def load(self, path: str) -> None:
         """DeepSpeed reads its files with full pickle; ours go through weights_only=True with the
-        three plain data classes its optimizer files hold allow-listed."""
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-
+        plain data classes its files hold allow-listed."""
         checkpoint_engine = self.engine.checkpoint_engine
         unsafe_load = checkpoint_engine.load
         checkpoint_engine.load = lambda file, map_location=None: torch.load(
             file, map_location=map_location, weights_only=True
         )
         try:
-            with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            with torch.serialization.safe_globals(deepspeed_safe_globals()):
                 loaded, _ = self.engine.load_checkpoint(path, tag="ds", load_module_strict=True)
         finally:
             checkpoint_engine.load = unsafe_load

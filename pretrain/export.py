@@ -108,18 +108,6 @@ def _single_state(engine_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def _deepspeed_safe_globals() -> list[Any]:
-    """The non-tensor classes DeepSpeed pickles into its checkpoint files (loss scaler, ZeRO stage
-    enum, fragment addresses, ...): plain data holders, allow-listed so weights_only=True works."""
-    import argparse as _argparse
-
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [_argparse.Namespace, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
 class _WeightsOnlyTorch:
     """Stands in for the `torch` module inside deepspeed.utils.zero_to_fp32 so that each of its
     torch.load calls (which ask for weights_only=False) runs with weights_only=True."""
@@ -140,7 +128,7 @@ def _deepspeed_weights_only() -> Iterator[None]:
     saved = zero_to_fp32.torch
     zero_to_fp32.torch = _WeightsOnlyTorch()
     try:
-        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        with torch.serialization.safe_globals(ckpt.deepspeed_safe_globals()):
             yield
     finally:
         zero_to_fp32.torch = saved
@@ -155,7 +143,7 @@ def _deepspeed_state(engine_dir: Path, zero_stage: int) -> dict[str, torch.Tenso
     try:
         if zero_stage == 0:
             model_file = tag_dir / "mp_rank_00_model_states.pt"
-            with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            with torch.serialization.safe_globals(ckpt.deepspeed_safe_globals()):
                 saved = torch.load(model_file, map_location="cpu", weights_only=True)
             state = dict(saved["module"])
         else:

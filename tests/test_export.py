@@ -17,6 +17,7 @@ from safetensors.torch import load_file, load_model, save_file
 
 from model import build_model
 from pretrain import export as ex
+from pretrain.checkpoint import deepspeed_safe_globals
 from pretrain.config import config_from_dict
 from tests.launchers import run_training
 
@@ -176,7 +177,7 @@ def test_bad_checkpoints_are_named(single_run: Path, tmp_path: Path, capsys: pyt
 
 def _deepspeed_module_weights(step_dir: Path) -> dict[str, torch.Tensor]:
     """ZeRO-2 keeps whole fp32 module weights beside the partitions: an independent reference."""
-    with torch.serialization.safe_globals(ex._deepspeed_safe_globals()):
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
         saved = torch.load(step_dir / "engine" / "ds" / "mp_rank_00_model_states.pt", weights_only=True)
     return {k.removeprefix("model."): v for k, v in saved["module"].items()}
 
