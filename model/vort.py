@@ -19,7 +19,6 @@ docs/vort.md gives the design decisions and the parameter/FLOP table.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -49,16 +48,11 @@ class VortState(NamedTuple):
     offset: int  # tokens seen so far (rotary positions continue from here)
 
 
-@functools.lru_cache(maxsize=16)
 def certified_kernel(banks: tuple[float, ...], horizon: int, eps: float) -> soe.SOEKernel:
-    """The certified SOE kernel for these bank orders (cached: the certificate takes seconds).
-
-    Order 1 alone is the exact running sum (one lambda = 1 node, coefficient 1); it is written out
-    here because soe.build_kernel([1.0]) does not accept it yet.
-    """
-    if banks == (1.0,):
-        return soe.SOEKernel(np.zeros(1), np.ones((1, 1)), np.ones(1))
-    return soe.build_kernel(np.asarray(banks, dtype=np.float64), horizon, eps).kernel
+    """The certified SOE kernel for these bank orders. soe.build_kernel caches it in the process
+    and on disk ($RECURRENT_CACHE_DIR/soe, verified on read), so only the first build of a layout
+    pays the seconds the certificate takes at a 512k horizon."""
+    return soe.build_kernel(np.asarray(banks, dtype=np.float64), horizon, eps, cache=True).kernel
 
 
 def bank_orders(cfg: VortConfig) -> tuple[float, ...]:

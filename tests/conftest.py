@@ -20,3 +20,11 @@ def demo_shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     build_shards(train, str(root / "train"), tokenizer="bytes", shard_tokens=60_000)
     build_shards([str(DEMO / "valid" / "northangerabbey.txt")], str(root / "valid"), tokenizer="bytes")
     return {"train": str(root / "train"), "valid": str(root / "valid")}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Certified SOE kernels are cached on disk; tests keep theirs out of the user's home."""
+    import os
+
+    os.environ["RECURRENT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
