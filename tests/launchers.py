@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,9 +40,17 @@ def run_training(
     launcher: str, ranks: int, args: list[str], timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [*launch_command(launcher, ranks), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    with subprocess.Popen(
+        [*launch_command(launcher, ranks), *args], cwd=REPO, env=env, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        finally:  # the launcher's ranks go too, even on a timeout or an interrupt
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         output = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         raise AssertionError(f"{launcher} x{ranks} exited {proc.returncode}:\n{output}")

@@ -3,10 +3,12 @@ limit saves before it is reached, and a dead rank takes the whole job down in bo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -17,15 +19,23 @@ from tests.launchers import REPO, launch_command, run_training
 from tests.test_resume import config_args, step_losses
 
 
-def start(launcher: str, ranks: int, args: list[str], log: Path) -> subprocess.Popen:
-    """Launch in a new session, output to `log` (a pipe nobody reads would block the job)."""
+@contextlib.contextmanager
+def start(launcher: str, ranks: int, args: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """Launch in a new session, output to `log` (a pipe nobody reads would block the job); the
+    whole process group is killed on the way out, whatever the test did."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{Path(launch_command('python', 1)[0]).parent}:{env['PATH']}"
     with open(log, "w") as out:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [*launch_command(launcher, ranks), *args], cwd=REPO, env=env, start_new_session=True,
             stdout=out, stderr=subprocess.STDOUT,
         )
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 300) -> None:
@@ -40,10 +50,10 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, t
 def test_signal_saves_and_exits_with_requeue_code(sig: signal.Signals, demo_shards, tmp_path: Path) -> None:
     args = config_args(demo_shards, tmp_path, ["checkpoint.every=0", "train.steps=400"])
     log = tmp_path / "log.txt"
-    proc = start("python", 1, args, log)
-    wait_for_step(proc, tmp_path, 3, log)
-    proc.send_signal(sig)
-    proc.wait(timeout=120)
+    with start("python", 1, args, log) as proc:
+        wait_for_step(proc, tmp_path, 3, log)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, log.read_text()[-3000:]
     stopped_at = max(step_losses(tmp_path))
     assert stopped_at < 400
@@ -65,20 +75,16 @@ def test_dead_rank_ends_the_job_in_bounded_time(launcher: str, demo_shards, tmp_
     extra = ["engine.kind=deepspeed"] if launcher == "deepspeed" else ["engine.kind=fsdp"]
     log = tmp_path / "log.txt"
     args = config_args(demo_shards, tmp_path, [*extra, "train.steps=100000", "checkpoint.every=0"])
-    proc = start(launcher, 2, args, log)
-    wait_for_step(proc, tmp_path, 2, log)
-    family = psutil.Process(proc.pid).children(recursive=True)
-    workers = [p for p in family if any(a.endswith("launch/pretrain.py") for a in p.cmdline()[:3])]
-    assert workers, f"no rank processes among {[p.cmdline()[:3] for p in family]}"
-    workers[-1].kill()
-    killed_at = time.time()
-    try:
+    with start(launcher, 2, args, log) as proc:
+        wait_for_step(proc, tmp_path, 2, log)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        workers = [p for p in family if any(a.endswith("launch/pretrain.py") for a in p.cmdline()[:3])]
+        assert workers, f"no rank processes among {[p.cmdline()[:3] for p in family]}"
+        workers[-1].kill()
+        killed_at = time.time()
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    assert time.time() - killed_at < 120
-    time.sleep(2)
-    leftover = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not leftover, f"processes left behind: {[p.cmdline()[:3] for p in leftover]}"
+        assert proc.returncode != 0
+        assert time.time() - killed_at < 120
+        time.sleep(2)
+        leftover = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not leftover, f"processes left behind: {[p.cmdline()[:3] for p in leftover]}"
