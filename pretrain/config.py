@@ -177,9 +177,18 @@ class EvalSection:
     every: int = 0
     contexts: list[int] = dataclasses.field(default_factory=lambda: [256])
     max_tokens: int = 65536
-    tasks: list[str] = dataclasses.field(default_factory=list)
+    tasks: list[Literal["copy", "needle", "zipf"]] = dataclasses.field(default_factory=list)
+    task_len: int = 512
+    task_examples: int = 16
+    haystack: str | None = None
 
     def __post_init__(self) -> None:
+        if self.task_len < 128:
+            raise ValueError(f"task_len: must be >= 128 tokens (room for the tasks' prompts), got {self.task_len}")
+        if self.task_examples < 1:
+            raise ValueError(f"task_examples: must be >= 1, got {self.task_examples}")
+        if "needle" in self.tasks and not self.haystack:
+            raise ValueError("haystack: the needle task needs a text file to hide the needle in")
         if self.every < 0:
             raise ValueError(f"every: must be >= 0 (0 disables evaluation), got {self.every}")
         if not self.contexts or min(self.contexts) < 2:

@@ -81,6 +81,14 @@ def check_data(cfg: RunConfig) -> None:
                 f"model.vocab_size={cfg.model.vocab_size} does not match the shards at {source.path!r}, "
                 f"built with a tokenizer of vocab_size={vocab}"
             )
+    sharded_weights = cfg.engine.kind == "fsdp" or (cfg.engine.kind == "deepspeed" and cfg.engine.zero_stage == 3)
+    if cfg.eval.tasks and sharded_weights:
+        raise DataError(
+            "eval.tasks: the periodic task evaluation runs on rank 0 and needs whole weights there; "
+            "with FSDP or ZeRO-3 evaluate an export instead (python -m pretrain.evaluate --tasks ...)"
+        )
+    if cfg.eval.haystack and not Path(cfg.eval.haystack).is_file():
+        raise DataError(f"eval.haystack: {cfg.eval.haystack}: no such file")
     for i, path in enumerate(cfg.data.valid):
         try:
             load_manifest(path)
@@ -128,6 +136,27 @@ def evaluate(cfg: RunConfig, engine: Any, rank: int, world: int) -> dict[str, fl
         total, count = all_reduce_sum([total, count])
         results[f"eval/bits_per_token@{context}"] = total / max(count, 1) / math.log(2)
     return results
+
+
+def evaluate_tasks(cfg: RunConfig, engine: Any, device: torch.device) -> dict[str, float]:
+    """Synthetic long-context tasks (pretrain.evaluate's, streamed with the carried state) on rank
+    0. Needs whole weights on every rank: single process or DeepSpeed ZeRO stage <= 2."""
+    from data_pipeline.tokenizer import load_tokenizer
+    from pretrain.evaluate import run_tasks
+
+    haystack = Path(cfg.eval.haystack).read_bytes() if cfg.eval.haystack else b""
+    model = engine.model
+    model.eval()
+    results = run_tasks(
+        model, cfg.eval.tasks, load_tokenizer(cfg.data.tokenizer), cfg.eval.task_len, cfg.eval.task_examples,
+        chunk=cfg.data.seq_len, device=device, haystack=haystack,
+    )
+    model.train()
+    scores = {}
+    for task, result in results.items():
+        scores[f"eval/{task}_exact"] = float(result["exact"])
+        scores[f"eval/{task}_token_accuracy"] = float(result["token"])
+    return scores
 
 
 def model_statistics(model: CausalLM) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
@@ -249,10 +278,12 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
             )
             window_start, window_tokens = time.time(), 0
 
-        if cfg.eval.every and cfg.data.valid and state.step % cfg.eval.every == 0:
-            results = evaluate(cfg, engine, rank, world)
+        if cfg.eval.every and state.step % cfg.eval.every == 0:
+            results = evaluate(cfg, engine, rank, world) if cfg.data.valid else {}
+            if cfg.eval.tasks and rank == 0:
+                results.update(evaluate_tasks(cfg, engine, device))
             metrics.log(state.step, results)
-            metrics.console("eval " + " ".join(f"{k.split('@')[1]}:{v:.4f}" for k, v in results.items()))
+            metrics.console("eval " + " ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in results.items()))
 
         out_of_time = cfg.train.max_runtime is not None and _projected_past(started, state.step, cfg)
         if _any_rank(stop.signal is not None or out_of_time):

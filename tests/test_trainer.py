@@ -125,13 +125,18 @@ def test_bad_input_stops_before_compute(tmp_path: Path, demo_shards: dict[str, s
 
 def test_short_single_process_run_learns_and_writes_run_dir(tmp_path: Path, demo_shards: dict[str, str]) -> None:
     run = tmp_path / "run"
-    overrides = [*data_overrides(demo_shards, run), "eval.every=10", "checkpoint.every=10"]
+    haystack = REPO / "data" / "demo" / "valid" / "northangerabbey.txt"
+    tasks = ["eval.tasks=[copy, needle, zipf]", "eval.task_len=128", "eval.task_examples=2"]
+    tasks.append(f"eval.haystack={haystack}")
+    overrides = [*data_overrides(demo_shards, run), "eval.every=10", "checkpoint.every=10", *tasks]
     assert main(["--config", TINY, *overrides]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.5
     assert all(r["perf/tokens_per_s"] > 0 and 0 < r["perf/mfu"] < 1 for r in records if "perf/mfu" in r)
     assert any("eval/bits_per_token@64" in r for r in records)
+    task_scores = [v for r in records for k, v in r.items() if k.endswith(("_exact", "_token_accuracy"))]
+    assert len(task_scores) == 2 * 3 * 2 and all(0 <= v <= 1 for v in task_scores)  # 2 evals x 3 tasks
     assert load_config(run / "config.yaml") == load_config(TINY, overrides)
     assert (run / "checkpoints" / "latest").read_text() == "step_00000020"
 
