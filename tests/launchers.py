@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = str(REPO / "launch" / "pretrain.py")
 BIN = Path(sys.executable).parent
@@ -20,6 +22,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process below it. torchrun starts its workers in sessions of
+    their own, so killing the launcher's process group alone would leave them running."""
+    try:
+        family = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for proc in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(family, timeout=30)
 
 
 def launch_command(launcher: str, ranks: int) -> list[str]:
@@ -47,8 +64,7 @@ def run_training(
         try:
             stdout, stderr = popen.communicate(timeout=timeout)
         finally:  # the launcher's ranks go too, even on a timeout or an interrupt
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(popen.pid, signal.SIGKILL)
+            kill_tree(popen.pid)
             popen.wait()
     proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     if check and proc.returncode != 0:

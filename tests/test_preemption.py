@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from pretrain.trainer import EXIT_PREEMPTED
-from tests.launchers import REPO, launch_command, run_training
+from tests.launchers import REPO, kill_tree, launch_command, run_training
 from tests.test_resume import config_args, step_losses
 
 
@@ -33,8 +33,7 @@ def start(launcher: str, ranks: int, args: list[str], log: Path) -> Iterator[sub
     try:
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
 
 
