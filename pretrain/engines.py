@@ -31,6 +31,7 @@ from pretrain.checkpoint import (
     save_torch_state,
 )
 from pretrain.config import ConfigError, RunConfig
+from pretrain.metrics import all_reduce_sum
 from pretrain.optim import param_groups
 
 
@@ -112,8 +113,6 @@ def _adamw(cfg: RunConfig, module: nn.Module) -> torch.optim.Optimizer:
 
 def _all_finite(value: torch.Tensor) -> bool:
     """True when `value` is finite on every rank."""
-    from pretrain.metrics import all_reduce_sum
-
     return all_reduce_sum([0.0 if torch.isfinite(value).all() else 1.0])[0] == 0
 
 
