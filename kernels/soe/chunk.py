@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._common import fill_with_normaliser
+
 State = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -294,16 +296,12 @@ class SoeScanChunked(torch.autograd.Function):
         qw, kw, vw, cw, ll, s0 = ctx.saved_tensors
         batch, seq_len, dtypes = ctx.meta
         chunk_size = qw.shape[2]
-        d_out = qw.new_zeros(batch, seq_len, qw.shape[1] // batch, vw.shape[-1])
-        if d_o is not None:
-            d_out[..., :-1] = d_o
-        if d_z is not None:
-            d_out[..., -1] = d_z
-        d_st = torch.zeros_like(s0)
-        if d_g is not None:
-            d_st[..., :-1] = d_g.flatten(0, 1)
-        if d_b is not None:
-            d_st[..., -1] = d_b.flatten(0, 1)
+        d_out = fill_with_normaliser(qw.new_zeros(batch, seq_len, qw.shape[1] // batch, vw.shape[-1]), d_o, d_z)
+        d_st = fill_with_normaliser(
+            torch.zeros_like(s0),
+            None if d_g is None else d_g.flatten(0, 1),
+            None if d_b is None else d_b.flatten(0, 1),
+        )
         d_out = to_chunk_major(d_out, chunk_size, qw.dtype)
         needs = ctx.needs_input_grad
         dq, dk, dv, dcoef, dll, ds0 = soe_backward_chunked(

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_triton_inputs
+from kernels._common import check_triton_inputs, fill_with_normaliser
 
 
 @triton.jit
@@ -299,15 +299,8 @@ class SoeScanTriton(torch.autograd.Function):
         batch, seq_len, heads, feat = q.shape
         n_terms, width = ll.shape[-1], v1.shape[-1]
         d_out = torch.zeros(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
-        if d_o is not None:
-            d_out[..., :-1] = d_o
-        if d_z is not None:
-            d_out[..., -1] = d_z
-        d_st = torch.zeros_like(s0)
-        if d_g is not None:
-            d_st[..., :-1] = d_g
-        if d_b is not None:
-            d_st[..., -1] = d_b
+        fill_with_normaliser(d_out, d_o, d_z)
+        d_st = fill_with_normaliser(torch.zeros_like(s0), d_g, d_b)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros_like(dq)
         dv = torch.zeros_like(d_out)
