@@ -116,6 +116,16 @@ def _all_finite(value: torch.Tensor) -> bool:
     return all_reduce_sum([0.0 if torch.isfinite(value).all() else 1.0])[0] == 0
 
 
+@torch.no_grad()
+def _eval_loss(module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss in eval mode without gradients (through the wrapper, so sharded weights are
+    gathered); the module is back in train mode afterwards."""
+    module.eval()
+    loss = module(input_ids, labels)
+    module.train()
+    return loss
+
+
 class _TorchOptimizerEngine:
     """Shared by the single-process and FSDP2 engines: a torch AdamW stepped by us."""
 
@@ -127,12 +137,8 @@ class _TorchOptimizerEngine:
     def _set_sync(self, last: bool) -> None:
         """FSDP reduces gradients only on the last micro-batch of a step."""
 
-    @torch.no_grad()
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self.module.eval()
-        loss = self.module(input_ids, labels)
-        self.module.train()
-        return loss
+        return _eval_loss(self.module, input_ids, labels)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo:
         losses = []
@@ -235,12 +241,8 @@ class DeepSpeedEngine:
         applied = bool(self.engine.was_step_applied()) and math.isfinite(norm_value)
         return StepInfo(float(torch.stack(losses).mean()), norm_value, applied)
 
-    @torch.no_grad()
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self.engine.eval()
-        loss = self.engine(input_ids, labels)
-        self.engine.train()
-        return loss
+        return _eval_loss(self.engine, input_ids, labels)
 
     def _grad_norm(self) -> float:
         """Global gradient norm at stage 0, where DeepSpeed's data-parallel gradients are whole."""
