@@ -219,6 +219,16 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def committed_steps(root: str) -> list[str]:
+    """Names of the step directories under `root` (path or fsspec URL) that are not `.tmp`,
+    newest first. A listed directory may still fail verification."""
+    fs, path = url_to_fs(root)
+    if not fs.exists(path):
+        return []
+    names = [Path(p.rstrip("/")).name for p in fs.ls(path, detail=False)]
+    return sorted((n for n in names if n.startswith("step_") and not n.endswith(".tmp")), reverse=True)
+
+
 # ----------------------------------------------------------------------------- the checkpointer
 
 
@@ -327,12 +337,7 @@ class Checkpointer:
 
     def list(self) -> list[str]:
         """Names of committed step directories (not `.tmp`), newest first."""
-        fs, root = url_to_fs(self.root)
-        if not fs.exists(root):
-            return []
-        names = [Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)]
-        steps = [n for n in names if n.startswith("step_") and not n.endswith(".tmp")]
-        return sorted(steps, reverse=True)
+        return committed_steps(self.root)
 
     def _local_copy(self, url: str) -> Path:
         if _is_local(url):

@@ -76,9 +76,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
             step = root / latest.read_text().strip()
             if step.is_dir():
                 return step
-        steps = sorted(root.glob("step_*[0-9]")) if root.is_dir() else []
+        steps = ckpt.committed_steps(str(root)) if root.is_dir() else []
         if steps:
-            return steps[-1]
+            return root / steps[0]
     raise ExportError(f"{path}: not a checkpoint (no engine/ and config.yaml) and holds no step_* checkpoints")
 
 
