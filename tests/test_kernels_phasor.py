@@ -1,4 +1,4 @@
-"""The phasor scan: the segmented PyTorch backend against the sequential float64 reference."""
+"""The phasor scan: the compiled CPU (numba) and segmented PyTorch backends against the float64 reference."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import phasor_scan
+from kernels._common import resolve_backend
+from kernels.phasor import PHASOR_BACKENDS
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err
 
 FWD_TOL, GRAD_TOL = 1e-4, 1e-3
+CPU_BACKENDS = ["numba", "torch"]
 
 
 def assert_matches_reference(inputs, n_slots, backend, **kw):
@@ -28,6 +31,7 @@ def assert_matches_reference(inputs, n_slots, backend, **kw):
         assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @settings(max_examples=15, deadline=None)
 @given(
     batch=st.integers(1, 3),
@@ -38,40 +42,45 @@ def assert_matches_reference(inputs, n_slots, backend, **kw):
     with_state=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_torch_matches_reference(batch, seq_len, levels, width, branching, with_state, seed):
+def test_matches_reference(backend, batch, seq_len, levels, width, branching, with_state, seed):
     inputs, n_slots = phasor_inputs(batch, seq_len, levels, width, branching, with_state, seed)
-    assert_matches_reference(inputs, n_slots, "torch")
+    assert_matches_reference(inputs, n_slots, backend)
 
 
-def test_reads_are_exclusive_prefix_sums():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_reads_are_exclusive_prefix_sums(backend):
     """Slot 0 written by every token: read_t = wrap(sum_{j<t} delta_j), final = wrap(sum of all)."""
     delta = torch.full((1, 5, 1, 1), 2.0, dtype=torch.float64)
-    read, final = phasor_scan(delta, torch.zeros(1, 5, 1, dtype=torch.long), 3, output_final_state=True)
+    read, final = phasor_scan(delta, torch.zeros(1, 5, 1, dtype=torch.long), 3, None, True, backend=backend)
     want = torch.remainder(torch.tensor([0.0, 2.0, 4.0, 6.0, 8.0], dtype=torch.float64), 2 * math.pi)
     assert torch.allclose(read.flatten().double(), want, atol=1e-6)
     assert abs(final[0, 0, 0].item() - math.remainder(10.0, 2 * math.pi) % (2 * math.pi)) < 1e-6
     assert final[0, 1:].abs().max() == 0
 
 
-def test_unwritten_slots_keep_initial_phase_wrapped():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_unwritten_slots_keep_initial_phase_wrapped(backend):
     init = torch.tensor([[[7.0], [-1.0]]])
-    _, final = phasor_scan(torch.ones(1, 3, 1, 1), torch.zeros(1, 3, 1, dtype=torch.long), 2, init, True)
+    slots = torch.zeros(1, 3, 1, dtype=torch.long)
+    _, final = phasor_scan(torch.ones(1, 3, 1, 1), slots, 2, init, True, backend=backend)
     assert abs(final[0, 1, 0].item() - (2 * math.pi - 1.0)) < 1e-6
     assert abs(final[0, 0, 0].item() - (10.0 - 2 * math.pi)) < 1e-5
 
 
-def test_precision_holds_over_long_sequences():
-    """200k increments of 0.1 rad on one slot: the read stays exact to ~1e-4 rad in the fp32 result."""
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_precision_holds_over_long_sequences(backend):
+    """200k increments of 0.1 rad on one slot: the read stays exact to ~1e-5 rad in the fp32 result."""
     seq_len = 200_000
     delta = torch.full((1, seq_len, 1, 1), 0.1)
-    read, final = phasor_scan(delta, torch.zeros(1, seq_len, 1, dtype=torch.long), 1, output_final_state=True)
+    slots = torch.zeros(1, seq_len, 1, dtype=torch.long)
+    read, final = phasor_scan(delta, slots, 1, output_final_state=True, backend=backend)
     step = delta[0, 0, 0, 0].item()  # the fp32 value of 0.1, exactly
     exact = torch.remainder(torch.arange(seq_len, dtype=torch.float64) * step, 2 * math.pi)
     assert angle_err(read.flatten(), exact) < 1e-5
     assert angle_err(final.flatten(), torch.tensor([seq_len * step], dtype=torch.float64)) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend", [*CPU_BACKENDS, "reference"])
 def test_carried_state_equals_one_pass(backend):
     inputs, n_slots = phasor_inputs(2, 70, 3, 4, 3, True, seed=2)
     results = []
@@ -111,9 +120,62 @@ def test_input_errors():
 
 
 @pytest.mark.slow
-def test_torch_matches_reference_long():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_matches_reference_long(backend):
     inputs, n_slots = phasor_inputs(2, 5000, 3, 16, 4, True, seed=7)
-    assert_matches_reference(inputs, n_slots, "torch")
+    assert_matches_reference(inputs, n_slots, backend)
+
+
+def test_backend_selection():
+    cpu = torch.empty(1)
+    assert resolve_backend("auto", cpu, PHASOR_BACKENDS, cpu_default="numba") == "numba"
+    assert phasor_scan(torch.ones(1, 2, 1, 1), torch.zeros(1, 2, 1, dtype=torch.long), 1)[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="numba"):
+        phasor_scan(torch.ones(1, 2, 1, 1), torch.zeros(1, 2, 1, dtype=torch.long), 1, backend="cuda")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_numba_column_blocks_and_threads_agree(threads):
+    """The compiled scan splits phase columns into blocks run on numba's threads (from torch's count):
+    one block and several give the same results, for batch 1 and 3 and a width that does not divide."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch in (1, 3):
+            inputs, n_slots = phasor_inputs(batch, 50, 3, 19, 3, True, seed=batch)
+            assert_matches_reference(inputs, n_slots, "numba")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("loss_on", ["read", "final"])
+def test_numba_gradient_of_one_output(loss_on):
+    """A loss on only the reads or only the final state (the other gradient arrives as None)."""
+    inputs, n_slots = phasor_inputs(2, 30, 3, 5, 3, True, seed=4)
+    grads = {}
+    for backend in ("numba", "reference"):
+        delta = inputs["delta"].double().requires_grad_()
+        init = inputs["init"].double().requires_grad_()
+        read, final = phasor_scan(delta, inputs["slots"], n_slots, init, True, backend=backend)
+        out = read if loss_on == "read" else final
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        grads[backend] = torch.autograd.grad((out.double() * weights).sum(), (delta, init))
+    for got, want in zip(grads["numba"], grads["reference"]):
+        assert rel_err(got, want) <= 1e-6  # the final state is returned in fp32
+
+
+def test_numba_low_precision_inputs():
+    """bf16 increments: the scan runs in fp32 and returns bf16 reads and fp32 final phases."""
+    inputs, n_slots = phasor_inputs(1, 40, 3, 8, 3, True, seed=5)
+    delta = inputs["delta"].bfloat16().requires_grad_()
+    read, final = phasor_scan(delta, inputs["slots"], n_slots, inputs["init"].float(), True, backend="numba")
+    assert read.dtype == torch.bfloat16 and final.dtype == torch.float32
+    ref_read, ref_final = phasor_scan(
+        delta.detach().double(), inputs["slots"], n_slots, inputs["init"].double(), True, backend="reference"
+    )
+    assert angle_err(read.double(), ref_read) <= 2e-2 and angle_err(final.double(), ref_final) <= 1e-5
+    read.float().sum().backward()
+    assert delta.grad.dtype == torch.bfloat16 and torch.isfinite(delta.grad.float()).all()
 
 
 def test_torch_in_many_pieces_matches_reference(monkeypatch):

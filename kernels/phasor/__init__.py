@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import resolve_backend
+from kernels._common import BACKENDS, resolve_backend
+from kernels.phasor.compiled import PhasorScanCompiled
 from kernels.phasor.naive import phasor_scan_reference
 from kernels.phasor.segment import PhasorScanSegmented
+
+PHASOR_BACKENDS = (*BACKENDS, "numba")
 
 
 def phasor_scan(
@@ -24,6 +27,10 @@ def phasor_scan(
     of slot slots[b,t,l] before token t writes, i.e. wrap(init + increments from tokens j < t), and, if
     ``output_final_state``, the fp32 final phases [B, n_slots, M]. wrap maps to [0, 2*pi) and counts as
     the identity for gradients. Differentiable in delta and initial_state.
+
+    ``backend``: "reference" (sequential, float64-capable), "numba" (compiled sequential loop over CPU
+    tensors: the CPU default), "torch" (segmented cumsums in PyTorch, any device), "triton" (the CUDA
+    default), or "auto".
     """
     if delta.dim() != 4 or slots.shape != delta.shape[:3]:
         raise ValueError(
@@ -40,7 +47,7 @@ def phasor_scan(
         levels = slots.shape[-1]
         if any((slots[..., i] == slots[..., j]).any() for i in range(levels) for j in range(i + 1, levels)):
             raise ValueError("two levels of one token share a slot; levels must use disjoint slot ids")
-    which = resolve_backend(backend, delta)
+    which = resolve_backend(backend, delta, PHASOR_BACKENDS, cpu_default="numba")
     if which == "reference":
         return phasor_scan_reference(delta, slots, n_slots, initial_state, output_final_state)
     init = initial_state if initial_state is not None else delta.new_zeros(batch, n_slots, width, dtype=torch.float32)
@@ -48,6 +55,8 @@ def phasor_scan(
         from kernels.phasor.triton import PhasorScanTriton
 
         fn = PhasorScanTriton
+    elif which == "numba":
+        fn = PhasorScanCompiled
     else:
         fn = PhasorScanSegmented
     read, final = fn.apply(delta, slots, n_slots, init)
