@@ -49,12 +49,13 @@ def matmul_gflops(repeats: int, n: int = 2048) -> float:
 
 
 def soe_flops(tokens: int, heads: int, feat: int, dim_v: int, n_terms: int, chunk: int, backward: bool) -> float:
-    """Multiply-add FLOPs of the chunked SOE scan (forward, or forward + backward)."""
-    width = dim_v + 1
-    state = 2 * n_terms * feat * width  # one [c, S*F] x [S*F, D'] product, per token
-    intra = 2 * chunk * (feat + width + n_terms)  # Q K^T, P V', coef E, per token
-    fwd = 2 * state + intra
-    bwd = 5 * state + 2 * intra + 2 * chunk * (2 * feat + n_terms)
+    """Multiply-add FLOPs of the products of the chunked SOE scan (kernels/soe/chunk.py), forward or
+    forward + backward; elementwise work is not counted."""
+    state = 2 * n_terms * feat * dim_v  # one [c, S*F] x [S*F, D] product (read or update), per token
+    norm = 2 * n_terms * feat  # one normaliser product ([c, F] x [F, S] or [S, c] x [c, F]), per token
+    intra = 2 * chunk * (feat + dim_v + n_terms)  # Q K^T, P V, coef E, per token
+    fwd = 2 * state + 2 * norm + intra
+    bwd = 5 * state + 6 * norm + 2 * chunk * (3 * feat + 2 * dim_v + 3 * n_terms)
     return tokens * heads * (fwd + (bwd if backward else 0))
 
 

@@ -1,33 +1,34 @@
 """Chunked PyTorch SOE scan: the CPU path, with a hand-written backward.
 
-Layout. The normaliser b is the state G of an extra value column of ones, so v gets a ones column
-(v' = [v, 1], width D' = D + 1) and o, z and (G, b) come out of one computation. Work tensors are
-chunk-major, [N chunks, B*H, c, .], so that every per-chunk operand is contiguous; fp32 (float64 for
-float64 inputs).
+Layout. Work tensors are chunk-major, [N chunks, B*H, c, .], so that every per-chunk operand is
+contiguous; fp32 (float64 for float64 inputs). The state is G [B*H, S*F, D] (the S terms stacked
+along the contraction) and the normaliser b [B*H, S, F], kept apart from G: a ones column appended to
+v would make every large product D + 1 = 65 columns wide, which the BLAS kernels run ~25% slower than 64.
 
-Forward, per chunk of c tokens with entering per-term states G_s [F, D'] (positions i, j in the chunk):
-  o'_i   = sum_s lam_s^(i+1) q_i^T G_s  +  sum_{j<=i} (q_i . k_j) Wc[i, j] v'_j
-  G_s   <- lam_s^c G_s + sum_j lam_s^(c-1-j) coef[j,s] k_j v'_j^T
+Forward, per chunk of c tokens with entering per-term states G_s [F, D], b_s [F] (positions i, j in
+the chunk; qd[i,s] = lam_s^(i+1), w[j,s] = lam_s^(c-1-j) coef[j,s]):
+  o_i = sum_s qd[i,s] q_i^T G_s    + sum_{j<=i} (q_i . k_j) Wc[i, j] v_j
+  z_i = sum_s qd[i,s] (q_i . b_s)  + sum_{j<=i} (q_i . k_j) Wc[i, j]
+  G_s <- lam_s^c G_s + sum_j w[j,s] k_j v_j^T,    b_s <- lam_s^c b_s + sum_j w[j,s] k_j
 with Wc[i, j] = sum_s coef[j,s] lam_s^(i-j). Every power has a non-negative exponent, so no factor
-exceeds 1 and nothing is divided by a decay. The cross-chunk terms are single matmuls with the S terms
-folded into the contraction: [c, S*F] @ [S*F, D'] (queries scaled by lam^(i+1)) and
-[S*F, c] @ [c, D'] (keys scaled by lam^(c-1-j) coef). Wc never exists as [S, c, c]: with
-E[s, d] = lam_s^d, the product coef @ E is [c, c] indexed (j, i-j), and a fixed gather lays it out.
-The intra-chunk part has no sequential dependency and runs for blocks of chunks at once.
+exceeds 1 and nothing is divided by a decay. The large cross-chunk terms are single matmuls with the S
+terms folded into the contraction, [c, S*F] @ [S*F, D] (queries scaled by qd) and [S*F, c] @ [c, D]
+(keys scaled by w), written into two work buffers reused by every chunk; the normaliser's are small
+[c, F] @ [F, S] and [S, c] @ [c, F] products. Wc never exists as [S, c, c]: with E[s, d] = lam_s^d,
+the product coef @ E is [c, c] indexed (j, i-j), and a fixed gather lays it out. The intra-chunk part
+has no sequential dependency and runs for blocks of chunks at once.
 
-Backward recomputes the states instead of storing them: one forward-order pass rebuilds G to get the
-query gradients of the cross-chunk term, and one reverse pass carries dG (seeded by the gradient of
-the final state) for the key/value/coef gradients and the gradient of the initial state. The decay
-gradient is sum over (reader, writer) pairs of (distance) x (contribution): within a chunk it is
-computed locally; for pairs that cross chunk boundaries it is split into reader and writer position
-sums (positions centred on the sequence middle; see docs/kernels.md for the precision this gives).
+Backward recomputes the states instead of storing them: one forward-order pass rebuilds (G, b) to get
+the query gradients of the cross-chunk terms, and one reverse pass carries (dG, db) (seeded by the
+gradient of the final state) for the key/value/coef gradients and the gradient of the initial state.
+The decay gradient is sum over (reader, writer) pairs of (distance) x (contribution): within a chunk
+it is computed locally; for pairs that cross chunk boundaries it is split into reader and writer
+position sums (positions centred on the sequence middle; see docs/kernels.md for the precision).
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels._common import fill_with_normaliser
 
 State = tuple[torch.Tensor, torch.Tensor]
 
@@ -51,25 +52,41 @@ class _Decays:
         rep = (batch, 1, 1)
         self.query = decay((pos + 1)[None, :, None] * ll).repeat(rep)  # lam^(i+1): [BH, c, S]
         self.key = decay((c - 1 - pos)[None, :, None] * ll).repeat(rep)  # lam^(c-1-j)
-        self.chunk = decay(c * log_lam).repeat(batch, 1)[:, :, None, None]  # lam^c: [BH, S, 1, 1]
+        self.chunk = decay(c * log_lam).repeat(batch, 1)[:, :, None]  # lam^c: [BH, S, 1]
 
 
-def _scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[BH, c, F] x [BH, c, S] -> contiguous [BH, c, S*F]: x_i scaled by scale[i, s] for every term s."""
-    return (scale[..., None] * x[:, :, None, :]).flatten(2)
+def _t(x: torch.Tensor) -> torch.Tensor:
+    """[BH, r, X] -> contiguous [BH, X, r]. Broadcast elementwise products need unit stride along their
+    last axis to vectorise; a transposed view as an operand makes them several times slower."""
+    return x.transpose(1, 2).contiguous()
 
 
-def _scaled_t(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The transpose of :func:`_scaled`, made contiguous as [BH, S*F, c] (the left operand of state updates)."""
-    return (scale.transpose(1, 2)[:, :, None, :] * x.transpose(1, 2)[:, None, :, :]).flatten(1, 2)
+class _Scaled:
+    """Work buffers for an operand scaled per term, [BH, c, S, F] and its transpose [BH, S, F, c], reused by
+    every chunk (fresh multi-MB buffers per chunk would cost allocation and page faults)."""
+
+    def __init__(self, like: torch.Tensor, n_terms: int) -> None:
+        bh, c, feat = like.shape[1:]
+        self.rows = like.new_empty(bh, c, n_terms, feat)
+        self.cols = like.new_empty(bh, n_terms, feat, c)
+
+    def rows_of(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """[BH, r, F] x [BH, r, S] -> [BH, r, S*F]: x_i scaled by scale[i, s] for every term s."""
+        out = self.rows[:, : x.shape[1]]
+        return torch.mul(scale[..., None], x[:, :, None, :], out=out).flatten(2)
+
+    def cols_of(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The transpose of :meth:`rows_of`, [BH, S*F, r] (the left operand of state updates)."""
+        out = self.cols[..., : x.shape[1]]
+        return torch.mul(_t(scale)[:, :, None, :], _t(x)[:, None], out=out).flatten(1, 2)
 
 
-def _advance(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, dec: _Decays) -> None:
-    """In place: G [BH, S*F, D'] <- lam^c G + sum_j lam^(c-1-j) coef_j k_j v_j^T for one chunk."""
-    bh, sf, width = g.shape
-    n_terms = dec.chunk.shape[1]
-    g.view(bh, n_terms, sf // n_terms, width).mul_(dec.chunk)
-    g.baddbmm_(_scaled_t(k, dec.key * coef), v)
+def _advance(g, b, k, v, w, dec: _Decays, scaled: _Scaled) -> None:
+    """In place, for one chunk: G [BH, S*F, D] <- lam^c G + sum_j w_j k_j v_j^T, b [BH, S, F] <- lam^c b + w^T K."""
+    bh, n_terms, _ = b.shape
+    g.view(bh, n_terms, -1).mul_(dec.chunk)
+    g.baddbmm_(scaled.cols_of(k, w), v)
+    b.mul_(dec.chunk).baddbmm_(w.transpose(1, 2), k)
 
 
 def to_chunk_major(x: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
@@ -79,14 +96,14 @@ def to_chunk_major(x: torch.Tensor, c: int, dtype: torch.dtype) -> torch.Tensor:
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
     x = x.view(batch, -1, c, heads, width).permute(1, 0, 3, 2, 4)
-    return x.to(dtype).reshape(-1, batch * heads, c, width)
+    return x.to(dtype).reshape(-1, batch * heads, c, width).contiguous()  # reshape is only a view when B = 1
 
 
 def from_chunk_major(x: torch.Tensor, batch: int, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`to_chunk_major`: [N, B*H, c, X] -> [B, T, H, X] in ``dtype``."""
+    """Inverse of :func:`to_chunk_major`: [N, B*H, c, X] -> contiguous [B, T, H, X] in ``dtype``."""
     n_chunks, bh, c, width = x.shape
     x = x.view(n_chunks, batch, bh // batch, c, width).permute(1, 0, 3, 2, 4)
-    return x.reshape(batch, n_chunks * c, bh // batch, width)[:, :seq_len].to(dtype)
+    return x.reshape(batch, n_chunks * c, bh // batch, width)[:, :seq_len].to(dtype).contiguous()
 
 
 class _Chunks:
@@ -139,17 +156,20 @@ class _Intra:
         self.a = q @ k.transpose(-1, -2)
 
 
-def _intra_forward(q, k, v, coef, log_lam, out: torch.Tensor) -> None:
-    """out <- (Q K^T * Wc) V' for a block of chunks."""
+def _intra_forward(q, k, v, coef, log_lam, out: torch.Tensor, z: torch.Tensor) -> None:
+    """out <- (Q K^T * Wc) V and z <- its row sums, for a block of chunks."""
     intra = _Intra(q, k, coef, log_lam)
-    torch.matmul(intra.a * intra.wc, v, out=out)
+    weights = intra.a * intra.wc
+    torch.bmm(weights.flatten(0, 1), v.flatten(0, 1), out=out.flatten(0, 1))
+    torch.sum(weights, -1, out=z)
 
 
-def _intra_backward(q, k, v, coef, log_lam, d_out, dq, dk, dv, dcoef) -> torch.Tensor:
-    """dq, dk, dv', dcoef <- the gradients of the intra-chunk term of a block of chunks; returns dlog_lam [H, S]."""
+def _intra_backward(q, k, v, coef, log_lam, d_out, d_z, dq, dk, dv, dcoef) -> torch.Tensor:
+    """dq, dk, dv, dcoef <- the gradients of the intra-chunk terms of a block of chunks; returns dlog_lam [H, S]."""
     n_chunks, bh, c, n_terms = coef.shape
     intra = _Intra(q, k, coef, log_lam)
-    d_p = d_out @ v.transpose(-1, -2)  # dL/dP for P = A * Wc (the upper triangle of Wc is zero)
+    d_p = torch.baddbmm(d_z.flatten(0, 1)[..., None], d_out.flatten(0, 1), v.flatten(0, 1).transpose(-1, -2))
+    d_p = d_p.view(n_chunks, bh, c, c)  # dL/dP for P = A * Wc (the upper triangle of Wc is zero)
     torch.matmul((intra.a * intra.wc).transpose(-1, -2), d_out, out=dv)
     d_a = d_p * intra.wc
     torch.matmul(d_a, k, out=dq)
@@ -170,21 +190,25 @@ def soe_forward_chunked(
     coef: torch.Tensor,
     log_lam: torch.Tensor,
     g0: torch.Tensor,
+    b0: torch.Tensor,
     seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward on chunk-major tensors (v has the ones column); returns (o' [N, BH, c, D'], G_T [BH, S, F, D'])."""
-    n_chunks, bh, c, feat = q.shape
-    n_terms = coef.shape[-1]
+) -> tuple[torch.Tensor, ...]:
+    """Forward on chunk-major tensors; returns (o [N, BH, c, D], z [N, BH, c], G_T [BH, S*F, D], b_T [BH, S, F])."""
+    n_chunks, bh, c = q.shape[:3]
     chunks = _Chunks(log_lam, seq_len, c, bh // log_lam.shape[0])
     out = torch.empty_like(v)
-    for b in _blocks(n_chunks):
-        _intra_forward(q[b], k[b], v[b], coef[b], log_lam, out[b])
-    g = g0.clone().view(bh, n_terms * feat, -1)
+    z = q.new_empty(n_chunks, bh, c)
+    for blk in _blocks(n_chunks):
+        _intra_forward(q[blk], k[blk], v[blk], coef[blk], log_lam, out[blk], z[blk])
+    g, b = g0.clone(), b0.clone()
+    scaled = _Scaled(q, b.shape[1])
     for n in range(n_chunks):
         r, dec = chunks.length(n), chunks.decays(n)
-        out[n, :, :r].baddbmm_(_scaled(q[n, :, :r], dec.query), g)
-        _advance(g, k[n, :, :r], v[n, :, :r], coef[n, :, :r], dec)
-    return out, g.view(g0.shape)
+        q_n = q[n, :, :r]
+        out[n, :, :r].baddbmm_(scaled.rows_of(q_n, dec.query), g)
+        z[n, :, :r] += (torch.bmm(q_n, b.transpose(1, 2)) * dec.query).sum(-1)
+        _advance(g, b, k[n, :, :r], v[n, :, :r], dec.key * coef[n, :, :r], dec, scaled)
+    return out, z, g, b
 
 
 def soe_backward_chunked(
@@ -194,13 +218,17 @@ def soe_backward_chunked(
     coef: torch.Tensor,
     log_lam: torch.Tensor,
     g0: torch.Tensor,
+    b0: torch.Tensor,
     d_out: torch.Tensor,
+    d_z: torch.Tensor,
     d_gt: torch.Tensor,
+    d_bt: torch.Tensor,
     seq_len: int,
     need_q: bool = True,
     need_log_lam: bool = True,
 ) -> tuple[torch.Tensor, ...]:
-    """Gradients (dq, dk, dv', dcoef, dlog_lam [H, S], dG0) of <d_out, o'> + <d_gt, G_T>; same layout as forward.
+    """Gradients (dq, dk, dv, dcoef, dlog_lam [H, S], dG0, db0) of <d_out, o> + <d_z, z> + <d_gt, G_T> +
+    <d_bt, b_T>; same layouts as the forward.
 
     Without ``need_q`` and ``need_log_lam`` the forward-order pass is skipped (dq then holds only its
     intra-chunk part); without ``need_log_lam`` the decay-gradient sums are skipped (dlog_lam is 0).
@@ -208,52 +236,58 @@ def soe_backward_chunked(
     n_chunks, bh, c, feat = q.shape
     heads, n_terms = log_lam.shape
     chunks = _Chunks(log_lam, seq_len, c, bh // heads)
+    scaled = _Scaled(q, n_terms)
 
     # Intra-chunk part, block by block.
     dq, dk, dv, dcoef = (torch.empty_like(x) for x in (q, k, v, coef))
     d_log_lam = sum(
-        _intra_backward(q[b], k[b], v[b], coef[b], log_lam, d_out[b], dq[b], dk[b], dv[b], dcoef[b])
-        for b in _blocks(n_chunks)
+        _intra_backward(
+            q[blk], k[blk], v[blk], coef[blk], log_lam, d_out[blk], d_z[blk], dq[blk], dk[blk], dv[blk], dcoef[blk]
+        )
+        for blk in _blocks(n_chunks)
     )
 
     # Cross-chunk part. Positions are centred so the reader and writer sums stay small.
     centre = (seq_len - 1) / 2.0
     reader = q.new_zeros(bh, n_terms)
     writer = q.new_zeros(bh, n_terms)
-    g = g0.clone().view(bh, n_terms * feat, -1)
+    g, b = g0.clone(), b0.clone()
     for n in range(n_chunks if need_q or need_log_lam else 0):
         r, dec = chunks.length(n), chunks.decays(n)
         q_n = q[n, :, :r]
         d_query = torch.bmm(g, d_out[n, :, :r].transpose(1, 2)).view(bh, n_terms, feat, r)
-        d_query *= dec.query.transpose(1, 2)[:, :, None, :]
-        dq[n, :, :r] += d_query.sum(1).transpose(1, 2)
+        d_query *= _t(dec.query)[:, :, None, :]
+        d_norm = dec.query * d_z[n, :, :r, None]  # the normaliser read's weights: [BH, r, S]
+        dq[n, :, :r] += d_query.sum(1).transpose(1, 2) + torch.bmm(d_norm, b)
         if need_log_lam:
-            reads = (d_query * q_n.transpose(1, 2)[:, None]).sum(2)  # [BH, S, r]
+            reads = (d_query * _t(q_n)[:, None]).sum(2)  # [BH, S, r]
+            reads += (d_norm * torch.bmm(q_n, b.transpose(1, 2))).transpose(1, 2)
             reader += reads @ chunks.positions(n, centre, q)
-        _advance(g, k[n, :, :r], v[n, :, :r], coef[n, :, :r], dec)
+        _advance(g, b, k[n, :, :r], v[n, :, :r], dec.key * coef[n, :, :r], dec, scaled)
     if need_log_lam:
-        reader += (seq_len - 1 - centre) * (g.view(d_gt.shape) * d_gt).sum((-1, -2))
+        reader += (seq_len - 1 - centre) * ((g * d_gt).view(bh, n_terms, -1).sum(-1) + (b * d_bt).sum(-1))
 
-    dg = d_gt.clone().view(bh, n_terms * feat, -1)
+    dg, db = d_gt.clone(), d_bt.clone()
     for n in reversed(range(n_chunks)):
         r, dec = chunks.length(n), chunks.decays(n)
-        k_n, coef_n = k[n, :, :r], coef[n, :, :r]
-        key_scale = dec.key * coef_n
+        q_n, k_n, coef_n = q[n, :, :r], k[n, :, :r], coef[n, :, :r]
+        w = dec.key * coef_n
         d_keys = torch.bmm(dg, v[n, :, :r].transpose(1, 2)).view(bh, n_terms, feat, r)
-        dk[n, :, :r] += (d_keys * key_scale.transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
-        d_coef_state = (d_keys * k_n.transpose(1, 2)[:, None]).sum(2) * dec.key.transpose(1, 2)  # [BH, S, r]
+        dk[n, :, :r] += (d_keys * _t(w)[:, :, None, :]).sum(1).transpose(1, 2) + torch.bmm(w, db)
+        d_w = (d_keys * _t(k_n)[:, None]).sum(2) + torch.bmm(db, k_n.transpose(1, 2))  # [BH, S, r]
+        d_coef_state = d_w * dec.key.transpose(1, 2)
         dcoef[n, :, :r] += d_coef_state.transpose(1, 2)
         if need_log_lam:
             writer += (d_coef_state * coef_n.transpose(1, 2)) @ chunks.positions(n, centre, q)
-        dv[n, :, :r] += torch.bmm(_scaled(k_n, key_scale), dg)
-        dg.view(bh, n_terms, feat, -1).mul_(dec.chunk)
-        dg.baddbmm_(_scaled_t(q[n, :, :r], dec.query), d_out[n, :, :r])
-    dg = dg.view(g0.shape)
+        dv[n, :, :r] += torch.bmm(scaled.rows_of(k_n, w), dg)
+        dg.view(bh, n_terms, -1).mul_(dec.chunk)
+        dg.baddbmm_(scaled.cols_of(q_n, dec.query), d_out[n, :, :r])
+        db.mul_(dec.chunk).baddbmm_((dec.query * d_z[n, :, :r, None]).transpose(1, 2), q_n)
     if not need_log_lam:
-        return dq, dk, dv, dcoef, torch.zeros_like(log_lam), dg
-    writer += (-1 - centre) * (g0 * dg).sum((-1, -2))
+        return dq, dk, dv, dcoef, torch.zeros_like(log_lam), dg, db
+    writer += (-1 - centre) * ((g0 * dg).view(bh, n_terms, -1).sum(-1) + (b0 * db).sum(-1))
     d_log_lam = d_log_lam + (reader - writer).view(-1, heads, n_terms).sum(0)
-    return dq, dk, dv, dcoef, d_log_lam, dg
+    return dq, dk, dv, dcoef, d_log_lam, dg, db
 
 
 def work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -261,60 +295,53 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def join_state(g: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(G [B, H, S, F, D], b [B, H, S, F]) -> [B*H, S, F, D+1] in ``dtype``."""
-    return torch.cat([g.to(dtype), b.to(dtype)[..., None]], dim=-1).flatten(0, 1)
-
-
-def split_state(g: torch.Tensor, batch: int) -> State:
-    """Inverse of :func:`join_state`."""
-    g = g.unflatten(0, (batch, -1))
-    return g[..., :-1], g[..., -1]
-
-
 class SoeScanChunked(torch.autograd.Function):
     """Autograd wrapper: saves only the (re-laid-out) inputs; the backward recomputes the chunk states."""
 
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
-        batch, seq_len = q.shape[:2]
+        batch, seq_len, heads, feat = q.shape
         dt = work_dtype(q)
-        qw, kw, cw = (to_chunk_major(x, chunk_size, dt) for x in (q, k, coef))
-        vw = to_chunk_major(torch.nn.functional.pad(v, (0, 1), value=1.0), chunk_size, dt)
-        s0 = join_state(g0, b0, dt)
+        qw, kw, vw, cw = (to_chunk_major(x, chunk_size, dt) for x in (q, k, v, coef))
+        gw = g0.to(dt).reshape(batch * heads, -1, v.shape[-1])
+        bw = b0.to(dt).reshape(batch * heads, -1, feat)
         ll = log_lam.to(dt)
-        out, s_t = soe_forward_chunked(qw, kw, vw, cw, ll, s0, seq_len)
-        ctx.save_for_backward(qw, kw, vw, cw, ll, s0)
+        out, z, g_t, b_t = soe_forward_chunked(qw, kw, vw, cw, ll, gw, bw, seq_len)
+        ctx.save_for_backward(qw, kw, vw, cw, ll, gw, bw)
         ctx.set_materialize_grads(False)
-        ctx.meta = (batch, seq_len, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)])
-        out = from_chunk_major(out, batch, seq_len, q.dtype)
-        g_t, b_t = split_state(s_t, batch)
-        return out[..., :-1].contiguous(), out[..., -1].contiguous(), g_t.contiguous(), b_t.contiguous()
+        ctx.meta = (batch, seq_len, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)], g0.shape, b0.shape)
+        o = from_chunk_major(out, batch, seq_len, q.dtype)
+        z = from_chunk_major(z[..., None], batch, seq_len, q.dtype)[..., 0]
+        return o, z, g_t.view(g0.shape), b_t.view(b0.shape)
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
-        qw, kw, vw, cw, ll, s0 = ctx.saved_tensors
-        batch, seq_len, dtypes = ctx.meta
-        chunk_size = qw.shape[2]
-        d_out = fill_with_normaliser(qw.new_zeros(batch, seq_len, qw.shape[1] // batch, vw.shape[-1]), d_o, d_z)
-        d_st = fill_with_normaliser(
-            torch.zeros_like(s0),
-            None if d_g is None else d_g.flatten(0, 1),
-            None if d_b is None else d_b.flatten(0, 1),
-        )
-        d_out = to_chunk_major(d_out, chunk_size, qw.dtype)
+        qw, kw, vw, cw, ll, gw, bw = ctx.saved_tensors
+        batch, seq_len, dtypes, g_shape, b_shape = ctx.meta
+        chunk_size, dt = qw.shape[2], qw.dtype
+        heads = qw.shape[1] // batch
+
+        def chunked(grad: torch.Tensor | None, width: int) -> torch.Tensor:
+            if grad is None:
+                return qw.new_zeros(qw.shape[0], qw.shape[1], chunk_size, width)
+            return to_chunk_major(grad.reshape(batch, seq_len, heads, width), chunk_size, dt)
+
+        def state(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(like) if grad is None else grad.to(dt).reshape(like.shape)
+
         needs = ctx.needs_input_grad
-        dq, dk, dv, dcoef, dll, ds0 = soe_backward_chunked(
-            qw, kw, vw, cw, ll, s0, d_out, d_st, seq_len, need_q=needs[0], need_log_lam=needs[4]
-        )
-        dg0, db0 = split_state(ds0, batch)
+        dq, dk, dv, dcoef, dll, dg0, db0 = soe_backward_chunked(
+            qw, kw, vw, cw, ll, gw, bw,
+            chunked(d_o, vw.shape[-1]), chunked(d_z, 1)[..., 0], state(d_g, gw), state(d_b, bw),
+            seq_len, need_q=needs[0], need_log_lam=needs[4],
+        )  # fmt: skip
         grads = (
             from_chunk_major(dq, batch, seq_len, dtypes[0]) if needs[0] else None,
             from_chunk_major(dk, batch, seq_len, dtypes[1]),
-            from_chunk_major(dv, batch, seq_len, dtypes[2])[..., :-1],
+            from_chunk_major(dv, batch, seq_len, dtypes[2]),
             from_chunk_major(dcoef, batch, seq_len, dtypes[3]),
             dll.to(dtypes[4]) if needs[4] else None,
-            dg0.to(dtypes[5]),
-            db0.to(dtypes[6]),
+            dg0.view(g_shape).to(dtypes[5]),
+            db0.view(b_shape).to(dtypes[6]),
         )
         return (*grads, None)
