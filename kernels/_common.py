@@ -37,13 +37,3 @@ def check_triton_inputs(x: torch.Tensor, kernel: object) -> None:
             "the triton backend needs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before the first "
             "use of the triton backend"
         )
-
-
-def fill_with_normaliser(out: torch.Tensor, main: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
-    """Write a gradient pair into the scans' "value plus normaliser column" layout: `main` into
-    out[..., :-1] and `last` into out[..., -1]. A None gradient (output unused) leaves zeros."""
-    if main is not None:
-        out[..., :-1] = main
-    if last is not None:
-        out[..., -1] = last
-    return out

@@ -51,3 +51,14 @@ def test_gpu_script_parses_arguments():
 def test_gpu_script_without_gpu_exits_cleanly(capsys):
     assert gpu_kernels.main(["--T", "4096"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_pmnet_scan_share_reports_the_scan_inside_a_block(tmp_path):
+    """The share script finds the phasor scan's autograd events in the block's profile: a share in (0, 1)."""
+    from benchmarks import pmnet_scan_share
+
+    out = tmp_path / "share.json"
+    rows = pmnet_scan_share.main(["--config", "configs/model/pmnet-tiny.yaml", "--T", "64", "--out", str(out)])
+    assert [r["T"] for r in rows] == [64]
+    assert 0 < rows[0]["scan_s"] < rows[0]["block_s"] and 0 < rows[0]["scan_share"] < 1
+    assert json.loads(out.read_text())["rows"] == rows

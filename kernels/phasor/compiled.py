@@ -9,9 +9,11 @@ does not decay with sequence length; reads are rounded to the input dtype.
 The phase columns are independent; the work is split into (batch, block of columns) tasks that run in
 parallel on numba's threads (set from torch's intra-op thread count for each call).
 
-Backward, in reverse token order: the gradient of an increment is the accumulated gradient of its slot
-(the final-state gradient plus the read gradients of later tokens); then the token's own read gradients
-join the accumulator. What is left at the start is the initial state's gradient.
+Backward: the gradient of an increment is its slot's final-state gradient plus the read gradients of
+the slot at later tokens. Two forward passes give it (a walk in reverse token order measured 3-5x
+slower on our CPUs): the first sums each slot's final-state and read gradients, which is the initial
+state's gradient; the second subtracts the read gradients token by token, and what remains after a
+token's own reads is the gradient of its increments. The sums are float64.
 """
 
 from __future__ import annotations
@@ -63,8 +65,16 @@ def _forward(delta, slots, init, read, final, step):  # pragma: no cover - compi
                 out = read[b, t, lvl, lo:hi]
                 inc = delta[b, t, lvl, lo:hi]
                 out[:] = phase
-                for m in range(hi - lo):
-                    phase[m] = _wrap(phase[m] + inc[m])
+                outside = False
+                for m in range(hi - lo):  # one step of 2*pi wraps increments below 2*pi (vectorises)
+                    x = phase[m] + inc[m]
+                    x = x - _TWO_PI if x >= _TWO_PI else x
+                    x = x + _TWO_PI if x < 0.0 else x
+                    outside |= (x < 0.0) | (x >= _TWO_PI)
+                    phase[m] = x
+                if outside:  # a larger increment somewhere in the row
+                    for m in range(hi - lo):
+                        phase[m] = _wrap(phase[m])
         for n in range(init.shape[1]):
             for m in range(lo, hi):
                 final[b, n, m] = state[n, m - lo]
@@ -76,20 +86,30 @@ def _backward(d_read, d_final, slots, d_delta, d_init, step):  # pragma: no cove
     n_blocks = -(-width // step)
     for task in numba.prange(batch * n_blocks):
         b, lo, hi = _task(task, n_blocks, step, width)
-        acc = np.empty((d_final.shape[1], hi - lo), dtype=np.float64)
+        # Pass 1: each slot's final-state gradient plus all its read gradients (= the initial state's gradient).
+        remaining = np.empty((d_final.shape[1], hi - lo), dtype=np.float64)
         for n in range(d_final.shape[1]):
             for m in range(lo, hi):
-                acc[n, m - lo] = d_final[b, n, m]
-        for t in range(seq_len - 1, -1, -1):
+                remaining[n, m - lo] = d_final[b, n, m]
+        for t in range(seq_len):
             for lvl in range(levels):
-                grad = acc[slots[b, t, lvl]]
-                out = d_delta[b, t, lvl, lo:hi]
+                grad = remaining[slots[b, t, lvl]]
                 incoming = d_read[b, t, lvl, lo:hi]
-                out[:] = grad
-                grad += incoming
+                for m in range(hi - lo):
+                    grad[m] += incoming[m]
         for n in range(d_final.shape[1]):
             for m in range(lo, hi):
-                d_init[b, n, m] = acc[n, m - lo]
+                d_init[b, n, m] = remaining[n, m - lo]
+        # Pass 2: an increment's gradient is what remains after the reads up to and including its token.
+        for t in range(seq_len):
+            for lvl in range(levels):
+                grad = remaining[slots[b, t, lvl]]
+                incoming = d_read[b, t, lvl, lo:hi]
+                out = d_delta[b, t, lvl, lo:hi]
+                for m in range(hi - lo):
+                    x = grad[m] - incoming[m]
+                    grad[m] = x
+                    out[m] = x
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_triton_inputs, fill_with_normaliser
+from kernels._common import check_triton_inputs
 
 
 @triton.jit
@@ -258,6 +258,16 @@ def _blocks(chunk_size: int, feat: int, width: int) -> tuple[int, int, int]:
     bf = max(16, triton.next_power_of_2(feat))
     bd = min(128, max(16, triton.next_power_of_2(width)))
     return bt, bf, bd
+
+
+def fill_with_normaliser(out: torch.Tensor, main: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
+    """Write a gradient pair into the scans' "value plus normaliser column" layout: `main` into
+    out[..., :-1] and `last` into out[..., -1]. A None gradient (output unused) leaves zeros."""
+    if main is not None:
+        out[..., :-1] = main
+    if last is not None:
+        out[..., -1] = last
+    return out
 
 
 class SoeScanTriton(torch.autograd.Function):
