@@ -1,9 +1,10 @@
-"""Helpers shared by the scans: backend selection and angle wrapping."""
+"""Helpers shared by the scans: backend selection, angle wrapping, numba threads."""
 
 from __future__ import annotations
 
 import math
 
+import numba
 import torch
 
 TWO_PI = 2.0 * math.pi
@@ -37,3 +38,10 @@ def check_triton_inputs(x: torch.Tensor, kernel: object) -> None:
             "the triton backend needs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before the first "
             "use of the triton backend"
         )
+
+
+def use_torch_threads() -> int:
+    """Give numba's thread pool (separate from torch's) torch's intra-op thread count; returns it."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads

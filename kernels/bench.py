@@ -2,10 +2,10 @@
 
     python -m kernels.bench [--T 1024,4096,16384] [--ops soe,phasor] [--modes fwd,fwdbwd] [--out bench.json]
 
-Prints one table and writes JSON. Every row is the best of ``--repeats`` runs. The fp32 matmul rate is
-measured in the same run (a square matmul) so the achieved GFLOP/s can be read against it; SDPA runs
-with the same B, H and head dimension (F) in the same run. FLOPs are the matmul and multiply-add work
-of the chunked algorithm (see :func:`soe_flops`), not of the sequential recurrence.
+Prints one table and writes JSON. Every row is the best of ``--repeats`` runs after a warm-up, and the
+runs of a row alternate between the scan, causal SDPA (same B, H and head dimension F) and a 2048^3
+fp32 matmul, so all three see the same machine: the achieved GFLOP/s is read against that matmul rate.
+FLOPs are the products of the chunked algorithm (see :func:`soe_flops`), not of the sequential recurrence.
 """
 
 from __future__ import annotations
@@ -26,26 +26,30 @@ from kernels.soe import soe_scan
 CONFIG_KEYS = ("B", "H", "F", "D", "S", "chunk", "L", "M", "branching", "backend")
 
 
-def best_time(fn: Callable[[], object], repeats: int, long_s: float = 5.0) -> float:
-    """Smallest wall time of ``repeats`` calls after one warm-up call; a warm-up longer than ``long_s``
-    seconds is the measurement (warm-up effects are noise at that length, and quadratic SDPA gets slow)."""
-    start = time.perf_counter()
-    fn()
-    first = time.perf_counter() - start
-    if first > long_s:
-        return first
-    times = []
-    for _ in range(repeats):
+def best_times(fns: Sequence[Callable[[], object]], repeats: int, long_s: float = 5.0) -> list[float]:
+    """Smallest wall time of each call over ``repeats`` rounds, after one warm-up call each. The rounds
+    alternate between the calls, so that the machine's slow and fast spells fall on all of them; a call
+    whose warm-up took longer than ``long_s`` seconds is timed once (quadratic SDPA gets slow)."""
+    warm = []
+    for fn in fns:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        warm.append(time.perf_counter() - start)
+    best = [float("inf")] * len(fns)
+    for round_ in range(repeats):
+        for i, fn in enumerate(fns):
+            if round_ and warm[i] > long_s:
+                continue
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
-def matmul_gflops(repeats: int, n: int = 2048) -> float:
-    """fp32 GFLOP/s of one n x n x n matmul on this machine, now."""
+def matmul_call(n: int = 2048) -> tuple[Callable[[], object], float]:
+    """An n x n x n fp32 matmul and its FLOPs: the machine's matmul rate, timed beside the scans."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / best_time(lambda: a @ b, repeats) / 1e9
+    return (lambda: a @ b), 2.0 * n**3
 
 
 def soe_flops(tokens: int, heads: int, feat: int, dim_v: int, n_terms: int, chunk: int, backward: bool) -> float:
@@ -73,7 +77,8 @@ def _timed(run: Callable[[], Sequence[torch.Tensor]], inputs: Sequence[torch.Ten
     def call() -> None:
         for x in inputs:
             x.grad = None
-        outs = [o for o in run() if o is not None]
+        with torch.set_grad_enabled(backward):
+            outs = [o for o in run() if o is not None]
         if backward:
             if not seeds:
                 seeds.extend(torch.randn_like(o) for o in outs)
@@ -82,7 +87,7 @@ def _timed(run: Callable[[], Sequence[torch.Tensor]], inputs: Sequence[torch.Ten
     return call
 
 
-def bench_soe(args: argparse.Namespace, seq_len: int, backward: bool) -> float:
+def soe_call(args: argparse.Namespace, seq_len: int, backward: bool) -> Callable[[], None]:
     b, h, f, d, s = args.B, args.H, args.F, args.D, args.S
     q = (torch.rand(b, seq_len, h, f) / f).requires_grad_(backward)
     k = (torch.rand(b, seq_len, h, f) / f).requires_grad_(backward)
@@ -95,21 +100,19 @@ def bench_soe(args: argparse.Namespace, seq_len: int, backward: bool) -> float:
         o, z, _ = soe_scan(q, k, v, coef, log_lam, chunk_size=args.chunk, backend=args.backend)
         return o, z
 
-    with torch.set_grad_enabled(backward):
-        return best_time(_timed(run, inputs, backward), args.repeats)
+    return _timed(run, inputs, backward)
 
 
-def bench_sdpa(args: argparse.Namespace, seq_len: int, backward: bool) -> float:
+def sdpa_call(args: argparse.Namespace, seq_len: int, backward: bool) -> Callable[[], None]:
     q, k, v = (torch.randn(args.B, args.H, seq_len, args.F).requires_grad_(backward) for _ in range(3))
 
     def run():
         return (torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),)
 
-    with torch.set_grad_enabled(backward):
-        return best_time(_timed(run, (q, k, v), backward), args.repeats)
+    return _timed(run, (q, k, v), backward)
 
 
-def bench_phasor(args: argparse.Namespace, seq_len: int, backward: bool) -> float:
+def phasor_call(args: argparse.Namespace, seq_len: int, backward: bool) -> Callable[[], None]:
     gen = torch.Generator().manual_seed(0)
     delta = torch.randn(args.B, seq_len, args.L, args.M, generator=gen).requires_grad_(backward)
     # A tree with a root (slot 0): path level l = 1..L picks one of branching**l slots.
@@ -123,8 +126,7 @@ def bench_phasor(args: argparse.Namespace, seq_len: int, backward: bool) -> floa
     def run():
         return phasor_scan(delta, slots, n_slots, output_final_state=True, backend=args.backend)
 
-    with torch.set_grad_enabled(backward):
-        return best_time(_timed(run, (delta,), backward), args.repeats)
+    return _timed(run, (delta,), backward)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -162,24 +164,27 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    mm = matmul_gflops(args.repeats)
+    matmul, mm_flops = matmul_call()
     thp = os.environ["THP_MEM_ALLOC_ENABLE"]
-    print(f"fp32 matmul: {mm:.1f} GFLOP/s, threads={torch.get_num_threads()}, torch {torch.__version__}, "
-          f"THP_MEM_ALLOC_ENABLE={thp}")
-    print(f"{'op':7} {'mode':7} {'T':>7} {'time_s':>9} {'GFLOP/s':>8} {'%mm':>5} {'ktok/s':>8} {'sdpa_s':>9} x_sdpa")
+    print(f"threads={torch.get_num_threads()}, torch {torch.__version__}, THP_MEM_ALLOC_ENABLE={thp}")
+    print(
+        f"{'op':7} {'mode':7} {'T':>7} {'time_s':>9} {'GFLOP/s':>8} {'mm_GF/s':>8} {'%mm':>5} {'ktok/s':>8} "
+        f"{'sdpa_s':>9} x_sdpa"
+    )
     rows = []
     for op in args.ops:
         for mode in args.modes:
             backward = mode == "fwdbwd"
             for seq_len in args.T:
                 tokens = args.B * seq_len
+                calls = [matmul, (soe_call if op == "soe" else phasor_call)(args, seq_len, backward)]
+                if seq_len <= args.sdpa_max_T:
+                    calls.append(sdpa_call(args, seq_len, backward))
+                mm_s, secs, sdpa = [*best_times(calls, args.repeats), None][:3]
+                mm = mm_flops / mm_s / 1e9
+                flops = 0.0
                 if op == "soe":
-                    secs = bench_soe(args, seq_len, backward)
                     flops = args.B * soe_flops(seq_len, args.H, args.F, args.D, args.S, args.chunk, backward)
-                else:
-                    secs = bench_phasor(args, seq_len, backward)
-                    flops = 0.0
-                sdpa = bench_sdpa(args, seq_len, backward) if seq_len <= args.sdpa_max_T else None
                 row = {
                     "op": op,
                     "mode": mode,
@@ -188,13 +193,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     "gflops": flops / secs / 1e9 if flops else None,
                     "frac_matmul": flops / secs / 1e9 / mm if flops else None,
                     "ktok_per_s": tokens / secs / 1e3,
+                    "matmul_gflops": mm,
                     "sdpa_time_s": sdpa,
                     "sdpa_gflops": sdpa_flops(tokens, args.H, seq_len, args.F, backward) / sdpa / 1e9 if sdpa else None,
                     "speedup_vs_sdpa": sdpa / secs if sdpa else None,
                 }
                 rows.append(row)
                 print(
-                    f"{op:7} {mode:7} {seq_len:7d} {secs:9.4f} {row['gflops'] or 0:8.1f} "
+                    f"{op:7} {mode:7} {seq_len:7d} {secs:9.4f} {row['gflops'] or 0:8.1f} {mm:8.1f} "
                     f"{100 * (row['frac_matmul'] or 0):5.0f} {row['ktok_per_s']:8.1f} "
                     f"{sdpa if sdpa else float('nan'):9.4f} {row['speedup_vs_sdpa'] or float('nan'):7.1f}",
                     flush=True,
@@ -205,7 +211,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             "machine": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
-            "matmul_gflops": mm,
             "thp_mem_alloc": thp,
             "config": {k: getattr(args, k) for k in CONFIG_KEYS},
         }

@@ -235,3 +235,17 @@ def test_gradients_when_q_or_log_lam_are_fixed(fixed):
             assert partial[name] is None
         else:
             assert torch.allclose(partial[name], full[name], rtol=1e-6, atol=1e-7), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_contractions_match_einsum(dtype):
+    """The backward's one-pass contractions (numba on CPU) against einsum, at odd sizes."""
+    from kernels.soe.contract import contract_terms
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 7, 9, generator=gen, dtype=dtype)
+    scale, other = torch.randn(3, 9, 5, generator=gen, dtype=dtype), torch.randn(3, 9, 7, generator=gen, dtype=dtype)
+    by_term, by_feature = contract_terms(x, scale, other)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert rel_err(by_term, torch.einsum("bsfj,bjs->bjf", x, scale)) < tol
+    assert rel_err(by_feature, torch.einsum("bsfj,bjf->bsj", x, other)) < tol

@@ -24,6 +24,8 @@ import numba
 import numpy as np
 import torch
 
+from kernels._common import use_torch_threads
+
 _TWO_PI = 2.0 * math.pi
 _INV_TWO_PI = 1.0 / _TWO_PI
 
@@ -33,11 +35,10 @@ def _wrap(x: float) -> float:
     return x - _TWO_PI * math.floor(x * _INV_TWO_PI)
 
 
-def _use_torch_threads(batch: int, width: int) -> int:
-    """Give numba torch's intra-op thread count; return the phase columns per task, so that the
-    batch * ceil(width / columns) tasks cover the threads (at least 8 columns a task)."""
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
+def _columns_per_task(batch: int, width: int) -> int:
+    """Phase columns per task, so that the batch * ceil(width / columns) tasks cover numba's threads (set
+    to torch's count here), with at least 8 columns a task."""
+    threads = use_torch_threads()
     blocks = max(1, min(-(-threads // batch), width // 8))
     return -(-width // blocks)
 
@@ -146,7 +147,7 @@ class PhasorScanCompiled(torch.autograd.Function):
         if delta.is_cuda:
             raise RuntimeError("the numba backend runs on CPU tensors; use backend='triton' or 'torch' on CUDA")
         compute = _compute_dtype(delta.dtype)
-        step = _use_torch_threads(delta.shape[0], delta.shape[-1])
+        step = _columns_per_task(delta.shape[0], delta.shape[-1])
         slot_ids = _array(slots)
         read = torch.empty(delta.shape, dtype=compute)
         final = torch.empty(init.shape, dtype=torch.float64)
@@ -160,7 +161,7 @@ class PhasorScanCompiled(torch.autograd.Function):
     def backward(ctx, d_read, d_final):
         (slots,) = ctx.saved_tensors
         shape, dtype, init_shape, init_dtype = ctx.meta
-        step = _use_torch_threads(shape[0], shape[-1])
+        step = _columns_per_task(shape[0], shape[-1])
         d_delta = torch.empty(shape, dtype=_compute_dtype(dtype))
         d_init = torch.empty(init_shape, dtype=torch.float64)
         final = np.zeros(init_shape) if d_final is None else _array(d_final, torch.float64)

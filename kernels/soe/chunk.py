@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.soe.contract import contract_terms
+
 State = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -286,12 +288,12 @@ def soe_backward_chunked(
         span, dec = chunks.tokens(n), chunks.decays(n)
         q_n, k_n, v_n, coef_n, d_out_n = chunks.take(n, q, k, v, coef, d_out)
         r = span.stop - span.start
-        d_query = torch.bmm(g, d_out_n.transpose(1, 2)).view(bh, n_terms, feat, r)
-        d_query *= _t(dec.query)[:, :, None, :]
+        d_query = torch.bmm(g, d_out_n.transpose(1, 2)).view(bh, n_terms, feat, r)  # per term, before qd
         d_norm = dec.query * d_z[:, span]  # the normaliser read's weights: [BH, r, S]
-        dq[:, span] += d_query.sum(1).transpose(1, 2) + torch.bmm(d_norm, b)
+        d_q_cross, reads = contract_terms(d_query, dec.query, q_n)
+        dq[:, span] += d_q_cross + torch.bmm(d_norm, b)
         if need_log_lam:
-            reads = (d_query * _t(q_n)[:, None]).sum(2)  # [BH, S, r]
+            reads *= _t(dec.query)  # [BH, S, r]
             reads += (d_norm * torch.bmm(q_n, b.transpose(1, 2))).transpose(1, 2)
             reader += reads @ chunks.positions(n, centre, q)
         _advance(g, b, k_n, v_n, dec.key * coef_n, dec, scaled)
@@ -305,8 +307,9 @@ def soe_backward_chunked(
         r = span.stop - span.start
         w = dec.key * coef_n
         d_keys = torch.bmm(dg, v_n.transpose(1, 2)).view(bh, n_terms, feat, r)
-        dk[:, span] += (d_keys * _t(w)[:, :, None, :]).sum(1).transpose(1, 2) + torch.bmm(w, db)
-        d_w = (d_keys * _t(k_n)[:, None]).sum(2) + torch.bmm(db, k_n.transpose(1, 2))  # [BH, S, r]
+        d_k_cross, d_w = contract_terms(d_keys, w, k_n)
+        dk[:, span] += d_k_cross + torch.bmm(w, db)
+        d_w += torch.bmm(db, k_n.transpose(1, 2))  # [BH, S, r]
         d_coef_state = d_w * dec.key.transpose(1, 2)
         dcoef[:, span] += d_coef_state.transpose(1, 2)
         if need_log_lam:
