@@ -1,10 +1,9 @@
-"""Helpers shared by the scans: backend selection, angle wrapping, numba threads."""
+"""Helpers shared by the scans: backend selection and angle wrapping."""
 
 from __future__ import annotations
 
 import math
 
-import numba
 import torch
 
 TWO_PI = 2.0 * math.pi
@@ -39,9 +38,3 @@ def check_triton_inputs(x: torch.Tensor, kernel: object) -> None:
             "use of the triton backend"
         )
 
-
-def use_torch_threads() -> int:
-    """Give numba's thread pool (separate from torch's) torch's intra-op thread count; returns it."""
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    return threads

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import phasor_scan
+from kernels import phasor_scan, soe_scan
 from kernels._common import resolve_backend
 from kernels.phasor import PHASOR_BACKENDS
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err
@@ -134,16 +134,20 @@ def test_backend_selection():
         phasor_scan(torch.ones(1, 2, 1, 1), torch.zeros(1, 2, 1, dtype=torch.long), 1, backend="cuda")
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_numba_column_blocks_and_threads_agree(threads):
-    """The compiled scan splits phase columns into blocks run on numba's threads (from torch's count):
-    one block and several give the same results, for batch 1 and 3 and a width that does not divide."""
+def test_compiled_kernels_leave_torch_threads_alone():
+    """numba's OpenMP pool shares libgomp with torch and, once started, resets torch's intra-op thread
+    count; the compiled kernels (phasor scan, SOE backward contractions) must not start it."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     try:
-        for batch in (1, 3):
-            inputs, n_slots = phasor_inputs(batch, 50, 3, 19, 3, True, seed=batch)
-            assert_matches_reference(inputs, n_slots, "numba")
+        inputs, n_slots = phasor_inputs(2, 50, 3, 19, 3, True, seed=1)
+        delta = inputs["delta"].float().requires_grad_()
+        read, _ = phasor_scan(delta, inputs["slots"], n_slots, inputs["init"].float(), True, backend="numba")
+        read.sum().backward()
+        q = torch.rand(1, 40, 2, 4, requires_grad=True)
+        o, z, _ = soe_scan(q, q.detach(), torch.randn(1, 40, 2, 4), torch.randn(1, 40, 2, 3), -torch.rand(2, 3))
+        (o.sum() + z.sum()).backward()
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

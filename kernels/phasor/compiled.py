@@ -6,8 +6,8 @@ one pass with every slot's phases ([n_slots, M] float64, ~44 KB for PMNet's 85-s
 L1/L2 cache. Phases are kept in float64 and wrapped to [0, 2*pi) after each increment, so precision
 does not decay with sequence length; reads are rounded to the input dtype.
 
-The phase columns are independent; the work is split into (batch, block of columns) tasks that run in
-parallel on numba's threads (set from torch's intra-op thread count for each call).
+Single-threaded on purpose: the pass is memory-bound (two threads measured no faster), and numba's
+OpenMP thread pool shares libgomp with torch and resets torch's intra-op thread count when it starts.
 
 Backward: the gradient of an increment is its slot's final-state gradient plus the read gradients of
 the slot at later tokens. Two forward passes give it (a walk in reverse token order measured 3-5x
@@ -24,8 +24,6 @@ import numba
 import numpy as np
 import torch
 
-from kernels._common import use_torch_threads
-
 _TWO_PI = 2.0 * math.pi
 _INV_TWO_PI = 1.0 / _TWO_PI
 
@@ -35,96 +33,66 @@ def _wrap(x: float) -> float:
     return x - _TWO_PI * math.floor(x * _INV_TWO_PI)
 
 
-def _columns_per_task(batch: int, width: int) -> int:
-    """Phase columns per task, so that the batch * ceil(width / columns) tasks cover numba's threads (set
-    to torch's count here), with at least 8 columns a task."""
-    threads = use_torch_threads()
-    blocks = max(1, min(-(-threads // batch), width // 8))
-    return -(-width // blocks)
-
-
-@numba.njit(inline="always")
-def _task(task: int, n_blocks: int, step: int, width: int) -> tuple[int, int, int]:
-    """Task -> (batch row, first column, end column)."""
-    lo = (task % n_blocks) * step
-    return task // n_blocks, lo, min(lo + step, width)
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _forward(delta, slots, init, read, final, step):  # pragma: no cover - compiled
-    batch, seq_len, levels, width = delta.shape
-    n_blocks = -(-width // step)
-    for task in numba.prange(batch * n_blocks):
-        b, lo, hi = _task(task, n_blocks, step, width)
-        state = np.empty((init.shape[1], hi - lo), dtype=np.float64)
+@numba.njit(cache=True, nogil=True)
+def _forward(delta, slots, init, read, final):  # pragma: no cover - compiled
+    batch, seq_len, levels, _ = delta.shape
+    for b in range(batch):
+        phases = np.empty(init.shape[1:], dtype=np.float64)
         for n in range(init.shape[1]):
-            for m in range(lo, hi):
-                state[n, m - lo] = _wrap(np.float64(init[b, n, m]))
+            for m in range(init.shape[2]):
+                phases[n, m] = _wrap(np.float64(init[b, n, m]))
         for t in range(seq_len):
             for lvl in range(levels):
-                phase = state[slots[b, t, lvl]]
-                out = read[b, t, lvl, lo:hi]
-                inc = delta[b, t, lvl, lo:hi]
-                out[:] = phase
+                phase = phases[slots[b, t, lvl]]
+                inc = delta[b, t, lvl]
+                read[b, t, lvl] = phase
                 outside = False
-                for m in range(hi - lo):  # one step of 2*pi wraps increments below 2*pi (vectorises)
+                for m in range(phase.shape[0]):  # one step of 2*pi wraps increments below 2*pi (vectorises)
                     x = phase[m] + inc[m]
                     x = x - _TWO_PI if x >= _TWO_PI else x
                     x = x + _TWO_PI if x < 0.0 else x
                     outside |= (x < 0.0) | (x >= _TWO_PI)
                     phase[m] = x
                 if outside:  # a larger increment somewhere in the row
-                    for m in range(hi - lo):
+                    for m in range(phase.shape[0]):
                         phase[m] = _wrap(phase[m])
-        for n in range(init.shape[1]):
-            for m in range(lo, hi):
-                final[b, n, m] = state[n, m - lo]
+        final[b] = phases
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _backward(d_read, d_final, slots, d_delta, d_init, step):  # pragma: no cover - compiled
-    batch, seq_len, levels, width = d_delta.shape
-    n_blocks = -(-width // step)
-    for task in numba.prange(batch * n_blocks):
-        b, lo, hi = _task(task, n_blocks, step, width)
+@numba.njit(cache=True, nogil=True)
+def _backward(d_read, d_final, slots, d_delta, d_init):  # pragma: no cover - compiled
+    batch, seq_len, levels, _ = d_delta.shape
+    for b in range(batch):
         # Pass 1: each slot's final-state gradient plus all its read gradients (= the initial state's gradient).
-        remaining = np.empty((d_final.shape[1], hi - lo), dtype=np.float64)
-        for n in range(d_final.shape[1]):
-            for m in range(lo, hi):
-                remaining[n, m - lo] = d_final[b, n, m]
+        remaining = d_init[b]
+        remaining[:] = d_final[b]
         for t in range(seq_len):
             for lvl in range(levels):
                 grad = remaining[slots[b, t, lvl]]
-                incoming = d_read[b, t, lvl, lo:hi]
-                for m in range(hi - lo):
+                incoming = d_read[b, t, lvl]
+                for m in range(grad.shape[0]):
                     grad[m] += incoming[m]
-        for n in range(d_final.shape[1]):
-            for m in range(lo, hi):
-                d_init[b, n, m] = remaining[n, m - lo]
+        remaining = remaining.copy()
         # Pass 2: an increment's gradient is what remains after the reads up to and including its token.
         for t in range(seq_len):
             for lvl in range(levels):
                 grad = remaining[slots[b, t, lvl]]
-                incoming = d_read[b, t, lvl, lo:hi]
-                out = d_delta[b, t, lvl, lo:hi]
-                for m in range(hi - lo):
+                incoming = d_read[b, t, lvl]
+                out = d_delta[b, t, lvl]
+                for m in range(grad.shape[0]):
                     x = grad[m] - incoming[m]
                     grad[m] = x
                     out[m] = x
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _backward_final_only(d_final, slots, d_delta, d_init, step):  # pragma: no cover - compiled
-    batch, seq_len, levels, width = d_delta.shape
-    n_blocks = -(-width // step)
-    for task in numba.prange(batch * n_blocks):
-        b, lo, hi = _task(task, n_blocks, step, width)
+@numba.njit(cache=True, nogil=True)
+def _backward_final_only(d_final, slots, d_delta, d_init):  # pragma: no cover - compiled
+    batch, seq_len, levels, _ = d_delta.shape
+    for b in range(batch):
         for t in range(seq_len):
             for lvl in range(levels):
-                d_delta[b, t, lvl, lo:hi] = d_final[b, slots[b, t, lvl], lo:hi]
-        for n in range(d_final.shape[1]):
-            for m in range(lo, hi):
-                d_init[b, n, m] = d_final[b, n, m]
+                d_delta[b, t, lvl] = d_final[b, slots[b, t, lvl]]
+    d_init[:] = d_final
 
 
 def _array(x: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
@@ -147,11 +115,10 @@ class PhasorScanCompiled(torch.autograd.Function):
         if delta.is_cuda:
             raise RuntimeError("the numba backend runs on CPU tensors; use backend='triton' or 'torch' on CUDA")
         compute = _compute_dtype(delta.dtype)
-        step = _columns_per_task(delta.shape[0], delta.shape[-1])
         slot_ids = _array(slots)
         read = torch.empty(delta.shape, dtype=compute)
         final = torch.empty(init.shape, dtype=torch.float64)
-        _forward(_array(delta, compute), slot_ids, _array(init), read.numpy(), final.numpy(), step)
+        _forward(_array(delta, compute), slot_ids, _array(init), read.numpy(), final.numpy())
         ctx.save_for_backward(slots)
         ctx.meta = (delta.shape, delta.dtype, init.shape, init.dtype)
         ctx.set_materialize_grads(False)
@@ -161,13 +128,12 @@ class PhasorScanCompiled(torch.autograd.Function):
     def backward(ctx, d_read, d_final):
         (slots,) = ctx.saved_tensors
         shape, dtype, init_shape, init_dtype = ctx.meta
-        step = _columns_per_task(shape[0], shape[-1])
         d_delta = torch.empty(shape, dtype=_compute_dtype(dtype))
         d_init = torch.empty(init_shape, dtype=torch.float64)
         final = np.zeros(init_shape) if d_final is None else _array(d_final, torch.float64)
         if d_read is None:
-            _backward_final_only(final, _array(slots), d_delta.numpy(), d_init.numpy(), step)
+            _backward_final_only(final, _array(slots), d_delta.numpy(), d_init.numpy())
         else:
             read = _array(d_read, d_delta.dtype)
-            _backward(read, final, _array(slots), d_delta.numpy(), d_init.numpy(), step)
+            _backward(read, final, _array(slots), d_delta.numpy(), d_init.numpy())
         return d_delta.to(dtype), None, None, d_init.to(init_dtype)

@@ -7,7 +7,8 @@ X [BH, S, F, r] (X[s, f, j] = dL/d(scale[j, s] * y[j, f])), and needs two contra
     by_feature[s, j] = sum_f X[s, f, j] other[j, f]    (the gradient of the scale, up to a factor)
 
 In PyTorch each is a broadcast product and a sum, four passes over X (2 MB at the benchmark shape,
-larger than L2); this reads X once.
+larger than L2); this reads X once. Single-threaded: numba's OpenMP pool would reset torch's
+intra-op thread count (they share libgomp).
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ from __future__ import annotations
 import numba
 import torch
 
-from kernels._common import use_torch_threads
 
-
-@numba.njit(parallel=True, cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True)
 def _contract(x, scale, other_t, by_term_t, by_feature):  # pragma: no cover - compiled
     bh, n_terms, feat, r = x.shape
-    for i in numba.prange(bh):
+    for i in range(bh):
         by_term_t[i] = 0.0
         for s in range(n_terms):
             row = by_feature[i, s]
@@ -43,7 +42,6 @@ def contract_terms(x: torch.Tensor, scale: torch.Tensor, other: torch.Tensor) ->
         by_term = (x * scale.transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
         return by_term, (x * other.transpose(1, 2)[:, None]).sum(2)
     bh, n_terms, feat, r = x.shape
-    use_torch_threads()
     by_term_t = x.new_empty(bh, feat, r)
     by_feature = x.new_empty(bh, n_terms, r)
     _contract(
