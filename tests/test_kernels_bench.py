@@ -62,3 +62,12 @@ def test_pmnet_scan_share_reports_the_scan_inside_a_block(tmp_path):
     assert [r["T"] for r in rows] == [64]
     assert 0 < rows[0]["scan_s"] < rows[0]["block_s"] and 0 < rows[0]["scan_share"] < 1
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_soe_grad_precision_script_measures_fp32_against_float64():
+    from benchmarks import soe_grad_precision
+
+    (row,) = soe_grad_precision.main(["--T", "96"])
+    assert row["T"] == 96
+    assert all(0 < row[name] < 1e-4 for name in soe_grad_precision.NAMES)
+    assert row["log_lam_worst"] >= row["log_lam"]
