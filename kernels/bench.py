@@ -211,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             "machine": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
+            "matmul_gflops": max((r["matmul_gflops"] for r in rows), default=None),  # each row has its own
             "thp_mem_alloc": thp,
             "config": {k: getattr(args, k) for k in CONFIG_KEYS},
         }

@@ -17,6 +17,7 @@ def test_bench_writes_every_row(tmp_path, capsys):
     rows = bench.main([*argv, "--repeats", "1", "--threads", "1", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["rows"] == rows and all(r["matmul_gflops"] > 0 for r in rows)
+    assert data["meta"]["matmul_gflops"] == max(r["matmul_gflops"] for r in rows)
     assert [(r["op"], r["mode"], r["T"]) for r in rows] == [
         (op, mode, t) for op in ("soe", "phasor") for mode in ("fwd", "fwdbwd") for t in (32, 80)
     ]
