@@ -1,10 +1,12 @@
 """Scans for recurrent-memory language models: the SOE scan (VORT) and the phasor scan (PMNet).
 
-Each scan has a sequential reference, a chunked PyTorch path (the CPU default) and Triton kernels (the
-CUDA default); see docs/kernels.md.
+Each scan has a sequential reference, a CPU path (chunked PyTorch for SOE, a numba-compiled loop for
+the phasor scan) and Triton kernels (the CUDA default), plus a sequence-parallel form that splits one
+sequence across the ranks of a process group; see docs/kernels.md.
 """
 
+from kernels.parallel import phasor_scan_sequence_parallel, soe_scan_sequence_parallel
 from kernels.phasor import phasor_scan
 from kernels.soe import soe_scan
 
-__all__ = ["phasor_scan", "soe_scan"]
+__all__ = ["phasor_scan", "phasor_scan_sequence_parallel", "soe_scan", "soe_scan_sequence_parallel"]

@@ -1,0 +1,111 @@
+"""Sequence-parallel scans: a sequence split over 2 gloo ranks equals one scan, forward and backward."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kernels import phasor_scan, phasor_scan_sequence_parallel, soe_scan, soe_scan_sequence_parallel
+from kernels.testing import angle_err, phasor_inputs, rel_err, soe_inputs
+from tests.launchers import free_port
+
+SPLIT = (30, 41)  # uneven pieces, neither a multiple of the chunk
+WORLD = len(SPLIT)
+
+
+def _weights(shapes: list[torch.Size]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+
+
+def _soe_inputs() -> dict[str, torch.Tensor]:
+    inputs = soe_inputs(2, sum(SPLIT), 2, 5, 4, 3, with_state=True, seed=11)
+    return {name: x.float() for name, x in inputs.items()}
+
+
+def _soe_loss(o, z, g, b, weights) -> torch.Tensor:
+    w_o, w_z, w_g, w_b = weights
+    loss = (o.double() * w_o).sum() + (z.double() * w_z).sum()
+    return loss if g is None else loss + (g.double() * w_g).sum() + (b.double() * w_b).sum()
+
+
+def _phasor_loss(read, final, weights) -> torch.Tensor:
+    w_read, w_final = weights
+    loss = (torch.sin(read.double()) * w_read).sum()
+    return loss if final is None else loss + (torch.sin(final.double()) * w_final).sum()
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        lo, hi = sum(SPLIT[:rank]), sum(SPLIT[: rank + 1])
+        last = rank == WORLD - 1
+
+        x = _soe_inputs()
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        piece = [leaves[n][:, lo:hi] for n in ("q", "k", "v", "coef")]
+        init = (leaves["g0"], leaves["b0"])
+        o, z, (g, b) = soe_scan_sequence_parallel(*piece, leaves["log_lam"], None, init, True, chunk_size=8)
+        weights = _weights([x["v"].shape, x["q"].shape[:3], x["g0"].shape, x["b0"].shape])
+        loss = _soe_loss(o, z, g if last else None, b, [weights[0][:, lo:hi], weights[1][:, lo:hi], *weights[2:]])
+        loss.backward()
+        soe = {"o": o.detach(), "z": z.detach(), "g": g.detach(), "b": b.detach()}
+        soe.update({f"d_{n}": t.grad for n, t in leaves.items()})
+
+        p_inputs, n_slots = phasor_inputs(2, sum(SPLIT), 3, 4, 3, True, seed=5)
+        delta = p_inputs["delta"].float().requires_grad_()
+        p_init = p_inputs["init"].float().requires_grad_()
+        read, final = phasor_scan_sequence_parallel(
+            delta[:, lo:hi], p_inputs["slots"][:, lo:hi], n_slots, None, p_init, True
+        )
+        p_weights = _weights([delta.shape, p_init.shape])
+        _phasor_loss(read, final if last else None, [p_weights[0][:, lo:hi], p_weights[1]]).backward()
+        phasor = {"read": read.detach(), "final": final.detach(), "d_delta": delta.grad, "d_init": p_init.grad}
+        torch.save({"soe": soe, "phasor": phasor}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("sp")
+    mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+def test_soe_pieces_equal_one_scan(ranks):
+    x = _soe_inputs()
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, z, (g, b) = soe_scan(
+        leaves["q"], leaves["k"], leaves["v"], leaves["coef"], leaves["log_lam"], (leaves["g0"], leaves["b0"]), True,
+        chunk_size=8,
+    )  # fmt: skip
+    weights = _weights([x["v"].shape, x["q"].shape[:3], x["g0"].shape, x["b0"].shape])
+    _soe_loss(o, z, g, b, weights).backward()
+    got = [r["soe"] for r in ranks]
+    assert rel_err(torch.cat([r["o"] for r in got], 1), o.detach()) < 1e-5
+    assert rel_err(torch.cat([r["z"] for r in got], 1), z.detach()) < 1e-5
+    assert rel_err(got[-1]["g"], g.detach()) < 1e-5 and rel_err(got[-1]["b"], b.detach()) < 1e-5
+    for name in ("q", "k", "v", "coef", "log_lam", "g0", "b0"):
+        # pieces' gradients are zero outside the piece; replicated inputs' shares add up over ranks
+        total = sum(r[f"d_{name}"] for r in got)
+        assert rel_err(total, leaves[name].grad) < 1e-4, name
+
+
+def test_phasor_pieces_equal_one_scan(ranks):
+    p_inputs, n_slots = phasor_inputs(2, sum(SPLIT), 3, 4, 3, True, seed=5)
+    delta = p_inputs["delta"].float().requires_grad_()
+    p_init = p_inputs["init"].float().requires_grad_()
+    read, final = phasor_scan(delta, p_inputs["slots"], n_slots, p_init, True)
+    _phasor_loss(read, final, _weights([delta.shape, p_init.shape])).backward()
+    got = [r["phasor"] for r in ranks]
+    assert angle_err(torch.cat([r["read"] for r in got], 1), read.detach()) < 1e-5
+    assert angle_err(got[-1]["final"], final.detach()) < 1e-5
+    assert rel_err(sum(r["d_delta"] for r in got), delta.grad) < 1e-4
+    assert rel_err(sum(r["d_init"] for r in got), p_init.grad) < 1e-4
