@@ -10,15 +10,13 @@ TWO_PI = 2.0 * math.pi
 BACKENDS = ("auto", "reference", "torch", "triton")
 
 
-def resolve_backend(
-    backend: str, x: torch.Tensor, backends: tuple[str, ...] = BACKENDS, cpu_default: str = "torch"
-) -> str:
+def resolve_backend(backend: str, x: torch.Tensor, backends: tuple[str, ...] = BACKENDS) -> str:
     """Map ``backend`` (one of ``backends``) to a concrete one: "auto" is Triton for CUDA tensors and
-    ``cpu_default`` otherwise."""
+    "torch" otherwise."""
     if backend not in backends:
         raise ValueError(f"backend must be one of {backends}, got {backend!r}")
     if backend == "auto":
-        return "triton" if x.is_cuda else cpu_default
+        return "triton" if x.is_cuda else "torch"
     return backend
 
 

@@ -16,7 +16,7 @@ from kernels.phasor import PHASOR_BACKENDS
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err
 
 FWD_TOL, GRAD_TOL = 1e-4, 1e-3
-CPU_BACKENDS = ["numba", "torch"]
+CPU_BACKENDS = ["torch", "segmented"]  # "torch" on CPU tensors is the compiled (numba) loop
 
 
 def assert_matches_reference(inputs, n_slots, backend, **kw):
@@ -128,9 +128,10 @@ def test_matches_reference_long(backend):
 
 def test_backend_selection():
     cpu = torch.empty(1)
-    assert resolve_backend("auto", cpu, PHASOR_BACKENDS, cpu_default="numba") == "numba"
+    assert resolve_backend("auto", cpu, PHASOR_BACKENDS) == "torch"
+    assert resolve_backend("segmented", cpu, PHASOR_BACKENDS) == "segmented"
     assert phasor_scan(torch.ones(1, 2, 1, 1), torch.zeros(1, 2, 1, dtype=torch.long), 1)[0].dtype == torch.float32
-    with pytest.raises(ValueError, match="numba"):
+    with pytest.raises(ValueError, match="segmented"):
         phasor_scan(torch.ones(1, 2, 1, 1), torch.zeros(1, 2, 1, dtype=torch.long), 1, backend="cuda")
 
 
@@ -142,7 +143,7 @@ def test_compiled_kernels_leave_torch_threads_alone():
     try:
         inputs, n_slots = phasor_inputs(2, 50, 3, 19, 3, True, seed=1)
         delta = inputs["delta"].float().requires_grad_()
-        read, _ = phasor_scan(delta, inputs["slots"], n_slots, inputs["init"].float(), True, backend="numba")
+        read, _ = phasor_scan(delta, inputs["slots"], n_slots, inputs["init"].float(), True, backend="torch")
         read.sum().backward()
         q = torch.rand(1, 40, 2, 4, requires_grad=True)
         o, z, _ = soe_scan(q, q.detach(), torch.randn(1, 40, 2, 4), torch.randn(1, 40, 2, 3), -torch.rand(2, 3))
@@ -153,26 +154,26 @@ def test_compiled_kernels_leave_torch_threads_alone():
 
 
 @pytest.mark.parametrize("loss_on", ["read", "final"])
-def test_numba_gradient_of_one_output(loss_on):
+def test_compiled_gradient_of_one_output(loss_on):
     """A loss on only the reads or only the final state (the other gradient arrives as None)."""
     inputs, n_slots = phasor_inputs(2, 30, 3, 5, 3, True, seed=4)
     grads = {}
-    for backend in ("numba", "reference"):
+    for backend in ("torch", "reference"):
         delta = inputs["delta"].double().requires_grad_()
         init = inputs["init"].double().requires_grad_()
         read, final = phasor_scan(delta, inputs["slots"], n_slots, init, True, backend=backend)
         out = read if loss_on == "read" else final
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         grads[backend] = torch.autograd.grad((out.double() * weights).sum(), (delta, init))
-    for got, want in zip(grads["numba"], grads["reference"]):
+    for got, want in zip(grads["torch"], grads["reference"]):
         assert rel_err(got, want) <= 1e-6  # the final state is returned in fp32
 
 
-def test_numba_low_precision_inputs():
+def test_compiled_low_precision_inputs():
     """bf16 increments: the scan runs in fp32 and returns bf16 reads and fp32 final phases."""
     inputs, n_slots = phasor_inputs(1, 40, 3, 8, 3, True, seed=5)
     delta = inputs["delta"].bfloat16().requires_grad_()
-    read, final = phasor_scan(delta, inputs["slots"], n_slots, inputs["init"].float(), True, backend="numba")
+    read, final = phasor_scan(delta, inputs["slots"], n_slots, inputs["init"].float(), True, backend="torch")
     assert read.dtype == torch.bfloat16 and final.dtype == torch.float32
     ref_read, ref_final = phasor_scan(
         delta.detach().double(), inputs["slots"], n_slots, inputs["init"].double(), True, backend="reference"
@@ -189,4 +190,4 @@ def test_torch_in_many_pieces_matches_reference(monkeypatch):
     monkeypatch.setattr(segment, "PIECE_VALUES", 40)
     inputs, n_slots = phasor_inputs(2, 45, 3, 4, 3, True, seed=12)
     assert len(segment._pieces(inputs["delta"])) > 5
-    assert_matches_reference(inputs, n_slots, "torch")
+    assert_matches_reference(inputs, n_slots, "segmented")

@@ -9,7 +9,7 @@ from kernels.phasor.compiled import PhasorScanCompiled
 from kernels.phasor.naive import phasor_scan_reference
 from kernels.phasor.segment import PhasorScanSegmented
 
-PHASOR_BACKENDS = (*BACKENDS, "numba")
+PHASOR_BACKENDS = (*BACKENDS, "segmented")
 
 
 def phasor_scan(
@@ -28,9 +28,9 @@ def phasor_scan(
     ``output_final_state``, the fp32 final phases [B, n_slots, M]. wrap maps to [0, 2*pi) and counts as
     the identity for gradients. Differentiable in delta and initial_state.
 
-    ``backend``: "reference" (sequential, float64-capable), "numba" (compiled sequential loop over CPU
-    tensors: the CPU default), "torch" (segmented cumsums in PyTorch, any device), "triton" (the CUDA
-    default), or "auto".
+    ``backend``: "reference" (sequential, float64-capable); "torch" (the CPU default: a numba-compiled
+    sequential loop on CPU tensors, the "segmented" form on other devices); "segmented" (cumsums over
+    slot-sorted entries in PyTorch, any device); "triton" (the CUDA default); or "auto".
     """
     if delta.dim() != 4 or slots.shape != delta.shape[:3]:
         raise ValueError(
@@ -47,7 +47,7 @@ def phasor_scan(
         levels = slots.shape[-1]
         if any((slots[..., i] == slots[..., j]).any() for i in range(levels) for j in range(i + 1, levels)):
             raise ValueError("two levels of one token share a slot; levels must use disjoint slot ids")
-    which = resolve_backend(backend, delta, PHASOR_BACKENDS, cpu_default="numba")
+    which = resolve_backend(backend, delta, PHASOR_BACKENDS)
     if which == "reference":
         return phasor_scan_reference(delta, slots, n_slots, initial_state, output_final_state)
     init = initial_state if initial_state is not None else delta.new_zeros(batch, n_slots, width, dtype=torch.float32)
@@ -55,7 +55,7 @@ def phasor_scan(
         from kernels.phasor.triton import PhasorScanTriton
 
         fn = PhasorScanTriton
-    elif which == "numba":
+    elif which == "torch" and delta.device.type == "cpu":
         fn = PhasorScanCompiled
     else:
         fn = PhasorScanSegmented

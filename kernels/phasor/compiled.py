@@ -113,7 +113,7 @@ class PhasorScanCompiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, delta, slots, n_slots, init):
         if delta.is_cuda:
-            raise RuntimeError("the numba backend runs on CPU tensors; use backend='triton' or 'torch' on CUDA")
+            raise RuntimeError("the compiled phasor scan runs on CPU tensors; use backend='triton' or 'segmented'")
         compute = _compute_dtype(delta.dtype)
         slot_ids = _array(slots)
         read = torch.empty(delta.shape, dtype=compute)
