@@ -25,6 +25,12 @@ def wrap_angle(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     return x.remainder_(TWO_PI) if inplace else torch.remainder(x, TWO_PI)
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The CPU paths' compute dtype: float64 inputs stay float64 (for tight checks); everything else
+    accumulates in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def check_triton_inputs(x: torch.Tensor, kernel: object) -> None:
     """Triton kernels need CUDA tensors, unless they were built by the interpreter (TRITON_INTERPRET=1 set
     before kernels' Triton modules were first imported), which runs them on CPU tensors."""
@@ -35,4 +41,3 @@ def check_triton_inputs(x: torch.Tensor, kernel: object) -> None:
             "the triton backend needs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before the first "
             "use of the triton backend"
         )
-

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels._common import TWO_PI
+from kernels._common import wrap_angle
 from kernels.phasor import phasor_scan
 from kernels.soe import soe_scan
 from kernels.soe.chunk import decay
@@ -110,5 +110,5 @@ def phasor_scan_sequence_parallel(
     entering = torch.zeros_like(local) if initial_state is None else initial_state.to(local.dtype)
     for source in range(dist.get_world_size(group)):  # weight 0 from this rank on, as in the SOE scan
         entering = entering + (1.0 if source < rank else 0.0) * totals[source]
-    entering = torch.remainder(entering, TWO_PI)  # wrap counts as the identity for gradients
+    entering = wrap_angle(entering)  # wrap counts as the identity for gradients
     return phasor_scan(delta, slots, n_slots, entering, output_final_state, backend)

@@ -24,13 +24,14 @@ import numba
 import numpy as np
 import torch
 
-_TWO_PI = 2.0 * math.pi
-_INV_TWO_PI = 1.0 / _TWO_PI
+from kernels._common import TWO_PI, work_dtype
+
+_INV_TWO_PI = 1.0 / TWO_PI
 
 
 @numba.njit(inline="always")
 def _wrap(x: float) -> float:
-    return x - _TWO_PI * math.floor(x * _INV_TWO_PI)
+    return x - TWO_PI * math.floor(x * _INV_TWO_PI)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -49,9 +50,9 @@ def _forward(delta, slots, init, read, final):  # pragma: no cover - compiled
                 outside = False
                 for m in range(phase.shape[0]):  # one step of 2*pi wraps increments below 2*pi (vectorises)
                     x = phase[m] + inc[m]
-                    x = x - _TWO_PI if x >= _TWO_PI else x
-                    x = x + _TWO_PI if x < 0.0 else x
-                    outside |= (x < 0.0) | (x >= _TWO_PI)
+                    x = x - TWO_PI if x >= TWO_PI else x
+                    x = x + TWO_PI if x < 0.0 else x
+                    outside |= (x < 0.0) | (x >= TWO_PI)
                     phase[m] = x
                 if outside:  # a larger increment somewhere in the row
                     for m in range(phase.shape[0]):
@@ -103,18 +104,12 @@ def _array(x: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
     return x.contiguous().numpy()
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class PhasorScanCompiled(torch.autograd.Function):
     """Autograd wrapper: saves only the slot ids; the backward needs no forward activations."""
 
     @staticmethod
     def forward(ctx, delta, slots, n_slots, init):
-        if delta.is_cuda:
-            raise RuntimeError("the compiled phasor scan runs on CPU tensors; use backend='triton' or 'segmented'")
-        compute = _compute_dtype(delta.dtype)
+        compute = work_dtype(delta.dtype)
         slot_ids = _array(slots)
         read = torch.empty(delta.shape, dtype=compute)
         final = torch.empty(init.shape, dtype=torch.float64)
@@ -128,7 +123,7 @@ class PhasorScanCompiled(torch.autograd.Function):
     def backward(ctx, d_read, d_final):
         (slots,) = ctx.saved_tensors
         shape, dtype, init_shape, init_dtype = ctx.meta
-        d_delta = torch.empty(shape, dtype=_compute_dtype(dtype))
+        d_delta = torch.empty(shape, dtype=work_dtype(dtype))
         d_init = torch.empty(init_shape, dtype=torch.float64)
         final = np.zeros(init_shape) if d_final is None else _array(d_final, torch.float64)
         if d_read is None:

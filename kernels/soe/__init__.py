@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import resolve_backend
+from kernels._common import resolve_backend, work_dtype
 from kernels.soe.chunk import SoeScanChunked
 from kernels.soe.naive import soe_scan_reference
 
@@ -58,7 +58,7 @@ def soe_scan(
     if initial_state is None:
         batch, _, heads, feat = q.shape
         n_terms = log_lam.shape[-1]
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dtype = work_dtype(q.dtype)
         g0 = q.new_zeros(batch, heads, n_terms, feat, v.shape[-1], dtype=dtype)
         b0 = q.new_zeros(batch, heads, n_terms, feat, dtype=dtype)
     else:

@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._common import work_dtype
 from kernels.soe.contract import contract_terms
-
-State = tuple[torch.Tensor, torch.Tensor]
 
 
 def decay(log_power: torch.Tensor) -> torch.Tensor:
@@ -332,18 +331,13 @@ def soe_backward_chunked(
     return dq, dk, dv, dcoef, d_log_lam, dg, db
 
 
-def work_dtype(x: torch.Tensor) -> torch.dtype:
-    """float64 inputs are computed in float64 (for tight checks); everything else accumulates in fp32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 class SoeScanChunked(torch.autograd.Function):
     """Autograd wrapper: saves only the (re-laid-out) inputs; the backward recomputes the chunk states."""
 
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
         batch, _, heads, feat = q.shape
-        dt = work_dtype(q)
+        dt = work_dtype(q.dtype)
         qw, kw, vw, cw = (to_heads(x, dt) for x in (q, k, v, coef))
         gw = g0.to(dt).reshape(batch * heads, -1, v.shape[-1])
         bw = b0.to(dt).reshape(batch * heads, -1, feat)
