@@ -170,6 +170,9 @@ class CheckpointSection:
             raise ValueError(f"milestone_every: must be >= 0, got {self.milestone_every}")
 
 
+MIN_TASK_LEN = 128  # room for the needle sentence and question, and for 8 Zipf records
+
+
 @dataclasses.dataclass
 class EvalSection:
     """Periodic held-out evaluation."""
@@ -183,8 +186,10 @@ class EvalSection:
     haystack: str | None = None
 
     def __post_init__(self) -> None:
-        if self.task_len < 128:
-            raise ValueError(f"task_len: must be >= 128 tokens (room for the tasks' prompts), got {self.task_len}")
+        if self.task_len < MIN_TASK_LEN:
+            raise ValueError(
+                f"task_len: must be >= {MIN_TASK_LEN} tokens (room for the tasks' prompts), got {self.task_len}"
+            )
         if self.task_examples < 1:
             raise ValueError(f"task_examples: must be >= 1, got {self.task_examples}")
         if "needle" in self.tasks and not self.haystack:

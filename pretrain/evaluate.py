@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from data_pipeline import synthetic
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from model import CausalLM
+from pretrain.config import MIN_TASK_LEN
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
 
 TASKS = ("copy", "needle", "zipf")
-MIN_TASK_LEN = 128  # room for the needle sentence and question, and for 8 Zipf records
 
 
 class EvalError(RuntimeError):
