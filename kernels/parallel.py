@@ -4,19 +4,26 @@ Rank r of the process group holds tokens [T_0 + ... + T_{r-1}, T_0 + ... + T_r) 
 (any lengths T_r, rank order = sequence order). Both scans are linear in their state, so a rank's
 entering state is a combination of the other ranks' local states (LASP-2's scheme):
 
-1. each rank scans its piece from a zero state and keeps only the local final state;
-2. one all-gather of those states (one per rank: SOE [B, H, S, F, D] + [B, H, S, F], phasor
+1. each rank scans its piece from a zero state (outputs and local final state);
+2. one all-gather of the local final states (SOE [B, H, S, F, D] + [B, H, S, F], phasor
    [B, n_slots, M]; the sequence length does not enter);
 3. rank r combines the states of ranks < r (SOE: each decayed by lambda^(tokens between);
-   phasor: summed mod 2*pi) with the initial state, and scans its piece again from there.
+   phasor: summed mod 2*pi) with the initial state, and corrects its local outputs for that entering
+   state in a read-only pass: for SOE the entering state reaches query t as lambda^(t+1) q_t^T G_in,
+   one [c, S*F] @ [S*F, D] product per chunk of c tokens; for the phasor it adds the entering phase
+   of the slot each token reads.
 
 The result equals one scan over the whole sequence, forward and backward: gradients reach earlier
 ranks through the all-gather, whose backward sums each state's gradients over the ranks that used it
-(one all-reduce). The price is a second local scan; the communication is one state per rank, not
-activations. ``initial_state`` (the state before rank 0's piece) must be the same on every rank; as
-for a replicated parameter, each rank's gradient for it holds that rank's share, and their sum over
-the group is the whole gradient. The returned final state is the state after this rank's piece (the
-sequence's final state is the last rank's).
+(one all-reduce). ``initial_state`` (the state before rank 0's piece) must be the same on every rank;
+as for a replicated parameter, each rank's gradient for it holds that rank's share, and their sum
+over the group is the whole gradient. The returned final state is the state after this rank's piece
+(the sequence's final state is the last rank's).
+
+Operations whose dependence on earlier tokens is not linear (PMNet's routing reads the memory state)
+instead pass tensors between neighbouring ranks: :func:`exchange_with_neighbours` (a halo, both
+directions at once), :func:`receive_from_previous` and :func:`send_to_next` (a relay). Their
+backward passes send the gradients the other way.
 """
 
 from __future__ import annotations
@@ -24,10 +31,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels._common import wrap_angle
+from kernels._common import decay, wrap_angle
 from kernels.phasor import phasor_scan
 from kernels.soe import soe_scan
-from kernels.soe.chunk import decay
 
 
 class _GatherStates(torch.autograd.Function):
@@ -54,6 +60,72 @@ def _piece_lengths(seq_len: int, group: dist.ProcessGroup | None, device: torch.
     return [int(t) for t in every]
 
 
+class _SoeStateCorrection(torch.autograd.Function):
+    """(o, z) contributions of an entering state: o_t = sum_s lam_s^(t+1) q_t^T G_s, z_t likewise with b.
+
+    Computed chunk by chunk without keeping the [c, S*F] scaled queries: backward rebuilds them.
+    """
+
+    @staticmethod
+    def forward(ctx, q, log_lam, g_in, b_in, chunk):
+        dtype = g_in.dtype
+        B, T, H, F_ = q.shape
+        S, D = log_lam.shape[-1], g_in.shape[-1]
+        g = g_in.reshape(B, H, S * F_, D)
+        b = b_in.reshape(B, H, S * F_, 1)
+        o = q.new_empty(B, T, H, D, dtype=dtype)
+        z = q.new_empty(B, T, H, dtype=dtype)
+        for start in range(0, T, chunk):
+            qd = _scaled_queries(q, log_lam, start, min(T, start + chunk), dtype)  # [B, H, c, S*F]
+            o[:, start : start + chunk] = (qd @ g).transpose(1, 2)
+            z[:, start : start + chunk] = (qd @ b).squeeze(-1).transpose(1, 2)
+        ctx.save_for_backward(q, log_lam, g_in, b_in)
+        ctx.chunk = chunk
+        return o, z
+
+    @staticmethod
+    def backward(ctx, d_o, d_z):
+        q, log_lam, g_in, b_in = ctx.saved_tensors
+        dtype = g_in.dtype
+        B, T, H, F_ = q.shape
+        S, D = log_lam.shape[-1], g_in.shape[-1]
+        g = g_in.reshape(B, H, S * F_, D)
+        b = b_in.reshape(B, H, S * F_, 1)
+        d_q = torch.empty(B, T, H, F_, dtype=dtype, device=q.device)
+        d_g, d_b = torch.zeros_like(g), torch.zeros_like(b)
+        d_log_lam = torch.zeros(H, S, dtype=dtype, device=q.device)
+        for start in range(0, T, ctx.chunk):
+            stop = min(T, start + ctx.chunk)
+            c = stop - start
+            scale = _entering_decay(log_lam, start, stop, dtype)  # [H, c, S]
+            qc = q[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, F]
+            qd = (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, c, S * F_)
+            do = d_o[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, D]
+            dz = d_z[:, start:stop].to(dtype).transpose(1, 2)[..., None]  # [B, H, c, 1]
+            d_g += qd.transpose(-1, -2) @ do
+            d_b += qd.transpose(-1, -2) @ dz
+            d_qd = (do @ g.transpose(-1, -2) + dz @ b.transpose(-1, -2)).view(B, H, c, S, F_)
+            d_q[:, start:stop] = (d_qd * scale[None, ..., None]).sum(3).transpose(1, 2)
+            # d scale[h, t, s] = sum_{b, f} q d_qd; scale = lam^(t+1), so d log_lam += (t+1) scale d scale
+            d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, S]
+            steps = torch.arange(start + 1, stop + 1, dtype=dtype, device=q.device)[None, :, None]
+            d_log_lam += (d_scale * scale * steps).sum(1)
+        return d_q.to(q.dtype), d_log_lam.to(log_lam.dtype), d_g.view_as(g_in), d_b.view_as(b_in), None
+
+
+def _entering_decay(log_lam: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """lam^(t+1) for piece positions t in [start, stop): [H, c, S]."""
+    steps = torch.arange(start + 1, stop + 1, dtype=dtype, device=log_lam.device)
+    return decay(steps[None, :, None] * log_lam.to(dtype)[:, None, :])
+
+
+def _scaled_queries(q: torch.Tensor, log_lam: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    B, _, H, F_ = q.shape
+    scale = _entering_decay(log_lam, start, stop, dtype)  # [H, c, S]
+    qc = q[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, F]
+    return (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, stop - start, -1)
+
+
 def soe_scan_sequence_parallel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,8 +140,8 @@ def soe_scan_sequence_parallel(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """:func:`kernels.soe_scan` over a sequence split across the ranks of ``group`` (this rank's piece
     in q, k, v, coef; log_lam the same everywhere). Returns this piece's (o, z, state after it)."""
-    rank = dist.get_rank(group)
-    _, _, (g_local, b_local) = soe_scan(q, k, v, coef, log_lam, None, True, chunk_size, backend)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    o, z, (g_local, b_local) = soe_scan(q, k, v, coef, log_lam, None, True, chunk_size, backend)
     lengths = _piece_lengths(q.shape[1], group, q.device)
     g_all = _GatherStates.apply(group, g_local)
     b_all = _GatherStates.apply(group, b_local)
@@ -86,11 +158,16 @@ def soe_scan_sequence_parallel(
         g_in, b_in = decayed(sum(lengths[:rank]), g0, b0)
     # Every rank's state enters the sum, with weight 0 from this rank on: each rank then takes part in
     # the gather's backward (an all-reduce), also rank 0, which needs no other state.
-    for source in range(dist.get_world_size(group)):
+    for source in range(size):
         weight = 1.0 if source < rank else 0.0
         g, b = decayed(sum(lengths[source + 1 : rank]), g_all[source], b_all[source])
         g_in, b_in = g_in + weight * g, b_in + weight * b
-    return soe_scan(q, k, v, coef, log_lam, (g_in, b_in), output_final_state, chunk_size, backend)
+    o_in, z_in = _SoeStateCorrection.apply(q, log_lam, g_in, b_in, chunk_size)
+    o, z = o + o_in.to(o.dtype), z + z_in.to(z.dtype)
+    if not output_final_state:
+        return o, z, None
+    g_out, b_out = decayed(q.shape[1], g_in, b_in)
+    return o, z, (g_local + g_out, b_local + b_out)
 
 
 def phasor_scan_sequence_parallel(
@@ -105,10 +182,111 @@ def phasor_scan_sequence_parallel(
     """:func:`kernels.phasor_scan` over a sequence split across the ranks of ``group`` (this rank's
     piece in delta and slots). Returns this piece's (read, phases after it)."""
     rank = dist.get_rank(group)
-    _, local = phasor_scan(delta, slots, n_slots, None, True, backend)
+    read, local = phasor_scan(delta, slots, n_slots, None, True, backend)
     totals = _GatherStates.apply(group, local)
     entering = torch.zeros_like(local) if initial_state is None else initial_state.to(local.dtype)
     for source in range(dist.get_world_size(group)):  # weight 0 from this rank on, as in the SOE scan
         entering = entering + (1.0 if source < rank else 0.0) * totals[source]
-    entering = wrap_angle(entering)  # wrap counts as the identity for gradients
-    return phasor_scan(delta, slots, n_slots, entering, output_final_state, backend)
+    B, T, L, M = delta.shape
+    entering_read = entering.gather(1, slots.reshape(B, T * L, 1).expand(-1, -1, M)).view(B, T, L, M)
+    read = wrap_angle(read + entering_read.to(read.dtype))  # wrap counts as the identity for gradients
+    return read, (wrap_angle(local + entering) if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- neighbour exchange
+
+
+def _peer(group: dist.ProcessGroup | None, step: int) -> int | None:
+    """The global rank of the group member `step` places after this one (None past either end)."""
+    rank = dist.get_rank(group) + step
+    if not 0 <= rank < dist.get_world_size(group):
+        return None
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _swap(send: torch.Tensor | None, send_to: int | None, receive: torch.Tensor, receive_from: int | None) -> None:
+    """Post the send and the receive together, then wait for both (no ordering deadlock)."""
+    requests = []
+    if send_to is not None:
+        requests.append(dist.isend(send.contiguous(), send_to))
+    if receive_from is not None:
+        requests.append(dist.irecv(receive, receive_from))
+    for request in requests:
+        request.wait()
+
+
+class _Exchange(torch.autograd.Function):
+    """Returns (x, the previous rank's x); x goes to the next rank. Backward: the other way round."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        received = torch.zeros_like(x)
+        _swap(x, _peer(group, 1), received, _peer(group, -1))
+        return x.view_as(x), received
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_received):
+        from_next = torch.zeros_like(grad_x)
+        outgoing = torch.zeros_like(grad_x) if grad_received is None else grad_received
+        _swap(outgoing, _peer(ctx.group, -1), from_next, _peer(ctx.group, 1))
+        return None, grad_x + from_next
+
+
+def exchange_with_neighbours(x: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Send x to the next rank of ``group`` and receive the previous rank's (same shape): returns
+    (x to use from here on, the previous rank's x or None on the first rank).
+
+    Use the returned x in place of the argument: it carries the gradients the next rank sends back.
+    """
+    x, received = _Exchange.apply(group, x)
+    return x, (received if dist.get_rank(group) > 0 else None)
+
+
+class _Receive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, like, carrier):
+        ctx.group, ctx.like = group, like.detach()
+        received = torch.zeros_like(like)
+        _swap(None, None, received, _peer(group, -1))
+        return carrier.view_as(carrier), received
+
+    @staticmethod
+    def backward(ctx, grad_carrier, grad_received):
+        outgoing = torch.zeros_like(ctx.like) if grad_received is None else grad_received
+        if _peer(ctx.group, -1) is not None:
+            _swap(outgoing, _peer(ctx.group, -1), outgoing, None)
+        return None, None, grad_carrier
+
+
+class _Send(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, x, carrier):
+        ctx.group, ctx.like = group, x.detach()
+        _swap(x, _peer(group, 1), x, None)
+        return carrier.view_as(carrier)
+
+    @staticmethod
+    def backward(ctx, grad_carrier):
+        from_next = torch.zeros_like(ctx.like)
+        _swap(None, None, from_next, _peer(ctx.group, 1))
+        return None, from_next, grad_carrier
+
+
+def receive_from_previous(
+    like: torch.Tensor, carrier: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Wait for the tensor the previous rank sends with :func:`send_to_next` (shaped like ``like``).
+
+    Returns (carrier, received or None on the first rank). ``carrier`` is any tensor that requires
+    gradients and is used afterwards: its returned copy is what makes autograd run this exchange's
+    backward (which sends the received tensor's gradient back) on every rank.
+    """
+    carrier, received = _Receive.apply(group, like, carrier)
+    return carrier, (received if dist.get_rank(group) > 0 else None)
+
+
+def send_to_next(x: torch.Tensor, carrier: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send x to the next rank's :func:`receive_from_previous`; returns ``carrier``, through whose
+    backward x receives the gradient the next rank sends back (so use the returned carrier)."""
+    return _Send.apply(group, x, carrier)

@@ -33,18 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import work_dtype
+from kernels._common import decay, work_dtype
 from kernels.soe.contract import contract_terms
-
-
-def decay(log_power: torch.Tensor) -> torch.Tensor:
-    """exp(log_power) for log_power <= 0, with factors below ~1e-17 (fp32) / ~1e-130 (fp64) set to 0.
-
-    Such factors are far below the working precision, and left in they make subnormal numbers in the
-    products, which run tens of times slower on x86 CPUs.
-    """
-    cutoff = -40.0 if log_power.dtype != torch.float64 else -300.0
-    return torch.exp(log_power).masked_fill(log_power < cutoff, 0.0)
 
 
 class _Decays:
