@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from model.config import ModelConfig
-from model.interface import IGNORE_INDEX, CausalLM, LMOutput
+from model.interface import IGNORE_INDEX, CausalLM, LMOutput, SequenceParallel
 
-__all__ = ["IGNORE_INDEX", "CausalLM", "LMOutput", "ModelConfig", "build_model"]
+__all__ = ["IGNORE_INDEX", "CausalLM", "LMOutput", "ModelConfig", "SequenceParallel", "build_model"]
 
 
 def _transformer(config: ModelConfig) -> CausalLM:

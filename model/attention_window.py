@@ -4,7 +4,9 @@ Each query attends to the `window` most recent positions, itself included. The s
 blocks of `window` queries; a block attends to a 2*window slice of keys (the previous block and its
 own) through SDPA with one small band mask shared by every block, so no T x T matrix ever exists.
 Streaming: the last window-1 rotated keys and values are carried to the next call, which prepends
-them, so a sequence processed piecewise sees exactly the keys it would see processed whole.
+them, so a sequence processed piecewise sees exactly the keys it would see processed whole. A
+sequence-parallel piece gets the same window-1 keys and values (the halo) from the previous rank, and
+sends their gradients back.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.parallel import exchange_with_neighbours
 from model.blocks import apply_rotary, rotary_tables
+from model.interface import SequenceParallel
 
 
 def window_band_mask(window: int, n_blocks: int, n_cached: int, device: torch.device | str) -> torch.Tensor:
@@ -47,11 +51,12 @@ class SlidingWindowAttention(nn.Module):
         cache_k: torch.Tensor | None,
         cache_v: torch.Tensor | None,
         offset: int,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attend x [B, T, d] at absolute positions offset.. ; returns (output, new cache_k, new cache_v).
 
         Caches are [B, heads, C, head_dim] with C <= window - 1 (rotated keys), or None before the
-        first token.
+        first token. With ``sequence_parallel`` the cache is the previous rank's halo (T >= window - 1).
         """
         B, T, _ = x.shape
         W = self.window
@@ -59,6 +64,8 @@ class SlidingWindowAttention(nn.Module):
         cos, sin = rotary_tables(torch.arange(offset, offset + T, device=x.device), self.head_dim, self.rope_base)
         q, k = apply_rotary(q, cos, sin).transpose(1, 2), apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if sequence_parallel is not None and W > 1:
+            k, v, cache_k, cache_v = self._halo(k, v, sequence_parallel)
         if cache_k is not None:
             k = torch.cat((cache_k.to(k.dtype), k), dim=2)
             v = torch.cat((cache_v.to(v.dtype), v), dim=2)
@@ -79,3 +86,15 @@ class SlidingWindowAttention(nn.Module):
         first_kept = max(0, k.shape[2] - (W - 1))
         new_k, new_v = k[:, :, first_kept:], v[:, :, first_kept:]
         return self.out(y.transpose(1, 2).reshape(B, T, -1)), new_k, new_v
+
+    def _halo(self, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> tuple[torch.Tensor, ...]:
+        """Send this piece's last window-1 keys and values to the next rank, receive the previous
+        rank's (None on the first rank); k and v come back carrying the next rank's gradients."""
+        tail = self.window - 1
+        if k.shape[2] < tail:
+            raise ValueError(f"a sequence-parallel piece of {k.shape[2]} tokens is shorter than the halo of {tail}")
+        kv = torch.stack((k[:, :, -tail:], v[:, :, -tail:]))
+        kv, previous = exchange_with_neighbours(kv, sp.group)
+        k = torch.cat((k[:, :, :-tail], kv[0]), dim=2)
+        v = torch.cat((v[:, :, :-tail], kv[1]), dim=2)
+        return (k, v, None, None) if previous is None else (k, v, previous[0], previous[1])

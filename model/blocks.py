@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
-from model.interface import CausalLM, LMOutput
+from model.interface import CausalLM, LMOutput, SequenceParallel
 
 
 class RMSNorm(nn.Module):
@@ -60,8 +60,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class StackedLM(CausalLM):
     """Token embedding, a stack of residual blocks, final norm and LM head.
 
-    Each block is called as `block(x, state) -> (x, state)`; the stack's state is the list of
-    the blocks' states, so a family only has to say what one block carries.
+    Each block is called as `block(x, state, sequence_parallel) -> (x, state)`; the stack's state
+    is the list of the blocks' states, so a family only has to say what one block carries.
     """
 
     def __init__(self, config: ModelConfig, make_block: Callable[[int], nn.Module]):
@@ -88,15 +88,22 @@ class StackedLM(CausalLM):
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> list[Any]:
         return [getattr(b, "init_state", lambda *_: None)(batch_size, device) for b in self.blocks]
 
-    def forward(self, input_ids: torch.Tensor, state: list[Any] | None = None) -> LMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, state: list[Any] | None = None, sequence_parallel: SequenceParallel | None = None
+    ) -> LMOutput:
+        if sequence_parallel is not None:
+            if not self.supports_sequence_parallel:
+                raise ValueError(f"model kind {self.config.kind!r} does not run sequence-parallel")
+            if state is not None:
+                raise ValueError("a sequence-parallel piece takes no carried state (its state comes from the other ranks)")
         x = self.embed(input_ids)
         states = state if state is not None else [None] * len(self.blocks)
         new_states = []
         for block, block_state in zip(self.blocks, states, strict=True):
             if self.activation_checkpointing and self.training:
-                x, block_state = checkpoint(block, x, block_state, use_reentrant=False)
+                x, block_state = checkpoint(block, x, block_state, sequence_parallel, use_reentrant=False)
             else:
-                x, block_state = block(x, block_state)
+                x, block_state = block(x, block_state, sequence_parallel)
             new_states.append(block_state)
         return LMOutput(self.head(self.norm(x)), new_states)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -20,6 +21,21 @@ class LMOutput(NamedTuple):
     state: Any
 
 
+@dataclass(frozen=True)
+class SequenceParallel:
+    """This rank's place in a sequence split over the ranks of ``group`` (consecutive equal pieces).
+
+    A model given one computes on its piece only and gets what crosses the piece borders (recurrent
+    state, attention halo) from the neighbouring ranks through ``group``; ``offset`` is the global
+    position of the piece's first token (rotary angles, segment positions).
+    """
+
+    group: Any  # a torch.distributed ProcessGroup
+    rank: int
+    size: int
+    offset: int
+
+
 class CausalLM(nn.Module):
     """Base class of every model family.
 
@@ -30,7 +46,14 @@ class CausalLM(nn.Module):
 
     config: ModelConfig
 
-    def forward(self, input_ids: torch.Tensor, state: Any = None) -> LMOutput:
+    supports_sequence_parallel = False
+
+    def forward(
+        self, input_ids: torch.Tensor, state: Any = None, sequence_parallel: SequenceParallel | None = None
+    ) -> LMOutput:
+        """Logits for input_ids [B, T]; with ``sequence_parallel``, input_ids is this rank's piece of
+        longer sequences (then ``state`` must be None: the piece's entering state comes from the
+        other ranks)."""
         raise NotImplementedError
 
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> Any:

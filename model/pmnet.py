@@ -25,6 +25,7 @@ from torch import nn
 from model.attention_window import SlidingWindowAttention
 from model.blocks import RMSNorm, StackedLM, SwiGLU
 from model.config import ModelConfig, PMNetConfig
+from model.interface import SequenceParallel
 from model.pmnet_memory import MemoryState, PhasorMemory
 
 
@@ -59,14 +60,19 @@ class PMNetBlock(nn.Module):
         memory = self.memory.init_state(batch_size, device) if self.memory is not None else None
         return PMNetBlockState(0, None, None, memory)
 
-    def forward(self, x: torch.Tensor, state: PMNetBlockState | None) -> tuple[torch.Tensor, PMNetBlockState]:
+    def forward(
+        self, x: torch.Tensor, state: PMNetBlockState | None, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, PMNetBlockState]:
+        sp = sequence_parallel
         if state is None:
             state = self.init_state(x.shape[0], x.device)
-        attended, keys, values = self.attn(self.attn_norm(x), state.keys, state.values, state.position)
+        if sp is not None:
+            state = state._replace(position=sp.offset)
+        attended, keys, values = self.attn(self.attn_norm(x), state.keys, state.values, state.position, sp)
         x = x + attended
         memory = state.memory
         if self.memory is not None:
-            read, memory = self.memory(self.memory_norm(x), memory, state.position)
+            read, memory = self.memory(self.memory_norm(x), memory, state.position, sp)
             x = x + read
         x = x + self.mlp(self.mlp_norm(x))
         return x, PMNetBlockState(state.position + x.shape[1], keys, values, memory)
@@ -74,6 +80,8 @@ class PMNetBlock(nn.Module):
 
 class PMNet(StackedLM):
     """The PMNet language model (kind "pmnet"); `memory_every = 0` is the SWA-only ablation."""
+
+    supports_sequence_parallel = True
 
     def __init__(self, config: ModelConfig):
         super().__init__(config, lambda i: PMNetBlock(config, has_memory(i, config.pmnet)))

@@ -13,6 +13,12 @@ positions, `segment_len`), so routes within a segment are computed in parallel; 
 token-exact through the scan. Writes carry the 1/sqrt(s) gradient normalisation for collisions,
 s counted over the call's whole sequence (the paper's definition, the default) or per segment.
 docs/pmnet.md gives the reasons.
+
+Sequence parallelism: routing depends on the memory state, so a piece's writes cannot be computed
+before the state entering it is known, and the LASP-2 combine of the plain scan does not apply. The
+ranks relay the state instead: rank r waits for rank r-1's final phases, runs its piece and sends its
+own on (backward: the gradients go the other way). Pieces are whole segments, so no segment straddles
+two ranks; with sequence-scope collisions the writer counts are summed over the ranks.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import kernels
+from kernels.parallel import receive_from_previous, send_to_next
 from model.config import PMNetConfig
+from model.interface import SequenceParallel
 
 
 class MemoryState(NamedTuple):
@@ -86,7 +95,10 @@ class SequenceCollisions:
         if delta.requires_grad:
             self.pending.append((delta, slots))
 
-    def finish(self) -> None:
+    def finish(self, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False) -> None:
+        """Attach the 1/sqrt(s) gradient factors; a sequence-parallel piece counts over all pieces."""
+        if sequence_parallel:
+            dist.all_reduce(self.counts, group=group)
         for delta, slots in self.pending:
             scale = self.counts.gather(1, slots.reshape(slots.shape[0], -1)).view(slots.shape).rsqrt()[..., None]
             delta.register_hook(lambda grad, scale=scale: grad * scale)
@@ -162,11 +174,21 @@ class PhasorMemory(nn.Module):
     def _record_write_grad(self, grad: torch.Tensor) -> None:
         self.last_write_grad_sq = grad.detach().float().pow(2).sum()
 
-    def forward(self, h: torch.Tensor, state: MemoryState, position: int) -> tuple[torch.Tensor, MemoryState]:
-        """Read and write the memory for h [B, T, d] at absolute positions position.. ."""
+    def forward(
+        self, h: torch.Tensor, state: MemoryState, position: int, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, MemoryState]:
+        """Read and write the memory for h [B, T, d] at absolute positions position.. ; a
+        sequence-parallel piece takes its entering state from the previous rank (relay)."""
         B, T, _ = h.shape
         L, M = self.n_levels, self.memory_dim
+        sp = sequence_parallel
         phase_q = self.query(h).float()
+        if sp is not None:
+            if position % self.segment_len or T % self.segment_len:
+                raise ValueError(f"sequence-parallel pieces must be whole segments of {self.segment_len} tokens")
+            phase_q, received = receive_from_previous(state.memory, phase_q, sp.group)
+            if received is not None:
+                state = MemoryState(received, received)
         if self.update_train if self.training else self.update_eval:
             increment = self.write(h).float()
             if increment.requires_grad:
@@ -174,13 +196,18 @@ class PhasorMemory(nn.Module):
         else:
             increment = phase_q.new_zeros(B, T, M)
         with torch.autocast(h.device.type, enabled=False):  # phases, routing scores and reads stay fp32
-            features, state = self._segments(phase_q, increment, state, position)
+            features, state, sequence = self._segments(phase_q, increment, state, position)
+        if sp is not None:  # before the collision counts' all-reduce, which the next rank reaches after this
+            features = send_to_next(state.memory, features, sp.group)
+        if sequence is not None:
+            sequence.finish(None if sp is None else sp.group, sp is not None)
         return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), state
 
     def _segments(
         self, phase_q: torch.Tensor, increment: torch.Tensor, state: MemoryState, position: int
-    ) -> tuple[torch.Tensor, MemoryState]:
-        """Route, write and read segment by segment: features [B, T, L, 2M] and the new state."""
+    ) -> tuple[torch.Tensor, MemoryState, SequenceCollisions | None]:
+        """Route, write and read segment by segment: features [B, T, L, 2M], the new state, and the
+        sequence-scope collision counts still to be attached (None with segment scope)."""
         B, T, M = phase_q.shape
         L = self.n_levels
         query_phasor = torch.cat((phase_q.cos(), phase_q.sin()), dim=-1) / math.sqrt(M)
@@ -227,7 +254,5 @@ class PhasorMemory(nn.Module):
                 writes += counts.sum(0)
                 segments += (counts > 0).sum(0)
             start = stop
-        if sequence is not None:
-            sequence.finish()
         self.slot_writes, self.slot_segments = writes, segments
-        return torch.cat(features, dim=1), MemoryState(memory, segment_memory)
+        return torch.cat(features, dim=1), MemoryState(memory, segment_memory), sequence

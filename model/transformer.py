@@ -43,7 +43,7 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
-    def forward(self, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, int]:
+    def forward(self, x: torch.Tensor, state: Any, sequence_parallel: None = None) -> tuple[torch.Tensor, int]:
         offset = 0 if state is None else int(state)
         x = x + self.attn(self.attn_norm(x), offset)
         x = x + self.mlp(self.mlp_norm(x))

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.parallel import soe_scan_sequence_parallel
 from model import soe
 from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables
 from model.config import ModelConfig, VortConfig
+from model.interface import SequenceParallel
 
 VORT_KINDS = ("vort", "pl", "exp", "m5")
 
@@ -314,9 +316,13 @@ class VortLayer(nn.Module):
         g = torch.zeros(*shape, self.head_dim, device=device)
         return VortState(g, torch.zeros(shape, device=device), 0)
 
-    def forward(self, x: torch.Tensor, state: VortState | None = None) -> tuple[torch.Tensor, VortState]:
+    def forward(
+        self, x: torch.Tensor, state: VortState | None = None, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, VortState]:
+        """x [B, T, d] at positions offset.. (the carried state's, or the sequence-parallel piece's)."""
         B, T, _ = x.shape
-        offset = 0 if state is None else state.offset
+        sp = sequence_parallel
+        offset = sp.offset if sp is not None else 0 if state is None else state.offset
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         if self.rotary:
             cos, sin = rotary_tables(torch.arange(offset, offset + T, device=x.device), self.head_dim, self.rope_base)
@@ -326,8 +332,13 @@ class VortLayer(nn.Module):
         fk = self.features(F.normalize(k.to(dt), dim=-1) * self.scale)
         coef, log_lam = self.memory(x)
         initial = None if state is None else (state.G, state.b)
-        num, den, final = kernels.soe_scan(fq, fk, v.to(dt), coef, log_lam, initial_state=initial,
-                                           output_final_state=True, chunk_size=self.chunk_size, backend=self.backend)
+        if sp is not None:  # the state entering this piece is combined from the earlier ranks' states
+            num, den, final = soe_scan_sequence_parallel(fq, fk, v.to(dt), coef, log_lam, sp.group, None, True,
+                                                         self.chunk_size, self.backend)
+        else:
+            num, den, final = kernels.soe_scan(fq, fk, v.to(dt), coef, log_lam, initial_state=initial,
+                                               output_final_state=True, chunk_size=self.chunk_size,
+                                               backend=self.backend)
         y = (num / (den[..., None] + self.eps)).to(x.dtype)
         return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], offset + T)
 
@@ -358,14 +369,18 @@ class VortBlock(nn.Module):
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> VortState:
         return self.mixer.init_state(batch_size, device)
 
-    def forward(self, x: torch.Tensor, state: VortState | None) -> tuple[torch.Tensor, VortState]:
-        h, state = self.mixer(self.mix_norm(x), state)
+    def forward(
+        self, x: torch.Tensor, state: VortState | None, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, VortState]:
+        h, state = self.mixer(self.mix_norm(x), state, sequence_parallel)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), state
 
 
 class VortLM(StackedLM):
     """A causal LM of the VORT family; `config.kind` picks the kernel (vort, pl, exp or m5)."""
+
+    supports_sequence_parallel = True
 
     def __init__(self, config: ModelConfig):
         if config.kind not in VORT_KINDS:

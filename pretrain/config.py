@@ -142,8 +142,11 @@ class EngineSection:
     offload_optimizer: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
     dist_timeout_s: float = 600.0
+    sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
+        if self.sequence_parallel < 1:
+            raise ValueError(f"sequence_parallel: must be >= 1 (ranks per sequence), got {self.sequence_parallel}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.dist_timeout_s <= 0:
@@ -424,12 +427,47 @@ def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunCo
     """Validate a plain nested dict (e.g. a resolved config read back from a run directory)."""
     sources = sources if sources is not None else {}
     try:
-        return _build(RunConfig, tree, "", sources)
+        config = _build(RunConfig, tree, "", sources)
     except _Mismatch as err:
         raise ConfigError(
             f"{_source_of(err.key, sources)}: {err.key}: expected {err.expected}, "
             f"got {err.got!r} ({type(err.got).__name__})"
         ) from None
+    problem = sequence_parallel_problem(config)
+    if problem:
+        key = "engine.sequence_parallel"
+        raise ConfigError(f"{_source_of(key, sources)}: {key}={config.engine.sequence_parallel}: {problem}")
+    return config
+
+
+SEQUENCE_PARALLEL_KINDS = ("vort", "pl", "exp", "m5", "pmnet")
+
+
+def sequence_parallel_problem(cfg: RunConfig) -> str | None:
+    """Why this config cannot split its sequences over `engine.sequence_parallel` ranks (None if it can).
+    The world size is checked at start-up (pretrain.parallel_dims)."""
+    n, seq_len, model = cfg.engine.sequence_parallel, cfg.data.seq_len, cfg.model
+    if n == 1:
+        return None
+    if model.kind not in SEQUENCE_PARALLEL_KINDS:
+        return (f"model.kind={model.kind!r} cannot run sequence-parallel (softmax attention needs every earlier "
+                f"key); use one of {', '.join(SEQUENCE_PARALLEL_KINDS)} or sequence_parallel: 1")
+    if cfg.engine.kind == "single":
+        return "engine.kind=single runs one process; sequence parallelism needs engine.kind deepspeed or fsdp"
+    if seq_len % n:
+        return f"data.seq_len={seq_len} must be a multiple of it (each rank holds seq_len/sequence_parallel tokens)"
+    piece = seq_len // n
+    if model.kind == "pmnet":
+        pm = model.pmnet
+        if piece < pm.window - 1:
+            return (f"a piece of data.seq_len/sequence_parallel={piece} tokens is shorter than the attention halo "
+                    f"model.pmnet.window-1={pm.window - 1}: use fewer ranks per sequence or a longer seq_len")
+        if pm.memory_every and piece % pm.segment_len:
+            return (f"a piece of data.seq_len/sequence_parallel={piece} tokens must be whole memory segments of "
+                    f"model.pmnet.segment_len={pm.segment_len}")
+    if cfg.train.compile:
+        return "train.compile=true is not supported with sequence parallelism (the scans exchange states between ranks)"
+    return None
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

