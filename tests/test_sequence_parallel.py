@@ -128,3 +128,80 @@ def test_two_rank_sequence_parallel_equals_one_process(engine: str, single_run, 
     assert params.keys() == expected_params.keys()
     for name, value in params.items():
         torch.testing.assert_close(value, expected_params[name], rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{engine}: {name}: {m}")
+
+
+@pytest.mark.slow
+def test_sigkilled_sequence_parallel_run_resumes_bitwise(demo_shards, tmp_path: Path) -> None:
+    from tests.test_resume import STEPS as RESUME_STEPS
+    from tests.test_resume import kill_at_step, step_losses
+
+    extra = ["engine.kind=deepspeed", "engine.zero_stage=2", f"train.steps={RESUME_STEPS}", "checkpoint.every=3",
+             "checkpoint.async_save=true", "data.seq_len=256"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_training("deepspeed", 2, sp_args("vort", demo_shards, straight, extra))
+    expected = {step: values[0] for step, values in step_losses(straight).items()}
+    assert sorted(expected) == list(range(1, RESUME_STEPS + 1))
+    kill_at_step("deepspeed", 2, sp_args("vort", demo_shards, killed, extra), killed, 5)
+    proc = run_training("deepspeed", 2, [*sp_args("vort", demo_shards, killed, extra), "--resume", "auto"])
+    assert "sequence-parallel 2" in proc.stdout + proc.stderr
+    got = step_losses(killed)
+    assert sorted(got) == list(range(1, RESUME_STEPS + 1))
+    for step, values in got.items():
+        assert all(v == expected[step] for v in values), (step, values, expected[step])
+    assert any(len(v) > 1 for v in got.values())
+
+
+def test_export_of_a_sequence_parallel_run_loads(demo_shards, tmp_path: Path) -> None:
+    """A 2-rank sequence-parallel run checkpoints, resumes at another N and exports a loadable model."""
+    from pretrain.export import export, load_exported
+
+    args = sp_args("vort", demo_shards, tmp_path / "run", ["train.steps=2", "checkpoint.every=1"])
+    run_training("deepspeed", 2, args)
+    proc = run_training("deepspeed", 2, [*args, "train.steps=3", "engine.sequence_parallel=1", "--resume", "auto"])
+    assert "resumed from" in proc.stdout + proc.stderr and "sequence-parallel 1" in proc.stdout + proc.stderr
+    assert [step for step in range(1, 4)] == sorted(json.loads(line)["step"] for line in
+                                                    (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                                                    if "train/loss" in line)
+    model = load_exported(export(tmp_path / "run" / "checkpoints", tmp_path / "export"))
+    logits, _ = model(torch.randint(0, 258, (1, 64)))
+    assert logits.shape == (1, 64, 258) and torch.isfinite(logits).all()
+
+
+# ----------------------------------------------------------------------------- refused combinations
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+VORT = str(REPO / "configs" / "sp-cpu-vort.yaml")
+PMNET = str(REPO / "configs" / "sp-cpu-pmnet.yaml")
+
+
+@pytest.mark.parametrize(("config", "overrides", "message"), [
+    (VORT, ["engine.sequence_parallel=0"], r"engine.sequence_parallel: must be >= 1"),
+    (TINY, ["engine.kind=deepspeed", "engine.sequence_parallel=2"], r"model.kind='transformer' cannot run sequence"),
+    (VORT, ["engine.kind=single"], r"engine.kind=single runs one process"),
+    (VORT, ["data.seq_len=1001"], r"data.seq_len=1001 must be a multiple"),
+    (PMNET, ["data.seq_len=16", "engine.sequence_parallel=2"], r"shorter than the attention halo"),
+    (PMNET, ["data.seq_len=96"], r"whole memory segments of model.pmnet.segment_len=32"),
+    (VORT, ["train.compile=true"], r"train.compile=true is not supported"),
+])
+def test_refused_combinations_name_the_key(config: str, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(config, overrides)
+    assert "sequence_parallel" in str(err.value)
+
+
+def test_world_size_must_be_a_multiple_of_the_sequence_group() -> None:
+    assert ParallelDims(8, 4).data_parallel == 2 and ParallelDims(8, 4).dp_rank(5) == 1
+    with pytest.raises(ConfigError, match=r"sequence_parallel=4 does not divide the world size 6"):
+        ParallelDims(6, 4)
+
+
+def test_models_refuse_what_they_cannot_split() -> None:
+    from model import SequenceParallel
+
+    sp = SequenceParallel(group=None, rank=0, size=2, offset=0)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="'transformer' does not run sequence-parallel"):
+        build_model(ModelConfig(kind="transformer", d_model=16, n_heads=2))(ids, sequence_parallel=sp)
+    vort = build_model(MODELS["exp"])
+    with pytest.raises(ValueError, match="takes no carried state"):
+        vort(ids, vort.init_state(1), sequence_parallel=sp)

@@ -1,0 +1,189 @@
+"""Per-rank memory plan of a run: will it fit?
+
+    python -m pretrain.plan --config configs/vort-125m-128k.yaml [--world 8] [--gpu-mem 80GiB] [--measure]
+
+Parameters, gradients and AdamW state follow the engine: DeepSpeed ZeRO stage 0 keeps everything
+whole, stage 1 partitions the optimizer state over the W ranks, stage 2 also the gradients, stage 3
+and FSDP2 also the parameters (plus one gathered block at a time). bf16 adds an fp32 master copy.
+
+Activations are measured, not modelled: one fp32 forward+backward on this CPU at 2048 and at 4096
+tokens (each in a fresh process), with and without activation checkpointing; the peak's growth per
+token, times micro_batch x seq_len/N, is a rank's activation memory (both families are linear in
+length; bf16 halves it). Scan states and the sequence-parallel buffers (the SOE all-gather of N states
+per layer, PMNet's halo and relayed phases) are computed from the shapes. ``--measure`` runs one
+forward+backward at the planned per-rank length on this CPU and prints the measured peak next to the
+prediction (fp32 on the CPU, whatever the config's precision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from model import CausalLM, build_model
+from pretrain.config import ConfigError, RunConfig, load_config
+
+GIB = 2**30
+PROBE_TOKENS = 2048
+
+
+@dataclass
+class Plan:
+    """Bytes per rank by category."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    states: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.states + self.buffers
+
+
+def parse_bytes(text: str) -> float:
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B|B)?\s*", text)
+    if not match:
+        raise ValueError(f"--gpu-mem: expected a size like 80GiB or 80GB, got {text!r}")
+    unit = match.group(2) or "B"
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+    return float(match.group(1)) * scale
+
+
+def state_and_buffer_bytes(model: CausalLM, cfg: RunConfig) -> tuple[float, float]:
+    """Per rank: the scan states of one micro-batch (all layers) and the sequence-parallel buffers."""
+    n, batch, c = cfg.engine.sequence_parallel, cfg.train.micro_batch, cfg.model
+    states = buffers = 0.0
+    if c.kind == "pmnet":
+        pm = c.pmnet
+        memories = len(model.memories())
+        states = memories * batch * pm.n_slots * pm.memory_dim * 4 * 2  # phases and segment phases
+        if n > 1:
+            halo = c.n_layers * 2 * batch * (pm.window - 1) * c.d_model * 4 * 2  # received + sent
+            buffers = halo + memories * batch * pm.n_slots * pm.memory_dim * 4 * 2
+    elif c.kind in ("vort", "pl", "exp", "m5"):
+        mixer = model.blocks[0].mixer
+        per_layer = batch * c.n_heads * mixer.memory.n_terms * mixer.n_features * (c.head_dim + 1) * 4
+        states = c.n_layers * per_layer
+        if n > 1:
+            buffers = c.n_layers * per_layer * (n + 2)  # the N gathered states, entering and corrected final
+    return states, buffers
+
+
+def plan(cfg: RunConfig, world: int, model: CausalLM | None = None) -> tuple[Plan, Plan]:
+    """(without, with) activation checkpointing, per rank."""
+    model = model if model is not None else build_model(cfg.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    bf16 = cfg.engine.precision == "bf16"
+    weight_bytes = 2 if bf16 else 4
+    master = 4 if bf16 else 0
+    stage = 3 if cfg.engine.kind == "fsdp" else cfg.engine.zero_stage if cfg.engine.kind == "deepspeed" else 0
+    shard = world if stage >= 1 else 1
+    params = n_params * weight_bytes / (world if stage >= 3 else 1)
+    if stage >= 3:  # one block gathered at a time
+        params += sum(p.numel() for p in model.blocks[0].parameters()) * weight_bytes
+    grads = n_params * weight_bytes / (world if stage >= 2 else 1)
+    optimizer = n_params * (8 + master) / shard
+    tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.engine.sequence_parallel
+    states, buffers = state_and_buffer_bytes(model, cfg)
+    scale = 0.5 if bf16 else 1.0  # activations are measured in fp32 on the CPU
+    plans = []
+    for checkpointing in (False, True):
+        short, long = (measure(cfg, checkpointing, PROBE_TOKENS * k, batch=1) for k in (1, 2))
+        per_token = max(long - short, 0.0) / PROBE_TOKENS
+        plans.append(Plan(params, grads, optimizer, per_token * tokens * scale, states, buffers))
+    return plans[0], plans[1]
+
+
+def _measure_in_child(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, out: Any) -> None:
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    model.activation_checkpointing = checkpointing
+    warm = torch.randint(0, cfg.model.vocab_size, (1, 257))  # one-time allocations first
+    model.loss(warm[:, :-1], warm[:, 1:])[0].backward()
+    model.zero_grad(set_to_none=True)
+    ids = torch.randint(0, cfg.model.vocab_size, (batch, tokens + 1))
+    process = psutil.Process()
+    before = peak = process.memory_info().rss
+    done = threading.Event()
+
+    def sample() -> None:  # the resident size, polled: the process's lifetime peak may predate this step
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, process.memory_info().rss)
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    done.set()
+    sampler.join()
+    out.put(peak - before)
+
+
+def measure(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int) -> float:
+    """Peak resident growth (bytes) of one fp32 forward+backward of batch x tokens on this CPU (weights
+    and gradients included), in a fresh process (a process's peak never goes down)."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    child = context.Process(target=_measure_in_child, args=(cfg, checkpointing, tokens, batch, out))
+    child.start()
+    result = out.get()
+    child.join()
+    return float(result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: engine.sequence_parallel)")
+    parser.add_argument("--gpu-mem", default="80GiB", help="memory per accelerator, e.g. 80GiB")
+    parser.add_argument("--measure", action="store_true", help="also measure one fwd+bwd on this CPU")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=262144")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        world = args.world or cfg.engine.sequence_parallel
+        if world % cfg.engine.sequence_parallel:
+            raise ConfigError(f"--world {world} is not a multiple of engine.sequence_parallel={cfg.engine.sequence_parallel}")
+        capacity = parse_bytes(args.gpu_mem)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    plain, checkpointed = plan(cfg, world, model)
+    n = cfg.engine.sequence_parallel
+    engine = f"{cfg.engine.kind}" + (f" ZeRO-{cfg.engine.zero_stage}" if cfg.engine.kind == "deepspeed" else "")
+    print(f"{args.config}: {cfg.model.kind}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+          f"seq_len {cfg.data.seq_len} over {n} rank(s) = {cfg.data.seq_len // n} tokens per rank, "
+          f"micro_batch {cfg.train.micro_batch}, {engine}, {cfg.engine.precision}, world {world}")
+    print(f"{'GiB per rank':<28}{'no checkpointing':>18}{'checkpointing':>16}")
+    for field in ("params", "grads", "optimizer", "activations", "states", "buffers", "total"):
+        print(f"{field:<28}{getattr(plain, field) / GIB:>18.2f}{getattr(checkpointed, field) / GIB:>16.2f}")
+    fits = ["fits" if p.total <= capacity else "does NOT fit" for p in (plain, checkpointed)]
+    print(f"{'in ' + args.gpu_mem:<28}{fits[0]:>18}{fits[1]:>16}")
+    if args.measure:
+        for label, chosen, flag in (("no checkpointing", plain, False), ("checkpointing", checkpointed, True)):
+            predicted = chosen.activations / (0.5 if cfg.engine.precision == "bf16" else 1.0)
+            measured = measure(cfg, flag, cfg.data.seq_len // n, cfg.train.micro_batch)
+            print(f"measured on this CPU ({label}): activations predicted {predicted / GIB:.3f} GiB, "
+                  f"peak growth {measured / GIB:.3f} GiB, error {predicted / max(measured, 1) - 1:+.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
