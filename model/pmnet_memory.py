@@ -183,18 +183,18 @@ class PhasorMemory(nn.Module):
         L, M = self.n_levels, self.memory_dim
         sp = sequence_parallel
         phase_q = self.query(h).float()
-        if sp is not None:
-            if position % self.segment_len or T % self.segment_len:
-                raise ValueError(f"sequence-parallel pieces must be whole segments of {self.segment_len} tokens")
-            phase_q, received = receive_from_previous(state.memory, phase_q, sp.group)
-            if received is not None:
-                state = MemoryState(received, received)
         if self.update_train if self.training else self.update_eval:
             increment = self.write(h).float()
             if increment.requires_grad:
                 increment.register_hook(self._record_write_grad)
         else:
             increment = phase_q.new_zeros(B, T, M)
+        if sp is not None:  # after the projections: sharded engines gather their weights collectively
+            if position % self.segment_len or T % self.segment_len:
+                raise ValueError(f"sequence-parallel pieces must be whole segments of {self.segment_len} tokens")
+            phase_q, received = receive_from_previous(state.memory, phase_q, sp.group)
+            if received is not None:
+                state = MemoryState(received, received)
         with torch.autocast(h.device.type, enabled=False):  # phases, routing scores and reads stay fp32
             features, state, sequence = self._segments(phase_q, increment, state, position)
         if sp is not None:  # before the collision counts' all-reduce, which the next rank reaches after this

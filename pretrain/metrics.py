@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,12 @@ def measure_peak_flops(size: int = 1024, repeats: int = 6) -> float:
 
 
 def memory_stats() -> dict[str, float]:
-    """Resident memory of this process, and the accelerator's peak allocation when there is one."""
-    stats = {"memory/rss_gb": psutil.Process(os.getpid()).memory_info().rss / 2**30}
+    """Resident memory of this process (now and its peak), and the accelerator's peak allocation when
+    there is one."""
+    stats = {
+        "memory/rss_gb": psutil.Process(os.getpid()).memory_info().rss / 2**30,
+        "memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
     if torch.cuda.is_available():
         stats["memory/cuda_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return stats

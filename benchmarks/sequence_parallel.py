@@ -1,0 +1,133 @@
+"""What sequence parallelism costs a scan: the local scan, the entering-state correction, the exchange.
+
+    python -m benchmarks.sequence_parallel [--T 8192,32768] [--ranks 2]
+
+Spawns ``--ranks`` gloo ranks on this machine; each holds T/ranks tokens of one sequence. Per op and
+length it prints, for rank 1 (which has an entering state): the forward+backward time of the local
+scan alone, of the whole sequence-parallel scan, of the correction pass alone and of the state
+all-gather (and its all-reduce backward) alone, the ratio sequence-parallel / local (target <= 1.3), and
+the bytes each rank sends per call. Times are the best of ``--repeats``. Shapes are VORT-125m's per
+layer (H 12, F 64, D 64, S from --terms) and PMNet's memory (4 levels, M 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kernels.parallel import (
+    _GatherStates,
+    _SoeStateCorrection,
+    phasor_scan_sequence_parallel,
+    soe_scan_sequence_parallel,
+)
+from kernels.phasor import phasor_scan
+from kernels.soe import soe_scan
+from kernels.testing import phasor_inputs, soe_inputs
+
+
+def _best(fn: Callable[[], torch.Tensor], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _fwd_bwd(run: Callable[[], list[torch.Tensor]]) -> Callable[[], torch.Tensor]:
+    def call() -> torch.Tensor:
+        outs = run()
+        loss = sum(o.float().sum() for o in outs if o is not None and o.requires_grad)
+        loss.backward()
+        return loss
+
+    return call
+
+
+def _soe_row(T: int, args: argparse.Namespace) -> dict:
+    x = soe_inputs(1, T, args.heads, args.feat, args.dim, args.terms, with_state=False, seed=0)
+    leaves = {n: t.float().requires_grad_() for n, t in x.items()}
+    q, k, v, coef, log_lam = (leaves[n] for n in ("q", "k", "v", "coef", "log_lam"))
+    g = torch.zeros(1, args.heads, args.terms, args.feat, args.dim, requires_grad=True)
+    b = torch.zeros(1, args.heads, args.terms, args.feat, requires_grad=True)
+    local = _fwd_bwd(lambda: list(soe_scan(q, k, v, coef, log_lam, None, False, args.chunk)[:2]))
+    parallel = _fwd_bwd(lambda: list(soe_scan_sequence_parallel(q, k, v, coef, log_lam, None, None, False,
+                                                                args.chunk)[:2]))
+    correction = _fwd_bwd(lambda: list(_SoeStateCorrection.apply(q, log_lam, g, b, args.chunk)))
+    gather = _fwd_bwd(lambda: [*_GatherStates.apply(None, g), *_GatherStates.apply(None, b)])
+    state_bytes = (g.numel() + b.numel()) * 4
+    return {"op": "soe", "T_rank": T, "local_s": _best(local, args.repeats), "parallel_s": _best(parallel, args.repeats),
+            "correction_s": _best(correction, args.repeats), "exchange_s": _best(gather, args.repeats),
+            "bytes_sent": 2 * state_bytes * (dist.get_world_size() - 1)}
+
+
+def _phasor_row(T: int, args: argparse.Namespace) -> dict:
+    x, n_slots = phasor_inputs(1, T, 4, 64, 4, with_state=False, seed=0)
+    delta = x["delta"].float().requires_grad_()
+    slots = x["slots"]
+    init = torch.zeros(1, n_slots, 64, requires_grad=True)
+    local = _fwd_bwd(lambda: [phasor_scan(delta, slots, n_slots)[0]])
+    parallel = _fwd_bwd(lambda: [phasor_scan_sequence_parallel(delta, slots, n_slots)[0]])
+    entering = init.gather(1, slots.reshape(1, -1, 1).expand(-1, -1, 64))
+    correction = _fwd_bwd(lambda: [init.gather(1, slots.reshape(1, -1, 1).expand(-1, -1, 64)) + entering.detach()])
+    gather = _fwd_bwd(lambda: list(_GatherStates.apply(None, init)))
+    return {"op": "phasor", "T_rank": T, "local_s": _best(local, args.repeats),
+            "parallel_s": _best(parallel, args.repeats), "correction_s": _best(correction, args.repeats),
+            "exchange_s": _best(gather, args.repeats), "bytes_sent": 2 * init.numel() * 4 * (dist.get_world_size() - 1)}
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    try:
+        rows = []
+        for T in args.T:
+            rows.append(_soe_row(T // args.ranks, args))
+            rows.append(_phasor_row(T // args.ranks, args))
+        if rank == 1:
+            Path(out).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--T", type=lambda s: [int(t) for t in s.split(",")], default=[8192, 32768])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--feat", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--terms", type=int, default=24)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    from tests.launchers import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rows.json")
+        mp.spawn(_worker, args=(free_port(), args, out), nprocs=args.ranks)
+        rows = json.loads(Path(out).read_text())
+    print(f"{'op':<8}{'T/rank':>8}{'local s':>10}{'SP s':>10}{'SP/local':>10}{'correct s':>11}{'exchange s':>12}"
+          f"{'bytes sent':>12}")
+    for r in rows:
+        print(f"{r['op']:<8}{r['T_rank']:>8}{r['local_s']:>10.4f}{r['parallel_s']:>10.4f}"
+              f"{r['parallel_s'] / r['local_s']:>10.2f}{r['correction_s']:>11.4f}{r['exchange_s']:>12.4f}"
+              f"{r['bytes_sent']:>12,}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
