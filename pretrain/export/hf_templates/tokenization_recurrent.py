@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PreTrainedTokenizer
 
@@ -26,8 +26,8 @@ SENTENCEPIECE_FILE = "tokenizer.model"
 class RecurrentTokenizer(PreTrainedTokenizer):
     """The project's byte-level or sentencepiece tokenizer behind transformers' interface."""
 
-    vocab_files_names = {"sentencepiece_model": SENTENCEPIECE_FILE}
-    model_input_names = ["input_ids", "attention_mask"]
+    vocab_files_names: ClassVar[dict[str, str]] = {"sentencepiece_model": SENTENCEPIECE_FILE}
+    model_input_names: ClassVar[list[str]] = ["input_ids", "attention_mask"]
 
     def __init__(self, sentencepiece_model: str | None = None, **kwargs: Any) -> None:
         self.project = load_tokenizer(sentencepiece_model) if sentencepiece_model else byte_tokenizer()
@@ -66,18 +66,18 @@ class RecurrentTokenizer(PreTrainedTokenizer):
 
     def _decode(self, token_ids: int | list[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
         """The data pipeline's decoding of the content ids; special ids are dropped with
-        skip_special_tokens, else written as their token strings."""
+        skip_special_tokens, else written as their token strings between the decoded runs."""
         ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
+        if skip_special_tokens:
+            return self.project.decode(ids)
         specials = {self.project.eos_id, self.project.pad_id}
         parts, run = [], []
         for i in ids:
             if i not in specials:
                 run.append(i)
                 continue
-            parts.append(self.project.decode(run))
+            parts += [self.project.decode(run), self._pieces[i]]
             run = []
-            if not skip_special_tokens:
-                parts.append(self._pieces[i])
         parts.append(self.project.decode(run))
         return "".join(parts)
 
