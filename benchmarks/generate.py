@@ -5,7 +5,8 @@
 The export is loaded the way a user loads it (AutoModelForCausalLM, trust_remote_code); each prompt
 is the first tokens of --text (repeated if shorter). Greedy decoding; a logits processor stamps
 the time and the process's RSS at every step, so the per-token time is the gap between two steps
-(forward of one token with the state, plus the argmax) and the RSS growth is over the decode only.
+(forward of one token with the state, plus the argmax) and the RSS growth is from the second step
+to the last (at the first, the prompt's logits are still held).
 The state's size is measured after the prompt and after the prompt plus the new tokens.
 """
 
@@ -76,7 +77,7 @@ def measure(model: Any, tokenizer: Any, text: str, prompt_len: int, new_tokens: 
         "prefill_s": clock.times[0] - started,
         "ms_per_token_median": 1e3 * statistics.median(gaps),
         "ms_per_token_max": 1e3 * max(gaps),
-        "decode_rss_growth_mib": (clock.rss[-1] - clock.rss[0]) / 2**20,
+        "decode_rss_growth_mib": (clock.rss[-1] - clock.rss[1]) / 2**20,
         "state_mib_after_prompt": state_bytes(after_prompt) / 2**20,
         "state_mib_after_generation": state_bytes(after_all) / 2**20,
     }

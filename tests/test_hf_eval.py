@@ -212,10 +212,14 @@ def test_lm_eval_runs_project_tasks_and_matches_project_scoring(exports: dict[st
     tok = load_tokenizer("bytes")
     copies = results["samples"]["recurrent_copy"]
     assert len(copies) == 3
+    answer_bits = []
     for sample in copies:
         (context, answer), (ll, greedy) = sample["arguments"][0], sample["resps"][0][0]
         expected_ll, expected_greedy = _project_loglikelihood(model, tok, context, answer)
         assert ll == pytest.approx(expected_ll, rel=1e-5) and greedy == expected_greedy
+        answer_bits.append(-expected_ll / math.log(2) / len(answer.encode()))
+    copy_metrics = results["results"]["recurrent_copy"]
+    assert copy_metrics["answer_bits_per_byte,none"] == pytest.approx(sum(answer_bits) / 3, rel=1e-5)
 
     (rolling,) = results["samples"]["recurrent_bpb"]
     text = text_file.read_text()

@@ -16,6 +16,7 @@ text_files (the bits-per-byte task's files, default the same book).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,14 @@ def text_docs(**metadata: Any) -> dict[str, datasets.Dataset]:
         except UnicodeDecodeError as err:
             raise ValueError(f"metadata text_files: {path} is not UTF-8 text ({err})") from err
     return _split(rows)
+
+
+def answer_scores(doc: dict[str, Any], results: list[tuple[float, bool]]) -> dict[str, float]:
+    """A loglikelihood request's scores: `acc`, the whole answer is the model's argmax, and
+    `answer_bits_per_byte`, its negative log-likelihood in bits per byte of answer (which shows
+    partial use of the context where `acc` is still 0)."""
+    (loglikelihood, greedy), = results
+    return {"acc": float(greedy), "answer_bits_per_byte": -loglikelihood / math.log(2) / len(doc["answer"].encode())}
 
 
 def needle_exact(doc: dict[str, Any], results: list[str]) -> dict[str, int]:
