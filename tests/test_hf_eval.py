@@ -183,7 +183,6 @@ def _project_rolling(model: torch.nn.Module, tok: Tokenizer, text: str, window: 
     return total
 
 
-@pytest.mark.slow  # 50 s on a loaded 2-core machine, most of it importing lm_eval and its datasets stack
 def test_lm_eval_runs_project_tasks_and_matches_project_scoring(exports: dict[str, Path], tmp_path: Path) -> None:
     """simple_evaluate with the hf model on the export: a loglikelihood task (copy), a
     loglikelihood_rolling task (bits per byte) and a generate_until task (needle), all from local data."""
