@@ -12,19 +12,16 @@ FLOPs per token; add `--fwd-bwd` to time one forward+backward pass on this machi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import time
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import yaml
 from torch import nn
 
 from model.attention_window import SlidingWindowAttention
 from model.blocks import RMSNorm, StackedLM, SwiGLU
-from model.config import ModelConfig, PMNetConfig
+from model.config import ModelConfig, PMNetConfig, load_model_config
 from model.pmnet_memory import MemoryState, PhasorMemory
 
 
@@ -135,24 +132,6 @@ class PMNet(StackedLM):
         if grads:
             out["pmnet/memory_write_grad_norm"] = float(torch.stack(grads).sum().sqrt())
         return out
-
-
-def load_model_config(path: str | Path) -> ModelConfig:
-    """A ModelConfig from a YAML file holding a `model:` mapping (or the mapping itself).
-
-    A small reader for this command and the tests (model/ does not import pretrain/); runs load
-    the same files through pretrain.config, which also resolves `extends` and overrides.
-    """
-    tree = yaml.safe_load(Path(path).read_text()) or {}
-    tree = tree.get("model", tree)
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    kwargs = dict(tree)
-    if "pmnet" in kwargs:
-        kwargs["pmnet"] = PMNetConfig(**kwargs["pmnet"])
-    unknown = set(kwargs) - known
-    if unknown:
-        raise ValueError(f"{path}: unknown model keys {sorted(unknown)}")
-    return ModelConfig(**kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:
