@@ -232,6 +232,11 @@ def config_to_dict(config: Any) -> dict:
     return dataclasses.asdict(config)
 
 
+def config_text(config: RunConfig) -> str:
+    """The resolved config as YAML text (run directories, checkpoints); load_config reads it back."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
 def dump_config(config: RunConfig, path: str | Path) -> None:
     """Write the resolved config as YAML; reading it back with load_config gives the same config."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    Path(path).write_text(config_text(config))
