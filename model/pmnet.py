@@ -4,16 +4,11 @@ A block is pre-norm sliding-window attention, then (in the blocks `memory_every`
 phasor memory of model/pmnet_memory.py, then a SwiGLU MLP. The streaming state of a block is its
 position, the last window-1 keys/values and the memory phases, so a long byte stream processed
 piecewise gives the outputs it gives processed whole, in memory that does not grow with its length.
-
-`python -m model.pmnet --config configs/model/pmnet-119m.yaml` prints the parameter count and
-FLOPs per token; add `--fwd-bwd` to time one forward+backward pass on this machine.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import time
 from typing import Any, NamedTuple
 
 import torch
@@ -21,7 +16,7 @@ from torch import nn
 
 from model.attention_window import SlidingWindowAttention
 from model.blocks import RMSNorm, StackedLM, SwiGLU
-from model.config import ModelConfig, PMNetConfig, load_model_config
+from model.config import ModelConfig, PMNetConfig
 from model.pmnet_memory import MemoryState, PhasorMemory
 
 
@@ -132,34 +127,3 @@ class PMNet(StackedLM):
         if grads:
             out["pmnet/memory_write_grad_norm"] = float(torch.stack(grads).sum().sqrt())
         return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML file with a `model:` section")
-    parser.add_argument("--seq-len", type=int, default=4096, help="context length for FLOPs and timing")
-    parser.add_argument("--fwd-bwd", action="store_true", help="time one forward+backward pass (batch 1, CPU)")
-    args = parser.parse_args(argv)
-    config = load_model_config(args.config)
-    torch.manual_seed(0)
-    model = PMNet(config)
-    print(f"config            {args.config}")
-    print(f"parameters        {model.num_parameters():,}")
-    print(f"  non-embedding   {model.num_parameters(exclude_embeddings=True):,}")
-    print(f"  memory          {sum(p.numel() for m in model.memories() for p in m.parameters()):,}")
-    print(f"memory blocks     {len(model.memories())} of {config.n_layers}, {config.pmnet.n_slots} slots each")
-    flops = model.flops_per_token(args.seq_len)
-    print(f"FLOPs/token       {flops:.4g} (training, fwd+bwd, seq_len {args.seq_len})")
-    if args.fwd_bwd:
-        ids = torch.randint(0, config.vocab_size, (1, args.seq_len + 1))
-        start = time.perf_counter()
-        loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
-        forward_s = time.perf_counter() - start
-        loss.backward()
-        total_s = time.perf_counter() - start
-        print(f"fwd+bwd           {total_s:.1f} s (forward {forward_s:.1f} s), loss {loss.item():.3f}, "
-              f"{torch.get_num_threads()} threads")
-
-
-if __name__ == "__main__":
-    main()

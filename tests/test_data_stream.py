@@ -267,7 +267,7 @@ def test_resume_property(data: dict, world_a: int, steps_a: int, world_b: int, s
 
 def test_10k_shard_manifest_reads_lazily(tmp_path: Path) -> None:
     """Start-up and a deep resume read one shard, not the corpus (10,000-shard manifest)."""
-    from data_pipeline.bench import write_scale_dataset
+    from benchmarks.data_loader import write_scale_dataset
 
     write_scale_dataset(tmp_path, shards=10_000, shard_tokens=2_000, doc_tokens=100)
     s = PackedStream([(str(tmp_path), 1.0)], seq_len=64, seed=0, rank=1, world_size=4)

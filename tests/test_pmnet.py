@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from model import build_model
 from model.attention_window import SlidingWindowAttention
 from model.blocks import apply_rotary, rotary_tables
-from model.config import ModelConfig, PMNetConfig
-from model.pmnet import PMNet, load_model_config
+from model.config import ModelConfig, PMNetConfig, load_model_config
+from model.pmnet import PMNet
 from model.pmnet_memory import PhasorMemory, SequenceCollisions, collision_counts, normalise_collisions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"

@@ -464,7 +464,7 @@ def test_prop_4_2_exponential_fit_error_grows_with_horizon() -> None:
 
 
 def test_tables_block_is_replaced_not_duplicated(tmp_path) -> None:
-    from model import soe_tables
+    from benchmarks import soe_tables
 
     doc = tmp_path / "soe.md"
     doc.write_text("# prose\n")
