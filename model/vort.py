@@ -6,7 +6,7 @@ differ only in the kernel that weights a past token in the mixer's keyed linear-
     o_t = sum_{j<=t} w_{t-j}(j) phi(q_t).phi(k_j) v_j / (sum_{j<=t} w_{t-j}(j) phi(q_t).phi(k_j) + eps)
 
 - vort: w_n(j) is the Grünwald–Letnikov power-law weight of the order alpha_j that a router gives
-  token j, in SOE form over nodes shared by every order (model/soe.py), with alpha_j quantised to K
+  token j, in SOE form over nodes shared by every order (model/soe/), with alpha_j quantised to K
   banks by linear interpolation between the two neighbouring banks;
 - pl: the same SOE kernel with one fixed order;
 - exp: one exponential per head with a learned decay (RetNet-like);
