@@ -77,11 +77,6 @@ class PMNet(StackedLM):
     def memories(self) -> list[PhasorMemory]:
         return [b.memory for b in self.blocks if b.memory is not None]
 
-    def set_reference(self, enabled: bool) -> None:
-        """Route and scan token by token with the sequential reference scan (for tests)."""
-        for memory in self.memories():
-            memory.reference = enabled
-
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per matmul parameter, windowed attention, the memory's own work.
 

@@ -23,7 +23,7 @@ from data_pipeline.stream import PackedStream, StreamLoader
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
 from pretrain.checkpoint import Checkpointer
-from pretrain.config import RunConfig, config_text, config_to_dict
+from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
 from pretrain.engines import build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.log import get_logger
 from pretrain.metrics import MetricsLogger, all_reduce_mean, all_reduce_sum, measure_peak_flops, memory_stats
@@ -193,7 +193,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     config_yaml = config_text(cfg)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config_yaml)
+        dump_config(cfg, run_dir / "config.yaml")
 
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     device = device_for_rank()

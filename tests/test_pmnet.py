@@ -83,7 +83,8 @@ def run_reference_and_fast(backend: str, scope: str) -> None:
     results = []
     for reference in (True, False):
         model = make_model(seed=3, scan_backend=backend, collision_scope=scope)
-        model.set_reference(reference)
+        for memory in model.memories():
+            memory.reference = reference  # token-by-token routing and the sequential scan
         logits, _ = model(ids)
         (logits.float().pow(2).mean() + logits[:, -1].sum()).backward()
         results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))

@@ -85,7 +85,8 @@ def default_cache_dir() -> Path:
 
 
 def clear_memory_cache() -> None:
-    """Forget the certificates held by this process (the files on disk stay)."""
+    """Forget the certificates held by this process (the files on disk stay); the in-process cache
+    grows with every (banks, T, eps) asked for, so whoever holds it needs a way to release it."""
     _MEMORY_CACHE.clear()
 
 
