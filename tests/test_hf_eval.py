@@ -54,7 +54,7 @@ def _export(root: Path, family: str, tokenizer: Tokenizer | None = None) -> Path
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Untrained tiny byte-level exports, and a VORT with a sentencepiece tokenizer."""
     root = tmp_path_factory.mktemp("exports")
-    found = {family: _export(root, family) for family in ("vort", "transformer")}
+    found = {family: _export(root, family) for family in ("vort", "pmnet", "transformer")}
     sp = train_sentencepiece([str(BOOK)], 400, str(root / "sp"), sample_bytes=200_000)
     found["sentencepiece"] = _export(root / "sp_export", "vort", sp)
     return found
@@ -132,17 +132,18 @@ def _reference(model: torch.nn.Module, prompt: torch.Tensor, steps: int, tempera
     return seq
 
 
-@pytest.mark.parametrize("family", ["vort", "transformer"])
+@pytest.mark.parametrize("family", ["vort", "pmnet", "transformer"])
 def test_generate_equals_full_forward_loop(exports: dict[str, Path], family: str) -> None:
     """Greedy and sampled generate() give the tokens of a loop over the full forward; a recurrent
-    model is fed the prompt once and then one token per step, the Transformer baseline (no KV
-    cache in its state) the whole sequence each step."""
+    model (VORT; PMNet, whose state also holds its attention window) is fed the prompt once and
+    then one token per step, the Transformer baseline (no KV cache in its state) the whole
+    sequence each step."""
     hf = _hf_model(exports[family])
-    prompt = torch.tensor([list(b"It is a truth universally acknowledged")])
+    prompt = torch.tensor([list(b"It is a truth universally acknowledged that a single man" * 2)])  # > PMNet's window
     steps = 12
     greedy, lengths = _generate(hf, prompt, max_new_tokens=steps, do_sample=False)
     n = prompt.shape[1]
-    assert lengths == ([n] + [1] * (steps - 1) if family == "vort" else list(range(n, n + steps)))
+    assert lengths == ([n] + [1] * (steps - 1) if family != "transformer" else list(range(n, n + steps)))
     assert torch.equal(greedy, _reference(hf, prompt, steps, None))
 
     torch.manual_seed(7)
