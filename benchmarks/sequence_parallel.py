@@ -68,8 +68,9 @@ def _soe_row(T: int, args: argparse.Namespace) -> dict:
     correction = _fwd_bwd(lambda: list(_SoeStateCorrection.apply(q, log_lam, g, b, args.chunk)))
     gather = _fwd_bwd(lambda: [*_GatherStates.apply(None, g), *_GatherStates.apply(None, b)])
     state_bytes = (g.numel() + b.numel()) * 4
-    return {"op": "soe", "T_rank": T, "local_s": _best(local, args.repeats), "parallel_s": _best(parallel, args.repeats),
-            "correction_s": _best(correction, args.repeats), "exchange_s": _best(gather, args.repeats),
+    return {"op": "soe", "T_rank": T, "local_s": _best(local, args.repeats),
+            "parallel_s": _best(parallel, args.repeats), "correction_s": _best(correction, args.repeats),
+            "exchange_s": _best(gather, args.repeats),
             "bytes_sent": 2 * state_bytes * (dist.get_world_size() - 1)}
 
 

@@ -120,7 +120,7 @@ def _entering_decay(log_lam: torch.Tensor, start: int, stop: int, dtype: torch.d
 
 
 def _scaled_queries(q: torch.Tensor, log_lam: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    B, _, H, F_ = q.shape
+    B, _, H, _ = q.shape
     scale = _entering_decay(log_lam, start, stop, dtype)  # [H, c, S]
     qc = q[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, F]
     return (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, stop - start, -1)
@@ -233,7 +233,9 @@ class _Exchange(torch.autograd.Function):
         return None, grad_x + from_next
 
 
-def exchange_with_neighbours(x: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def exchange_with_neighbours(
+    x: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Send x to the next rank of ``group`` and receive the previous rank's (same shape): returns
     (x to use from here on, the previous rank's x or None on the first rank).
 

@@ -95,7 +95,7 @@ class StackedLM(CausalLM):
             if not self.supports_sequence_parallel:
                 raise ValueError(f"model kind {self.config.kind!r} does not run sequence-parallel")
             if state is not None:
-                raise ValueError("a sequence-parallel piece takes no carried state (its state comes from the other ranks)")
+                raise ValueError("a sequence-parallel piece takes no carried state (it comes from the other ranks)")
         x = self.embed(input_ids)
         states = state if state is not None else [None] * len(self.blocks)
         new_states = []

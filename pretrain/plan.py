@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         world = args.world or cfg.engine.sequence_parallel
         if world % cfg.engine.sequence_parallel:
-            raise ConfigError(f"--world {world} is not a multiple of engine.sequence_parallel={cfg.engine.sequence_parallel}")
+            n = cfg.engine.sequence_parallel
+            raise ConfigError(f"--world {world} is not a multiple of engine.sequence_parallel={n}")
         capacity = parse_bytes(args.gpu_mem)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -109,7 +109,8 @@ def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module", params=["vort", "pmnet"])
 def single_run(request, demo_shards, tmp_path_factory) -> tuple[str, list[float], dict[str, torch.Tensor]]:
     family, run_dir = request.param, tmp_path_factory.mktemp(f"single-{request.param}")
-    run_training("python", 1, sp_args(family, demo_shards, run_dir, ["engine.kind=single", "engine.sequence_parallel=1"]))
+    single = ["engine.kind=single", "engine.sequence_parallel=1"]
+    run_training("python", 1, sp_args(family, demo_shards, run_dir, single))
     return family, losses(run_dir), final_parameters(run_dir)
 
 
@@ -127,7 +128,8 @@ def test_two_rank_sequence_parallel_equals_one_process(engine: str, single_run, 
     params = final_parameters(tmp_path)
     assert params.keys() == expected_params.keys()
     for name, value in params.items():
-        torch.testing.assert_close(value, expected_params[name], rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{engine}: {name}: {m}")
+        torch.testing.assert_close(value, expected_params[name], rtol=1e-4, atol=5e-5,
+                                   msg=lambda m, name=name: f"{engine}: {name}: {m}")
 
 
 @pytest.mark.slow

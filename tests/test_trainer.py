@@ -96,7 +96,8 @@ def test_gradient_accumulation_matches_one_big_batch() -> None:
 def test_global_batch_must_split_over_the_ranks() -> None:
     cfg = load_config(TINY, ["train.global_batch=6", "train.micro_batch=3"])
     assert grad_accumulation_steps(cfg, 1) == 2 and grad_accumulation_steps(cfg, 2) == 1
-    with pytest.raises(ValueError, match=r"global_batch=6 .* 4 data-parallel ranks .* multiple of data_parallel_size \* micro_batch = 12"):
+    expected = r"global_batch=6 .* 4 data-parallel ranks .* multiple of data_parallel_size \* micro_batch = 12"
+    with pytest.raises(ValueError, match=expected):
         grad_accumulation_steps(cfg, 4)
 
 
