@@ -6,11 +6,12 @@ Parameters, gradients and AdamW state follow the engine: DeepSpeed ZeRO stage 0 
 whole, stage 1 partitions the optimizer state over the W ranks, stage 2 also the gradients, stage 3
 and FSDP2 also the parameters (plus one gathered block at a time). bf16 adds an fp32 master copy.
 
-Activations are measured, not modelled: one fp32 forward+backward on this CPU at 2048 and at 4096
-tokens (each in a fresh process), with and without activation checkpointing; the peak's growth per
-token, times micro_batch x seq_len/N, is a rank's activation memory (both families are linear in
-length; bf16 halves it). Scan states and the sequence-parallel buffers (the SOE all-gather of N states
-per layer, PMNet's halo and relayed phases) are computed from the shapes. ``--measure`` runs one
+Activations are measured, not modelled: one fp32 forward+backward on this CPU at ``--probe-tokens``
+(2048) and twice that many tokens (each in a fresh process), with and without activation
+checkpointing; the peak's growth per token, times micro_batch x seq_len/N, is a rank's activation
+memory (both families are linear in length; bf16 halves it). Scan states and the sequence-parallel
+buffers (the SOE all-gather of N states per layer, PMNet's halo and relayed phases) are computed from
+the shapes. ``--measure`` runs one
 forward+backward at the planned per-rank length on this CPU and prints the measured peak next to the
 prediction (fp32 on the CPU, whatever the config's precision).
 """
@@ -82,7 +83,7 @@ def state_and_buffer_bytes(model: CausalLM, cfg: RunConfig) -> tuple[float, floa
     return states, buffers
 
 
-def plan(cfg: RunConfig, world: int, model: CausalLM | None = None) -> tuple[Plan, Plan]:
+def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int = PROBE_TOKENS) -> tuple[Plan, Plan]:
     """(without, with) activation checkpointing, per rank."""
     model = model if model is not None else build_model(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
@@ -101,8 +102,8 @@ def plan(cfg: RunConfig, world: int, model: CausalLM | None = None) -> tuple[Pla
     scale = 0.5 if bf16 else 1.0  # activations are measured in fp32 on the CPU
     plans = []
     for checkpointing in (False, True):
-        short, long = (measure(cfg, checkpointing, PROBE_TOKENS * k, batch=1) for k in (1, 2))
-        per_token = max(long - short, 0.0) / PROBE_TOKENS
+        short, long = (measure(cfg, checkpointing, probe * k, batch=1) for k in (1, 2))
+        per_token = max(long - short, 0.0) / probe
         plans.append(Plan(params, grads, optimizer, per_token * tokens * scale, states, buffers))
     return plans[0], plans[1]
 
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=None, help="ranks (default: engine.sequence_parallel)")
     parser.add_argument("--gpu-mem", default="80GiB", help="memory per accelerator, e.g. 80GiB")
     parser.add_argument("--measure", action="store_true", help="also measure one fwd+bwd on this CPU")
+    parser.add_argument("--probe-tokens", type=int, default=PROBE_TOKENS,
+                        help="activations per token from fwd+bwd at this length and twice it")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=262144")
     args = parser.parse_args(argv)
     try:
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    plain, checkpointed = plan(cfg, world, model)
+    plain, checkpointed = plan(cfg, world, model, args.probe_tokens)
     n = cfg.engine.sequence_parallel
     engine = f"{cfg.engine.kind}" + (f" ZeRO-{cfg.engine.zero_stage}" if cfg.engine.kind == "deepspeed" else "")
     print(f"{args.config}: {cfg.model.kind}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
