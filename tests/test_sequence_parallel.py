@@ -106,26 +106,38 @@ def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in consolidate(step_dir, read_run_config(step_dir)).named_parameters()}
 
 
-@pytest.fixture(scope="module", params=["vort", "pmnet"])
-def single_run(request, demo_shards, tmp_path_factory) -> tuple[str, list[float], dict[str, torch.Tensor]]:
-    family, run_dir = request.param, tmp_path_factory.mktemp(f"single-{request.param}")
-    single = ["engine.kind=single", "engine.sequence_parallel=1"]
-    run_training("python", 1, sp_args(family, demo_shards, run_dir, single))
-    return family, losses(run_dir), final_parameters(run_dir)
+_SINGLE: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_two_rank_sequence_parallel_equals_one_process(engine: str, single_run, demo_shards, tmp_path: Path) -> None:
-    family, expected, expected_params = single_run
+def single_run(family: str, shards: dict[str, str], run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The one-process reference on the same global batch (run once per family and session)."""
+    if family not in _SINGLE:
+        single = ["engine.kind=single", "engine.sequence_parallel=1"]
+        run_training("python", 1, sp_args(family, shards, run_dir, single))
+        _SINGLE[family] = losses(run_dir), final_parameters(run_dir)
+    return _SINGLE[family]
+
+
+FAST_CASES = {("vort", "zero2")}  # one end-to-end case in the fast suite; the others run in `make test-long`
+
+
+CASES = [(family, engine) for family in ("vort", "pmnet") for engine in ENGINES]
+
+
+@pytest.mark.parametrize(("family", "engine"), [
+    pytest.param(*case, marks=() if case in FAST_CASES else pytest.mark.slow) for case in CASES
+])
+def test_two_rank_sequence_parallel_equals_one_process(family: str, engine: str, demo_shards, tmp_path: Path) -> None:
+    expected, expected_params = single_run(family, demo_shards, tmp_path / "single")
     launcher, overrides = ENGINES[engine]
-    proc = run_training(launcher, 2, sp_args(family, demo_shards, tmp_path, overrides))
+    proc = run_training(launcher, 2, sp_args(family, demo_shards, tmp_path / "sp", overrides))
     assert "on 2 rank(s) (data-parallel 1 x sequence-parallel 2)" in proc.stdout + proc.stderr
-    got = losses(tmp_path)
+    got = losses(tmp_path / "sp")
     assert len(got) == len(expected) == STEPS
     assert got == pytest.approx(expected, rel=1e-5), (engine, got, expected)
     # Adam divides by sqrt(v): a weight whose gradient is near zero turns the summation-order noise of
     # the reductions into an update difference of up to lr x noise / |g| (measured: 1.7e-5 on 2 of 8192).
-    params = final_parameters(tmp_path)
+    params = final_parameters(tmp_path / "sp")
     assert params.keys() == expected_params.keys()
     for name, value in params.items():
         torch.testing.assert_close(value, expected_params[name], rtol=1e-4, atol=5e-5,
