@@ -165,6 +165,7 @@ def test_sigkilled_sequence_parallel_run_resumes_bitwise(demo_shards, tmp_path: 
     assert any(len(v) > 1 for v in got.values())
 
 
+@pytest.mark.slow
 def test_export_of_a_sequence_parallel_run_loads(demo_shards, tmp_path: Path) -> None:
     """A 2-rank sequence-parallel run checkpoints, resumes at another N and exports a loadable model."""
     from pretrain.export import export, load_exported
