@@ -25,9 +25,10 @@ from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import RunConfig, config_to_dict
-from pretrain.engines import build_engine, device_for_rank, grad_accumulation_steps, init_distributed
+from pretrain.distributed import all_reduce_mean, all_reduce_sum
+from pretrain.engines import Engine, build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.log import get_logger
-from pretrain.metrics import MetricsLogger, all_reduce_mean, all_reduce_sum, measure_peak_flops, memory_stats
+from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
 
 EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
@@ -117,7 +118,7 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader:
     return StreamLoader(stream, num_workers=cfg.data.num_workers)
 
 
-def evaluate(cfg: RunConfig, engine: Any, rank: int, world: int) -> dict[str, float]:
+def evaluate(cfg: RunConfig, engine: Engine, rank: int, world: int) -> dict[str, float]:
     """Held-out loss at each configured context length, as bits per token (= per byte for byte
     models); every rank evaluates its share of the sequences and the sums are reduced."""
     results: dict[str, float] = {}
@@ -138,7 +139,7 @@ def evaluate(cfg: RunConfig, engine: Any, rank: int, world: int) -> dict[str, fl
     return results
 
 
-def evaluate_tasks(cfg: RunConfig, engine: Any, device: torch.device) -> dict[str, float]:
+def evaluate_tasks(cfg: RunConfig, engine: Engine, device: torch.device) -> dict[str, float]:
     """Synthetic long-context tasks (pretrain.evaluate's, streamed with the carried state) on rank
     0. Needs whole weights on every rank: single process or DeepSpeed ZeRO stage <= 2."""
     from data_pipeline.tokenizer import load_tokenizer
