@@ -6,7 +6,9 @@ pretrain/engines.py and everything on disk behind pretrain/checkpoint.py.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import signal
 import time
@@ -25,7 +27,7 @@ from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import RunConfig, config_to_dict
-from pretrain.distributed import all_reduce_mean, all_reduce_sum
+from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
 from pretrain.engines import Engine, build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.log import get_logger
 from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
@@ -180,8 +182,10 @@ def _any_rank(flag: bool) -> bool:
     return all_reduce_sum([1.0 if flag else 0.0])[0] > 0
 
 
-def train(cfg: RunConfig, resume: str | None = None) -> int:
-    """Run (or continue) the configured training; returns the process exit code."""
+def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | None = None) -> int:
+    """Run (or continue) the configured training; returns the process exit code. After a
+    preemption save has committed, rank 0 writes `preempted_marker` (when given): the file a
+    batch script checks to requeue the job."""
     log = get_logger()
     started = time.time()
     check_data(cfg)
@@ -298,8 +302,22 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     if exit_code == 0:
         save()
     checkpointer.wait()
+    if exit_code == EXIT_PREEMPTED and preempted_marker and rank == 0:
+        write_preempted_marker(Path(preempted_marker), state.step, checkpointer.last_committed, stop.signal)
     metrics.close()
+    # No rank leaves before rank 0 has committed: a launcher that kills the job when its first
+    # rank exits (srun --kill-on-bad-exit) would otherwise interrupt the commit.
+    barrier()
     return exit_code
+
+
+def write_preempted_marker(path: Path, step: int, checkpoint: str | None, signum: int | None) -> None:
+    """Atomically write the JSON note that asks the batch script to requeue this job."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reason = signal.Signals(signum).name if signum else "max_runtime"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "checkpoint": checkpoint, "reason": reason}) + "\n")
+    os.replace(tmp, path)
 
 
 def _projected_past(started: float, steps_done: int, cfg: RunConfig) -> bool:
