@@ -27,14 +27,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _options(args: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Leading `--key=value` / `--key value` options, and the rest of the command line."""
+    """Leading `--key=value` options (`--flag` alone reads as ""), and the rest of the command line."""
     options: dict[str, str] = {}
     i = 0
     while i < len(args) and args[i].startswith("--"):
-        key, eq, value = args[i][2:].partition("=")
-        if not eq:
-            i += 1
-            value = args[i]
+        key, _, value = args[i][2:].partition("=")
         options[key] = value
         i += 1
     return options, args[i:]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launchers import REPO, kill_tree, run_training
+from tests.launchers import REPO, free_port, kill_tree, run_training
 from tests.slurm_standins import install
 from tests.test_preemption import wait_for_step
 from tests.test_resume import STEPS, config_args, step_losses
@@ -35,8 +35,8 @@ def submit(template: str, overrides: list[str], tmp_path: Path, restart: int, lo
         os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHON=sys.executable,
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", STANDIN_JOB_ID="777", STANDIN_RESTART_COUNT=str(restart),
         STANDIN_REQUEUE_LOG=str(tmp_path / "requeued"), PREEMPTED_MARKER=str(tmp_path / "preempted"),
+        MASTER_PORT=str(free_port()),
     )
-    env.pop("MASTER_PORT", None)
     command = [
         "sbatch", "--nodes=1", "--gpus-per-node=2", "--ntasks-per-node=2", f"launch/slurm/{template}.sbatch",
         *overrides,
