@@ -12,7 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from pretrain.engine_checkpoint import read_engine_weights
 from tests.launchers import run_training
 from tests.test_resume import STEPS, config_args, kill_at_step, step_losses
 
@@ -25,7 +27,7 @@ def deepspeed(stage: int) -> list[str]:
 
 def move(demo_shards, tmp_path: Path, before: tuple[str, int, list[str]], after: tuple[str, int, list[str]]) -> None:
     """Train `before` until a kill after step 7, resume the same run directory as `after`, and
-    compare every loss with an uninterrupted run of `after`."""
+    compare every loss, and the final weights, with an uninterrupted run of `after`."""
     straight, moved = tmp_path / "straight", tmp_path / "moved"
     launcher, ranks, extra = after
     run_training(launcher, ranks, config_args(demo_shards, straight, extra))
@@ -44,6 +46,13 @@ def move(demo_shards, tmp_path: Path, before: tuple[str, int, list[str]], after:
         # reduction order differs between world sizes: equal to float rounding, not bitwise
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), (step, resumed[step], expected[step])
     assert all(first[s] == pytest.approx(expected[s], rel=1e-5) for s in first)
+    final = [run / "checkpoints" / f"step_{STEPS:08d}" / "engine" for run in (straight, moved)]
+    kind = next(a.split("=")[1] for a in extra if a.startswith("engine.kind="))
+    stage = next((int(a.split("=")[1]) for a in extra if a.startswith("engine.zero_stage=")), 0)
+    weights = [read_engine_weights(path, kind, stage) for path in final]
+    assert sorted(weights[0]) == sorted(weights[1])
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize(
