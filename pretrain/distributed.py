@@ -7,6 +7,7 @@ Also the bridge from SLURM's task variables to the ones torch.distributed reads,
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 
@@ -46,6 +47,20 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 def all_reduce_mean(values: list[float]) -> list[float]:
     """Mean of each value over ranks (identity in one process)."""
     return [v / world_size() for v in all_reduce_sum(values)]
+
+
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the default process group from the launcher's environment (env://).
+
+    Under torchrun the group's keys are prefixed with the restart attempt: after `--max-restarts`
+    restarts the workers, the store still holds the dead workers' addresses, and a new rank
+    reading one before its peer has replaced it would connect to nothing (gloo's connectFullMesh
+    then fails, and with it the restart).
+    """
+    store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world, timeout=timeout)
 
 
 def _tasks_on_first_node(tasks_per_node: str) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 
 from model import CausalLM
 from pretrain.config import ConfigError, RunConfig
-from pretrain.distributed import all_reduce_sum
+from pretrain.distributed import all_reduce_sum, init_process_group
 from pretrain.engine_checkpoint import (
     load_dcp_state,
     load_deepspeed,
@@ -92,14 +92,13 @@ def init_distributed(cfg: RunConfig) -> tuple[int, int]:
                           RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=cfg.engine.dist_timeout_s)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_process_group(backend, timeout)
     if cfg.engine.kind == "deepspeed":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
-    else:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # adopts the group
     return dist.get_rank(), dist.get_world_size()
 
 
