@@ -89,12 +89,17 @@ def two_nodes(commands: list[list[str]], log: Path, timeout: float = 600) -> Non
     assert codes == [0, 0], f"exit codes {codes}:\n{log.read_text()[-4000:]}"
 
 
-def reference(demo_shards, tmp_path: Path, extra: list[str]) -> dict[int, float]:
-    run_training("python", 1, config_args(demo_shards, tmp_path / "single", ["engine.kind=single", *extra]))
-    return {step: values[0] for step, values in step_losses(tmp_path / "single").items()}
-
-
 SHORT = ["train.steps=4", "checkpoint.every=0"]
+
+
+def assert_two_ranks_match_one_process(engine: str, run_dir: Path, demo_shards, tmp_path: Path) -> None:
+    """The two "nodes" formed one job of 2 ranks, whose losses are a single process's."""
+    assert f"engine {engine} on 2 rank(s)" in (tmp_path / "log.txt").read_text()
+    run_training("python", 1, config_args(demo_shards, tmp_path / "single", ["engine.kind=single", *SHORT]))
+    expected = {step: values[0] for step, values in step_losses(tmp_path / "single").items()}
+    got = {step: values[0] for step, values in step_losses(run_dir).items()}
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    assert all(got[s] == pytest.approx(expected[s], rel=1e-5) for s in got), (got, expected)
 
 
 @pytest.mark.slow
@@ -108,11 +113,7 @@ def test_torchrun_c10d_rendezvous_of_two_nodes_on_loopback(demo_shards, tmp_path
         for _ in range(2)
     ]
     two_nodes(commands, tmp_path / "log.txt")
-    assert "engine fsdp on 2 rank(s)" in (tmp_path / "log.txt").read_text()
-    got = {step: values[0] for step, values in step_losses(run_dir).items()}
-    expected = reference(demo_shards, tmp_path, SHORT)
-    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
-    assert all(got[s] == pytest.approx(expected[s], rel=1e-5) for s in got), (got, expected)
+    assert_two_ranks_match_one_process("fsdp", run_dir, demo_shards, tmp_path)
 
 
 @pytest.mark.slow
@@ -128,8 +129,4 @@ def test_deepspeed_hostfile_without_ssh_on_two_local_nodes(demo_shards, tmp_path
         for node in range(2)
     ]
     two_nodes(commands, tmp_path / "log.txt")
-    assert "engine deepspeed on 2 rank(s)" in (tmp_path / "log.txt").read_text()
-    got = {step: values[0] for step, values in step_losses(run_dir).items()}
-    expected = reference(demo_shards, tmp_path, SHORT)
-    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
-    assert all(got[s] == pytest.approx(expected[s], rel=1e-5) for s in got), (got, expected)
+    assert_two_ranks_match_one_process("deepspeed", run_dir, demo_shards, tmp_path)
