@@ -6,6 +6,7 @@ A checkpoint's `engine/` directory (pretrain/checkpoint.py owns the files around
   deepspeed   DeepSpeed's checkpoint under the tag "ds" + format.json (ZeRO stage and the
               data-parallel size that wrote it); loaded at another size or stage, it is first
               converted to DeepSpeed's universal format in a scratch directory, then loaded from there
+              (ZeRO-1 <-> ZeRO-2 stage changes too; ZeRO-3 only to ZeRO-3)
 Every engine wraps the CausalLM as `.model` (engines.TrainModule), so the weights carry the
 `model.` prefix; `read_engine_weights` returns them without it, on CPU, for pretrain/export.py.
 
@@ -162,19 +163,21 @@ def save_deepspeed(engine: Any, path: str, zero_stage: int) -> None:
 
 
 def _needs_universal(path: Path, zero_stage: int, world: int) -> bool:
-    """Whether the checkpoint at `path` was written at another data-parallel size or ZeRO stage.
-    One without format.json (written before it existed) is taken to match, and DeepSpeed names
-    the mismatch if it does not. Stage 0 keeps no partitions: it loads at any size as it is."""
+    """Whether the checkpoint at `path` was written at another data-parallel size or ZeRO stage
+    (raises for a stage change DeepSpeed cannot load). One without format.json (written before it
+    existed) is taken to match, and DeepSpeed names the mismatch if it does not. Stage 0 keeps no
+    partitions: it loads at any size as it is."""
     layout_file = path / DEEPSPEED_FORMAT
     if not layout_file.is_file():
         return False
     saved = json.loads(layout_file.read_text())
     if saved["zero_stage"] == zero_stage == 0:
         return False
-    if saved["zero_stage"] != zero_stage and 0 in (saved["zero_stage"], zero_stage):
+    if saved["zero_stage"] != zero_stage and not {saved["zero_stage"], zero_stage} <= {1, 2}:
         raise CheckpointError(
-            f"{path}: written by DeepSpeed ZeRO-{saved['zero_stage']}, this run is ZeRO-{zero_stage}: "
-            "a checkpoint moves between ZeRO stages 1, 2 and 3 only (stage 0 has no partitioned optimizer state)"
+            f"{path}: written by DeepSpeed ZeRO-{saved['zero_stage']}, this run is ZeRO-{zero_stage}: a checkpoint "
+            "changes stage only between ZeRO-1 and ZeRO-2 (stage 0 keeps no partitions, and DeepSpeed's universal "
+            f"checkpoints of ZeRO-3 load only into ZeRO-3); set engine.zero_stage={saved['zero_stage']}"
         )
     return saved["zero_stage"] != zero_stage or saved["data_parallel_size"] != world
 
@@ -194,10 +197,13 @@ def to_universal(path: Path, out: Path) -> None:
         ds_to_universal.main(args)
 
 
-def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> None:
-    """Collective. Load `path` as saved when the data-parallel size and ZeRO stage are those of
-    this run; otherwise rank 0 converts it to the universal format under `scratch` (a directory
-    every rank sees) and every rank loads its own partition of that."""
+def load_deepspeed(
+    engine: Any, optimizer: torch.optim.Optimizer, path: str, zero_stage: int, scratch: Path
+) -> None:
+    """Collective. Load `path` into the DeepSpeed `engine` (around the torch `optimizer`) as saved
+    when the data-parallel size and ZeRO stage are those of this run; otherwise rank 0 converts it
+    to the universal format under `scratch` (a directory every rank sees) and every rank loads its
+    own partition of that."""
     source = Path(path)
     universal = _needs_universal(source, zero_stage, distributed.world_size())
     load_dir = scratch if universal else source
@@ -206,6 +212,10 @@ def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> No
         if distributed.rank() == 0:
             to_universal(source, scratch)
         distributed.barrier()
+    # The hyperparameters of each group come from the run's config, not from the checkpoint:
+    # DeepSpeed's ZeRO-3 universal loader copies the first group's onto every group, which would
+    # give the no-decay group (norms, biases, embeddings) the weight decay of the first.
+    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     # DeepSpeed reads this flag only while loading, so it is set for this one load.
     engine._config.load_universal_checkpoint = universal
     try:
@@ -213,6 +223,8 @@ def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> No
             loaded, _ = engine.load_checkpoint(str(load_dir), tag=DEEPSPEED_TAG, load_module_strict=True)
     finally:
         engine._config.load_universal_checkpoint = False
+    for group, saved in zip(optimizer.param_groups, hyperparameters, strict=True):
+        group.update(saved)
     if loaded is None:
         raise CheckpointError(f"{path}: no DeepSpeed checkpoint found")
     if universal:

@@ -42,16 +42,17 @@ def layout(path: Path, stage: int, ranks: int) -> Path:
 
 @pytest.mark.parametrize(
     ("saved", "now", "universal"),
-    [((2, 2), (2, 2), False), ((2, 2), (2, 1), True), ((1, 1), (1, 2), True), ((2, 2), (3, 2), True),
+    [((2, 2), (2, 2), False), ((2, 2), (2, 1), True), ((1, 1), (1, 2), True), ((2, 2), (1, 2), True),
      ((0, 2), (0, 1), False)],
 )
 def test_universal_only_when_stage_or_size_differ(saved, now, universal, tmp_path: Path) -> None:
     assert _needs_universal(layout(tmp_path, *saved), now[0], now[1]) is universal
 
 
-def test_stage_zero_cannot_change_stage(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"ZeRO-0, this run is ZeRO-2.*stages 1, 2 and 3 only"):
-        _needs_universal(layout(tmp_path, 0, 2), 2, 2)
+@pytest.mark.parametrize(("saved", "now"), [(0, 2), (2, 0), (3, 2), (1, 3)])
+def test_stage_changes_deepspeed_cannot_load_are_refused(saved: int, now: int, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=rf"ZeRO-{saved}, this run is ZeRO-{now}.*engine\.zero_stage={saved}"):
+        _needs_universal(layout(tmp_path, saved, 2), now, 2)
 
 
 def test_checkpoint_without_layout_loads_as_it_is(tmp_path: Path) -> None:
