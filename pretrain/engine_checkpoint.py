@@ -6,7 +6,7 @@ A checkpoint's `engine/` directory (pretrain/checkpoint.py owns the files around
   deepspeed   DeepSpeed's checkpoint under the tag "ds" + format.json (ZeRO stage and the
               data-parallel size that wrote it); loaded at another size or stage, it is first
               converted to DeepSpeed's universal format in a scratch directory, then loaded from there
-              (ZeRO-1 <-> ZeRO-2 stage changes too; ZeRO-3 only to ZeRO-3)
+              (ZeRO-1/2, stage changes between them included; ZeRO-3 resumes at its own size only)
 Every engine wraps the CausalLM as `.model` (engines.TrainModule), so the weights carry the
 `model.` prefix; `read_engine_weights` returns them without it, on CPU, for pretrain/export.py.
 
@@ -164,7 +164,7 @@ def save_deepspeed(engine: Any, path: str, zero_stage: int) -> None:
 
 def _needs_universal(path: Path, zero_stage: int, world: int) -> bool:
     """Whether the checkpoint at `path` was written at another data-parallel size or ZeRO stage
-    (raises for a stage change DeepSpeed cannot load). One without format.json (written before it
+    (raises for a change DeepSpeed cannot load exactly). One without format.json (written before it
     existed) is taken to match, and DeepSpeed names the mismatch if it does not. Stage 0 keeps no
     partitions: it loads at any size as it is."""
     layout_file = path / DEEPSPEED_FORMAT
@@ -178,6 +178,12 @@ def _needs_universal(path: Path, zero_stage: int, world: int) -> bool:
             f"{path}: written by DeepSpeed ZeRO-{saved['zero_stage']}, this run is ZeRO-{zero_stage}: a checkpoint "
             "changes stage only between ZeRO-1 and ZeRO-2 (stage 0 keeps no partitions, and DeepSpeed's universal "
             f"checkpoints of ZeRO-3 load only into ZeRO-3); set engine.zero_stage={saved['zero_stage']}"
+        )
+    if zero_stage == 3 and saved["data_parallel_size"] != world:
+        raise CheckpointError(
+            f"{path}: a ZeRO-3 checkpoint of {saved['data_parallel_size']} data-parallel ranks cannot resume on "
+            f"{world}: DeepSpeed's universal checkpoint restores ZeRO-3 weights but not the optimizer state "
+            f"exactly (the first update after the move differs); resume on {saved['data_parallel_size']} ranks"
         )
     return saved["zero_stage"] != zero_stage or saved["data_parallel_size"] != world
 
@@ -197,13 +203,10 @@ def to_universal(path: Path, out: Path) -> None:
         ds_to_universal.main(args)
 
 
-def load_deepspeed(
-    engine: Any, optimizer: torch.optim.Optimizer, path: str, zero_stage: int, scratch: Path
-) -> None:
-    """Collective. Load `path` into the DeepSpeed `engine` (around the torch `optimizer`) as saved
-    when the data-parallel size and ZeRO stage are those of this run; otherwise rank 0 converts it
-    to the universal format under `scratch` (a directory every rank sees) and every rank loads its
-    own partition of that."""
+def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> None:
+    """Collective. Load `path` into the DeepSpeed `engine` as saved when the data-parallel size
+    and ZeRO stage are those of this run; otherwise rank 0 converts it to the universal format
+    under `scratch` (a directory every rank sees) and every rank loads its own partition of that."""
     source = Path(path)
     universal = _needs_universal(source, zero_stage, distributed.world_size())
     load_dir = scratch if universal else source
@@ -212,10 +215,6 @@ def load_deepspeed(
         if distributed.rank() == 0:
             to_universal(source, scratch)
         distributed.barrier()
-    # The hyperparameters of each group come from the run's config, not from the checkpoint:
-    # DeepSpeed's ZeRO-3 universal loader copies the first group's onto every group, which would
-    # give the no-decay group (norms, biases, embeddings) the weight decay of the first.
-    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     # DeepSpeed reads this flag only while loading, so it is set for this one load.
     engine._config.load_universal_checkpoint = universal
     try:
@@ -223,8 +222,6 @@ def load_deepspeed(
             loaded, _ = engine.load_checkpoint(str(load_dir), tag=DEEPSPEED_TAG, load_module_strict=True)
     finally:
         engine._config.load_universal_checkpoint = False
-    for group, saved in zip(optimizer.param_groups, hyperparameters, strict=True):
-        group.update(saved)
     if loaded is None:
         raise CheckpointError(f"{path}: no DeepSpeed checkpoint found")
     if universal:

@@ -274,7 +274,7 @@ class DeepSpeedEngine:
         save_deepspeed(self.engine, path, self.cfg.engine.zero_stage)
 
     def load(self, path: str, scratch: Path) -> None:
-        load_deepspeed(self.engine, self.optimizer, path, self.cfg.engine.zero_stage, scratch)
+        load_deepspeed(self.engine, path, self.cfg.engine.zero_stage, scratch)
 
 
 def deepspeed_config(cfg: RunConfig, gas: int, world: int) -> dict[str, Any]:

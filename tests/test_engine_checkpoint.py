@@ -55,6 +55,12 @@ def test_stage_changes_deepspeed_cannot_load_are_refused(saved: int, now: int, t
         _needs_universal(layout(tmp_path, saved, 2), now, 2)
 
 
+def test_zero3_at_another_size_is_refused(tmp_path: Path) -> None:
+    assert not _needs_universal(layout(tmp_path, 3, 2), 3, 2)
+    with pytest.raises(CheckpointError, match=r"ZeRO-3 checkpoint of 2 data-parallel ranks cannot resume on 1"):
+        _needs_universal(tmp_path, 3, 1)
+
+
 def test_checkpoint_without_layout_loads_as_it_is(tmp_path: Path) -> None:
     assert not _needs_universal(tmp_path, 3, 4)
 
