@@ -55,14 +55,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: missing, incomplete or corrupt."""
 
 
-def deepspeed_safe_globals() -> list[Any]:
-    """pretrain.engine_checkpoint's allow-list, reachable here for pretrain/export.py until it
-    reads weights through engine_checkpoint.read_engine_weights."""
-    from pretrain.engine_checkpoint import deepspeed_safe_globals as allow_list
-
-    return allow_list()
-
-
 # ----------------------------------------------------------------------------- RNG
 
 
