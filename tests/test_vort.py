@@ -238,7 +238,7 @@ def test_weak_entity_labels_mark_capitalised_words_inside_sentences() -> None:
 def test_entity_aux_loss_is_added_in_training_only() -> None:
     """weight x mean-over-layers BCE(entity probe, weak labels) on top of the LM loss, in train mode."""
     torch.manual_seed(2)
-    model = build_model(tiny("vort", entity_aux_weight=0.5))
+    model = build_model(dataclasses.replace(tiny("vort", entity_aux_weight=0.5), vocab_size=258))
     ids = torch.tensor(list(b"At Bath she met Henry Tilney and Eleanor. They walked."))[None]
     inputs, labels = ids[:, :-1], ids[:, 1:]
     model.eval()
