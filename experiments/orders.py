@@ -66,16 +66,16 @@ def histogram_modes(x: np.ndarray) -> int:
 
 @torch.inference_mode()
 def routed_orders(model: CausalLM, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per byte: alpha averaged over heads [layers, N] and the entity-probe score [layers, N]."""
+    """Per byte: alpha per head [layers, heads, N] and the entity-probe score [layers, N]."""
     model.eval()
     alphas, entities = [], []
     usable = ids[: ids.size // seq_len * seq_len].reshape(-1, seq_len)
     for start in range(0, usable.shape[0], 16):
         model(torch.from_numpy(usable[start : start + 16]).long())
         routing = [block.mixer.memory.last_routing for block in model.blocks]
-        alphas.append(torch.stack([a.mean(-1).reshape(-1) for a, _ in routing]))
+        alphas.append(torch.stack([a.reshape(-1, a.shape[-1]).T for a, _ in routing]))
         entities.append(torch.stack([e.reshape(-1) for _, e in routing]))
-    return torch.cat(alphas, 1).numpy(), torch.cat(entities, 1).numpy()
+    return torch.cat(alphas, -1).numpy(), torch.cat(entities, -1).numpy()
 
 
 class OrderDistribution(Experiment):
@@ -96,7 +96,8 @@ class OrderDistribution(Experiment):
         seq_len = run.config.data.seq_len
         n = len(text) // seq_len * seq_len
         ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64)
-        alpha, entity_score = routed_orders(model, ids, seq_len)
+        per_head, entity_score = routed_orders(model, ids, seq_len)
+        alpha = per_head.mean(1)
         entity = capitalised_word_mask(torch.from_numpy(ids[:n]).reshape(-1, seq_len)).reshape(-1).numpy() > 0
         function = function_word_mask(text[:n])
         other = ~entity & ~function
@@ -109,6 +110,8 @@ class OrderDistribution(Experiment):
             metrics[f"{tag}/alpha_other"] = float(a[other].mean())
             metrics[f"{tag}/bimodality"] = bimodality_coefficient(a)
             metrics[f"{tag}/modes"] = float(histogram_modes(a))
+            gaps = per_head[layer][:, entity].mean(-1) - per_head[layer][:, function].mean(-1)
+            metrics[f"{tag}/largest_head_gap"] = float(gaps[np.abs(gaps).argmax()])
             scores = entity_score[layer]
             metrics[f"{tag}/entity_probe_gap"] = float(scores[entity].mean() - scores[~entity].mean())
             metrics[f"{tag}/hist"] = {

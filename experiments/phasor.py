@@ -23,6 +23,9 @@ UNNORMALISED = Family("pmnet-no-normalisation", ("model.pmnet.collision_scope=no
 QUICK = ("train.steps=2", "data.seq_len=160", "model.max_seq_len=160", "data.task.params.max_lookback=128")
 
 
+PRINTABLE = 95  # the copy task's segment bytes are uniform over printable ASCII
+
+
 def receptive_field(run: Run) -> int:
     """Bytes back that stacked sliding windows reach: n_layers x (window - 1)."""
     return run.config.model.n_layers * (run.config.model.pmnet.window - 1)
@@ -41,6 +44,8 @@ def copy_accuracy(model: CausalLM, run: Run, quick: bool, n: int = 256) -> dict[
     return {
         "accuracy": float(exact.mean()),
         "token_accuracy": float(token.mean()),
+        "chance_token_accuracy": 1 / PRINTABLE,
+        "chance_loss": math.log(PRINTABLE),
         **bucket_accuracy(exact, lookback, edges, "lookback"),
         **bucket_accuracy(token, lookback, edges, "token_lookback"),
     }

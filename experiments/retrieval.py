@@ -45,6 +45,7 @@ class LagRetrieval(Experiment):
         return {
             "accuracy": float(hits_array.mean()),
             "chance": 1.0 / task.keys ** task.value_len,
+            "chance_loss": math.log(task.keys),
             **bucket_accuracy(hits_array, lags_array, self.lag_edges(run), "lag"),
         }
 

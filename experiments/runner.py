@@ -138,6 +138,7 @@ class Experiment:
                         "metrics": self.evaluate(model, run, quick),
                     }
                     cached.write_text(json.dumps(record, indent=1) + "\n")
+                record["metrics"]["train_loss_end"] = final_train_loss(run.dir)
                 records.append(record)
                 shown = {k: v for k, v in record["metrics"].items() if isinstance(v, float) and "_n_" not in k}
                 log(f"[{self.name}] {family.name} seed {seed}: {time.time() - started:.0f}s "
@@ -165,6 +166,14 @@ class Experiment:
 
 def tokens_trained(cfg: RunConfig) -> int:
     return cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+
+
+def final_train_loss(run_dir: Path) -> float:
+    """Mean training loss (nats per scored token) over the last tenth of the logged steps: beside a
+    task's chance level it says whether the run learned anything at all."""
+    losses = [row["train/loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if "train/loss" in row]
+    return statistics.fmean(losses[-max(1, len(losses) // 10) :])
 
 
 def finished_step(run_dir: Path) -> int | None:
