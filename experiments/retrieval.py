@@ -83,6 +83,14 @@ EXPERIMENTS = [
         quick_overrides=QUICK,
         paper={"accuracy at lag > 1000": {"pl": 0.794, "exp": 0.523, "m5": 0.618}},
     ),
+    ZipfLag(
+        name="zipf-budget",
+        title="Zipf-lag retrieval at 256 tokens, 10x the steps: does it learn at all at this size?",
+        config="zipf-budget.yaml",
+        families=(TRANSFORMER, KERNEL_FAMILIES[3], KERNEL_FAMILIES[1]),
+        seeds=1,
+        quick_overrides=QUICK,
+    ),
     EntityCopy(
         name="entity",
         title="Entity-label copy at uniform lags: exact accuracy by lag",
