@@ -15,13 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_pipeline.build import build_shards
-from experiments.runner import REPO, Experiment, Family, Run
+from experiments.runner import DemoTextExperiment, Family, Run
 from model import CausalLM
 from model.entity_labels import capitalised_word_mask
 
-DEMO = REPO / "data" / "demo"
-HELD_OUT = DEMO / "valid" / "northangerabbey.txt"
 FUNCTION_WORDS = frozenset({
     "a", "an", "the", "and", "or", "but", "of", "to", "in", "on", "at", "by", "for", "with", "from", "as",
     "is", "was", "be", "been", "are", "were", "it", "its", "he", "she", "his", "her", "they", "them",
@@ -78,21 +75,11 @@ def routed_orders(model: CausalLM, ids: np.ndarray, seq_len: int) -> tuple[np.nd
     return torch.cat(alphas, -1).numpy(), torch.cat(entities, -1).numpy()
 
 
-class OrderDistribution(Experiment):
+class OrderDistribution(DemoTextExperiment):
     held_out_bytes: int = 65536
 
-    def prepare(self, out: Path, quick: bool) -> None:
-        shards = out / "shards" / "demo-train"
-        if not (shards / "manifest.json").is_file():
-            build_shards([str(DEMO / "train")], str(shards), tokenizer="bytes", shard_tokens=262144)
-
-    def run_config(self, family: Family, seed: int, out: Path, quick: bool) -> Any:
-        shards = out / "shards" / "demo-train"
-        extended = Family(family.name, (f"data.train=[{{path: {shards}}}]", *family.overrides))
-        return super().run_config(extended, seed, out, quick)
-
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
-        text = HELD_OUT.read_bytes()[: 4096 if quick else self.held_out_bytes]
+        text = self.held_out.read_bytes()[: 4096 if quick else self.held_out_bytes]
         seq_len = run.config.data.seq_len
         n = len(text) // seq_len * seq_len
         ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64)

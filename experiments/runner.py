@@ -164,6 +164,32 @@ class Experiment:
         return results
 
 
+class DemoTextExperiment(Experiment):
+    """An experiment whose runs train on the demo books (byte shards built under <out>/shards) and
+    are scored on the demo's held-out novel."""
+
+    held_out = REPO / "data" / "demo" / "valid" / "northangerabbey.txt"
+
+    def prepare(self, out: Path, quick: bool) -> None:
+        from data_pipeline.build import build_shards
+
+        shards = out / "shards" / "demo-train"
+        if not (shards / "manifest.json").is_file():
+            build_shards([str(REPO / "data" / "demo" / "train")], str(shards), tokenizer="bytes", shard_tokens=262144)
+
+    def run_config(self, family: Family, seed: int, out: Path, quick: bool) -> tuple[Path, RunConfig]:
+        shards = out / "shards" / "demo-train"
+        extended = Family(family.name, (f"data.train=[{{path: {shards}}}]", *family.overrides))
+        return super().run_config(extended, seed, out, quick)
+
+    def held_out_windows(self, seq_len: int, n_bytes: int) -> np.ndarray:
+        """The first `n_bytes` of the held-out novel as [windows, seq_len + 1] byte ids (inputs and
+        the next byte), consecutive windows."""
+        data = np.frombuffer(self.held_out.read_bytes()[: n_bytes + 1], dtype=np.uint8).astype(np.int64)
+        n = (data.size - 1) // seq_len
+        return np.stack([data[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
+
+
 def tokens_trained(cfg: RunConfig) -> int:
     return cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
 
