@@ -282,8 +282,16 @@ def bucket_accuracy(hits: np.ndarray, values: np.ndarray, edges: Sequence[float]
     return out
 
 
-def bar_plot(results: dict[str, Any], keys: Sequence[str], labels: Sequence[str], path: Path, ylabel: str) -> None:
-    """Grouped bars (one group per key, one bar per family), error bars = spread over seeds."""
+def bar_plot(
+    results: dict[str, Any],
+    keys: Sequence[str],
+    labels: Sequence[str],
+    path: Path,
+    ylabel: str,
+    chance: tuple[str, float] | None = None,
+) -> None:
+    """Grouped bars (one group per key, one bar per family), error bars = spread over seeds; an
+    optional dashed line at a chance level (label, value)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,6 +306,8 @@ def bar_plot(results: dict[str, Any], keys: Sequence[str], labels: Sequence[str]
         stds = [summary[family].get(k, {}).get("std", 0.0) for k in keys]
         xs = np.arange(len(keys)) + (i - (len(families) - 1) / 2) * width
         ax.bar(xs, means, width, yerr=stds, capsize=3, label=family)
+    if chance is not None:
+        ax.axhline(chance[1], color="black", linestyle="--", linewidth=0.8, label=chance[0])
     ax.set_xticks(np.arange(len(keys)), labels)
     ax.set_ylabel(ylabel)
     ax.set_title(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
