@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.runner import DemoTextExperiment, Family, Run
+from experiments.runner import DemoTextExperiment, Family, Run, held_out_bits
 from model import CausalLM
 from model.entity_labels import capitalised_word_mask
 
@@ -46,19 +46,6 @@ def bimodality_coefficient(x: np.ndarray) -> float:
     skew = (centred**3).mean() / var**1.5
     kurt = (centred**4).mean() / var**2
     return float((skew**2 + 1) / kurt)
-
-
-def histogram_modes(x: np.ndarray) -> int:
-    """Local maxima of the smoothed 40-bin histogram that hold at least 5% of the mass around them."""
-    counts, _ = np.histogram(x, bins=BINS)
-    smooth = np.convolve(counts, np.ones(3) / 3, mode="same")
-    total = smooth.sum()
-    peaks = [
-        i for i in range(len(smooth))
-        if smooth[i] > 0 and smooth[i] >= smooth[max(0, i - 1)] and smooth[i] > smooth[min(len(smooth) - 1, i + 1)]
-        and smooth[max(0, i - 2) : i + 3].sum() >= 0.05 * total
-    ]
-    return len(peaks)
 
 
 @torch.inference_mode()
@@ -96,15 +83,18 @@ class OrderDistribution(DemoTextExperiment):
             metrics[f"{tag}/alpha_function"] = float(a[function].mean())
             metrics[f"{tag}/alpha_other"] = float(a[other].mean())
             metrics[f"{tag}/bimodality"] = bimodality_coefficient(a)
-            metrics[f"{tag}/modes"] = float(histogram_modes(a))
             gaps = per_head[layer][:, entity].mean(-1) - per_head[layer][:, function].mean(-1)
             metrics[f"{tag}/largest_head_gap"] = float(gaps[np.abs(gaps).argmax()])
             scores = entity_score[layer]
             metrics[f"{tag}/entity_probe_gap"] = float(scores[entity].mean() - scores[~entity].mean())
-            metrics[f"{tag}/hist"] = {
-                name: np.histogram(a[mask], bins=BINS)[0].tolist()
+            hists = {
+                name: np.histogram(a[mask], bins=BINS)[0]
                 for name, mask in (("entity", entity), ("function", function), ("other", other))
             }
+            for name, counts in hists.items():
+                metrics[f"{tag}/alpha_peak_{name}"] = float((BINS[:-1] + BINS[1:])[counts.argmax()] / 2)
+            metrics[f"{tag}/hist"] = {name: counts.tolist() for name, counts in hists.items()}
+        metrics.update(held_out_bits(model, self.held_out_windows(seq_len, len(text)), far=seq_len // 2))
         metrics["entity_bytes"] = float(entity.sum())
         metrics["function_bytes"] = float(function.sum())
         return metrics

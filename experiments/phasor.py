@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from data_pipeline import synthetic
 from experiments.runner import (
@@ -20,6 +19,7 @@ from experiments.runner import (
     bar_plot,
     bucket_accuracy,
     eval_task,
+    held_out_bits,
     predictions,
 )
 from model import CausalLM, build_model
@@ -99,19 +99,6 @@ class MemoryAblation(Experiment):
         keys += [*beyond, *("no_eval_updates/" + k for k in beyond)]
         labels = [k.replace("no_eval_updates/", "no inference\nupdates: ") for k in keys]
         bar_plot(results, keys, labels, path, "copy accuracy (mean, spread)", ("byte chance", 1 / PRINTABLE))
-
-
-@torch.inference_mode()
-def held_out_bits(model: CausalLM, windows: np.ndarray, far: int) -> dict[str, float]:
-    """Bits per byte over the windows [n, T + 1], overall and at positions >= `far` only."""
-    model.eval()
-    nll = []
-    for start in range(0, len(windows), 16):
-        batch = torch.from_numpy(windows[start : start + 16])
-        logits = model(batch[:, :-1]).logits
-        nll.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none"))
-    bits = torch.cat(nll).double() / math.log(2)
-    return {"bits_per_byte": float(bits.mean()), f"bits_per_byte_from_{far}": float(bits[:, far:].mean())}
 
 
 class TextAblation(DemoTextExperiment):

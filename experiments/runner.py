@@ -269,6 +269,19 @@ def exact_hits(model: CausalLM, examples: Sequence[synthetic.Example]) -> np.nda
     return np.asarray([synthetic.accuracy([e], [p])["exact"] for e, p in zip(examples, predictions(model, examples))])
 
 
+@torch.inference_mode()
+def held_out_bits(model: CausalLM, windows: np.ndarray, far: int) -> dict[str, float]:
+    """Bits per byte over the windows [n, T + 1], overall and at positions >= `far` only."""
+    model.eval()
+    nll = []
+    for start in range(0, len(windows), 16):
+        batch = torch.from_numpy(windows[start : start + 16])
+        logits = model(batch[:, :-1]).logits
+        nll.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none"))
+    bits = torch.cat(nll).double() / math.log(2)
+    return {"bits_per_byte": float(bits.mean()), f"bits_per_byte_from_{far}": float(bits[:, far:].mean())}
+
+
 def bucket_accuracy(hits: np.ndarray, values: np.ndarray, edges: Sequence[float], prefix: str) -> dict[str, float]:
     """Mean of `hits` for `values` in each half-open bucket (edges[i], edges[i+1]]; NaN-free: empty
     buckets are left out, and `<prefix>_n_<bucket>` records how many examples each holds."""
