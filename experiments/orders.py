@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.runner import DemoTextExperiment, Family, Run, held_out_bits
+from experiments.runner import DemoTextExperiment, Family, Run, figure, held_out_bits, save_figure
 from model import CausalLM
 from model.entity_labels import capitalised_word_mask
 
@@ -100,14 +100,9 @@ class OrderDistribution(DemoTextExperiment):
         return metrics
 
     def plot(self, results: dict[str, Any], path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         runs = [r for r in results["runs"] if r["seed"] == 0]
         layers = sorted({k.split("/")[0] for r in runs for k in r["metrics"] if k.endswith("/hist")})
-        fig, axes = plt.subplots(len(runs), len(layers), figsize=(5 * len(layers), 3.2 * len(runs)), squeeze=False)
+        fig, axes = figure(len(runs), len(layers), (5 * len(layers), 3.2 * len(runs)))
         mids = (BINS[:-1] + BINS[1:]) / 2
         for row, record in zip(axes, runs):
             for ax, layer in zip(row, layers):
@@ -119,10 +114,7 @@ class OrderDistribution(DemoTextExperiment):
                 ax.set_ylabel("share of bytes")
                 ax.grid(True, alpha=0.3)
                 ax.legend(fontsize=8)
-        fig.suptitle(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, results, path)
 
 
 EXPERIMENTS = [

@@ -19,8 +19,10 @@ from experiments.runner import (
     bar_plot,
     bucket_accuracy,
     eval_task,
+    figure,
     held_out_bits,
     predictions,
+    save_figure,
 )
 from model import CausalLM, build_model
 
@@ -147,12 +149,8 @@ class GradientWakeUp(Experiment):
         }
 
     def plot(self, results: dict[str, Any], path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, grid = figure(1, 2, (11, 4))
+        axes = grid[0]
         colours = dict(zip(results["families"], ("tab:blue", "tab:red", "tab:green")))
         for record in results["runs"]:
             curve = record["metrics"]["curve"]
@@ -166,10 +164,7 @@ class GradientWakeUp(Experiment):
             ax.set_title(title, fontsize=10)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-        fig.suptitle(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, results, path)
 
 
 EXPERIMENTS = [

@@ -295,6 +295,26 @@ def bucket_accuracy(hits: np.ndarray, values: np.ndarray, edges: Sequence[float]
     return out
 
 
+def figure(rows: int, cols: int, size: tuple[float, float]) -> tuple[Any, np.ndarray]:
+    """A matplotlib figure (headless backend) and its axes as a [rows, cols] array."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, cols, figsize=size, squeeze=False)
+
+
+def save_figure(fig: Any, results: dict[str, Any], path: Path) -> None:
+    """Title the figure after the experiment (marking quick runs), write the PNG, free it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def bar_plot(
     results: dict[str, Any],
     keys: Sequence[str],
@@ -305,15 +325,11 @@ def bar_plot(
 ) -> None:
     """Grouped bars (one group per key, one bar per family), error bars = spread over seeds; an
     optional dashed line at a chance level (label, value)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summary = results["summary"]
     families = list(summary)
     width = 0.8 / max(1, len(families))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys) + 2), 4))
+    fig, axes = figure(1, 1, (max(6, 1.6 * len(keys) + 2), 4))
+    ax = axes[0, 0]
     for i, family in enumerate(families):
         means = [summary[family].get(k, {}).get("mean", np.nan) for k in keys]
         stds = [summary[family].get(k, {}).get("std", 0.0) for k in keys]
@@ -323,9 +339,6 @@ def bar_plot(
         ax.axhline(chance[1], color="black", linestyle="--", linewidth=0.8, label=chance[0])
     ax.set_xticks(np.arange(len(keys)), labels)
     ax.set_ylabel(ylabel)
-    ax.set_title(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, results, path)
