@@ -24,13 +24,13 @@ from model import build_model
 from model.config import ModelConfig
 
 
-def _model_tree(path: Path) -> dict[str, Any]:
+def model_tree(path: Path) -> dict[str, Any]:
     """The merged `model:` mapping of a YAML file and the files it extends (later keys win)."""
     data = yaml.safe_load(path.read_text()) or {}
     parents = data.get("extends", [])
     tree: dict[str, Any] = {}
     for parent in [parents] if isinstance(parents, str) else parents:
-        tree = _merge(tree, _model_tree(path.parent / parent))
+        tree = _merge(tree, model_tree(path.parent / parent))
     return _merge(tree, data.get("model", {}))
 
 
@@ -54,7 +54,7 @@ def _build(cls: type, tree: dict[str, Any]) -> Any:
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """ModelConfig from a YAML file's `model:` section (the trainer's loader validates types too)."""
-    return _build(ModelConfig, _model_tree(Path(path)))
+    return _build(ModelConfig, model_tree(Path(path)))
 
 
 def summarize(config: ModelConfig, seq_len: int | None = None) -> dict[str, Any]:
