@@ -211,10 +211,19 @@ def predict_loss(constants: dict[str, float], n: np.ndarray, d: np.ndarray) -> n
     return c["E"] + c["A"] / np.asarray(n, float) ** c["alpha"] + c["B"] / np.asarray(d, float) ** c["beta"]
 
 
+def optimal_allocation(fit: dict[str, Any], flops: np.ndarray, flops_per_param_token: float) -> tuple[np.ndarray, np.ndarray]:
+    """N*(C), D*(C) minimising the fitted L(N, D) subject to C = k N D (k: FLOPs per parameter per token)."""
+    alpha, beta, a, b = fit["alpha"], fit["beta"], fit["A"], fit["B"]
+    g = (alpha * a / (beta * b)) ** (1 / (alpha + beta))
+    scaled = flops / flops_per_param_token
+    n_opt = g * scaled ** (beta / (alpha + beta))
+    return n_opt, scaled / n_opt
+
+
 # ----------------------------------------------------------------------------- isoFLOP minima
 
 
-def _budget_groups(data: FamilyData) -> dict[float, np.ndarray]:
+def budget_groups(data: FamilyData) -> dict[float, np.ndarray]:
     """Indices of the runs of each compute budget (the nominal budget, else FLOPs to 2 digits)."""
     if data.budget is not None and not np.isnan(data.budget).any():
         keys = data.budget
@@ -258,7 +267,7 @@ def _power_law(budgets: np.ndarray, values: np.ndarray) -> tuple[float, float]:
 def fit_isoflop(data: FamilyData, bootstrap: int = 200, seed: int = 0) -> dict[str, Any]:
     """Per-budget minima and the exponents of N*(C) and D*(C); a "skipped" reason when they cannot
     be fitted (no FLOPs/budget column, fewer than 3 runs per budget, fewer than 2 usable budgets)."""
-    groups = _budget_groups(data)
+    groups = budget_groups(data)
     if not groups:
         return {"skipped": "no flops or budget column to group runs into isoFLOP curves"}
     minima = _minima(data, groups)
