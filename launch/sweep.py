@@ -22,8 +22,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # planning builds models only to count them
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain.scaling import ScalingFitError  # noqa: E402
-from pretrain.sweep import SweepError, cell_status, collect_results, format_plan, load_sweep, plan_sweep  # noqa: E402
+from pretrain.scaling import ScalingFitError
+from pretrain.sweep import SweepError, cell_status, collect_results, format_plan, load_sweep, plan_sweep
 
 EXIT_BAD_INPUT = 2
 
@@ -57,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
 def _collect(args: argparse.Namespace) -> int:
     sweep = load_sweep(args.sweep)
     cells, _ = plan_sweep(sweep)
-    rows, missing = collect_results(sweep, cells)
+    rows, missing = collect_results(cells)
     out = Path(args.out) if args.out else sweep.out
     out.mkdir(parents=True, exist_ok=True)
     if rows:
@@ -97,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run = commands.add_parser("run", help="train every unfinished cell")
     run.add_argument("--sweep", required=True)
     run.add_argument("--executor", choices=["local", "slurm", "print"], default="local")
-    run.add_argument("--parallel", type=int, default=1, help="local cells at a time; the cores are divided between them")
+    run.add_argument("--parallel", type=int, default=1,
+                     help="local cells at a time; the cores are divided between them")
     collect = commands.add_parser("collect", help="gather finished cells into results.csv and results.jsonl")
     collect.add_argument("--sweep", required=True)
     collect.add_argument("--out", help="directory for the results (default: the sweep's out)")

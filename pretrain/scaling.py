@@ -83,8 +83,10 @@ def load_results(path: str | Path, params_column: str = "params") -> dict[str, F
         needed = ["family", params_column, "tokens", "loss"]
         missing = [c for c in needed if c not in columns]
         if missing:
-            raise ScalingFitError(f"{path}: missing column(s) {', '.join(missing)}; found {', '.join(columns) or 'none'}; "
-                                  f"a results file needs at least {', '.join(needed)}")
+            raise ScalingFitError(
+                f"{path}: missing column(s) {', '.join(missing)}; found {', '.join(columns) or 'none'}; "
+                f"a results file needs at least {', '.join(needed)}"
+            )
         rows: dict[str, list[tuple[float, float, float, float, float]]] = {}
         for line, row in enumerate(reader, start=2):
             where = f"{path}: line {line}"
@@ -211,7 +213,9 @@ def predict_loss(constants: dict[str, float], n: np.ndarray, d: np.ndarray) -> n
     return c["E"] + c["A"] / np.asarray(n, float) ** c["alpha"] + c["B"] / np.asarray(d, float) ** c["beta"]
 
 
-def optimal_allocation(fit: dict[str, Any], flops: np.ndarray, flops_per_param_token: float) -> tuple[np.ndarray, np.ndarray]:
+def optimal_allocation(
+    fit: dict[str, Any], flops: np.ndarray, flops_per_param_token: float
+) -> tuple[np.ndarray, np.ndarray]:
     """N*(C), D*(C) minimising the fitted L(N, D) subject to C = k N D (k: FLOPs per parameter per token)."""
     alpha, beta, a, b = fit["alpha"], fit["beta"], fit["A"], fit["B"]
     g = (alpha * a / (beta * b)) ** (1 / (alpha + beta))
@@ -329,8 +333,12 @@ def format_fit(fits: dict[str, dict[str, Any]]) -> str:
     for family, fit in fits.items():
         lines.append(f"| {family} | {fit['n_points']} | " + " | ".join(_with_ci(fit, k) for k in PARAMETERS)
                      + f" | {fit['rms_log_residual']:.4f} |")
-    lines += ["", "| family | N* ~ C^a (parametric) | D* ~ C^b (parametric) | N* ~ C^a (isoFLOP) | D* ~ C^b (isoFLOP) | budgets |",
-              "|---|---|---|---|---|---:|"]
+    lines += [
+        "",
+        "| family | N* ~ C^a (parametric) | D* ~ C^b (parametric) | N* ~ C^a (isoFLOP) | D* ~ C^b (isoFLOP) "
+        "| budgets |",
+        "|---|---|---|---|---|---:|",
+    ]
     for family, fit in fits.items():
         iso = fit["isoflop"]
         if "skipped" in iso:

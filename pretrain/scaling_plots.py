@@ -8,10 +8,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from pretrain.scaling import FamilyData, budget_groups, optimal_allocation, predict_loss  # noqa: E402
+from pretrain.scaling import FamilyData, budget_groups, optimal_allocation, predict_loss
 
 
 def _panels(count: int) -> tuple[plt.Figure, list[plt.Axes]]:

@@ -66,6 +66,7 @@ class Cell:
     params_no_embed: int
     flops_per_token: float
     seq_len: int
+    tokenizer: str  # "bytes" makes the held-out loss bits per byte
     tokens_per_step: int
     steps: int
     lr: float
@@ -129,7 +130,8 @@ def _flatten(tree: dict[str, Any], prefix: str) -> list[str]:
         if isinstance(value, dict):
             items.extend(_flatten(value, dotted))
         else:
-            items.append(f"{dotted}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+            text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+            items.append(f"{dotted}={text}")
     return items
 
 
@@ -175,7 +177,7 @@ def _parse_shapes(value: Any, where: str) -> list[Shape]:
             raise SweepError(f"{here}: expected a mapping with d_model, n_layers and n_heads or head_dim, got {item!r}")
         unknown = set(item) - {"d_model", "n_layers", "n_heads", "head_dim"}
         if unknown:
-            raise SweepError(f"{here}: unknown keys {sorted(unknown)}; a shape takes d_model, n_layers, n_heads, head_dim")
+            raise SweepError(f"{here}: unknown keys {sorted(unknown)}; shapes take d_model, n_layers, n_heads/head_dim")
         d_model, n_layers = int(item["d_model"]), int(item["n_layers"])
         if "n_heads" in item:
             n_heads = int(item["n_heads"])
@@ -326,7 +328,9 @@ def plan_sweep(sweep: Sweep) -> tuple[list[Cell], list[str]]:
         for family in sweep.families:
             if not any(c.budget == budget and c.family == family for c in cells):
                 reasons = "\n  ".join(s for s in skipped if s.startswith(f"{family} ") and f"budget {budget:.3g}" in s)
-                raise SweepError(f"{sweep.path}: budgets: no shape of family {family} can meet {budget:.3g} FLOPs:\n  {reasons}")
+                raise SweepError(
+                    f"{sweep.path}: budgets: no shape of family {family} can meet {budget:.3g} FLOPs:\n  {reasons}"
+                )
     # smallest budgets first, all families side by side: a sweep cut short still has whole isoFLOP curves
     order = list(sweep.families)
     cells.sort(key=lambda c: (c.budget is None, c.budget or c.ratio, order.index(c.family), c.params, c.seed))
@@ -353,7 +357,7 @@ def _make_cell(sweep: Sweep, cfg: RunConfig, family: str, shape: Shape, seed: in
     params, params_no_embed, fpt = measured
     lr = sweep.lr["base"] * (sweep.lr["d_model"] / shape.d_model) ** sweep.lr["exponent"]
     cell = Cell(family, shape, seed, budget, ratio, params, params_no_embed, fpt, cfg.data.seq_len,
-                cfg.train.global_batch * cfg.data.seq_len, steps, lr, "", [])
+                cfg.data.tokenizer, cfg.train.global_batch * cfg.data.seq_len, steps, lr, "", [])
     run_dir = sweep.out / cell.name
     cell.run_dir = str(run_dir)
     cell.overrides = [
@@ -431,10 +435,8 @@ def train_time(run_dir: Path) -> float:
     return seconds
 
 
-def collect_results(sweep: Sweep, cells: list[Cell]) -> tuple[list[dict[str, Any]], list[str]]:
+def collect_results(cells: list[Cell]) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per finished cell (loss named by unit), and the names of unfinished cells."""
-    cfg_tokenizer = _resolve(sweep, sweep.overrides, f"{sweep.path}").data.tokenizer
-    unit = "bits_per_byte" if cfg_tokenizer == "bytes" else "bits_per_token"
     rows, missing = [], []
     for cell in cells:
         run_dir = Path(cell.run_dir)
@@ -448,7 +450,8 @@ def collect_results(sweep: Sweep, cells: list[Cell]) -> tuple[list[dict[str, Any
             "flops": cell.flops, "budget": cell.budget if cell.budget is not None else "",
             "params_no_embed": cell.params_no_embed, "d_model": cell.shape.d_model,
             "n_layers": cell.shape.n_layers, "seed": cell.seed, "steps": cell.steps,
-            "loss_unit": unit, "loss_metric": loss[0], "train_seconds": round(seconds, 2),
+            "loss_unit": "bits_per_byte" if cell.tokenizer == "bytes" else "bits_per_token",
+            "loss_metric": loss[0], "train_seconds": round(seconds, 2),
             "tokens_per_s": round(cell.tokens / seconds, 1) if seconds > 0 else "",
             "lr": cell.lr, "run_dir": cell.run_dir,
         })
@@ -458,7 +461,8 @@ def collect_results(sweep: Sweep, cells: list[Cell]) -> tuple[list[dict[str, Any
 def format_plan(cells: list[Cell]) -> str:
     """The plan as a Markdown table, one row per cell."""
     lines = [
-        "| cell | family | params | non-embedding | tokens | tokens/param | FLOPs | budget error | steps | lr | run dir |",
+        "| cell | family | params | non-embedding | tokens | tokens/param | FLOPs | budget error | steps | lr "
+        "| run dir |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in cells:

@@ -72,7 +72,8 @@ class LocalExecutor:
         threads = str(len(cores))
         env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, NUMBA_NUM_THREADS=threads,
                    PYTHONUNBUFFERED="1")
-        launcher = [sys.executable if w == "python" else w for w in shlex.split(os.path.expandvars(self.sweep.launcher))]
+        words = shlex.split(os.path.expandvars(self.sweep.launcher))
+        launcher = [sys.executable if w == "python" else w for w in words]
         with open(run_dir / "train.log", "ab") as log:
             return subprocess.Popen(
                 [*launcher, *cell_arguments(self.sweep, cell)], stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -79,7 +79,8 @@ def test_fit_command_writes_json_and_plots(tmp_path: Path, capsys: pytest.Captur
     ("content", "message"),
     [
         ("family,params,loss\nx,1,2\n", "missing column(s) tokens"),
-        ("family,params,tokens,loss\nx,1e6,1e9,2.0\nx,-5,1e9,2.0\n", "line 3: column params: expected a positive number, got '-5'"),
+        ("family,params,tokens,loss\nx,1e6,1e9,2.0\nx,-5,1e9,2.0\n",
+         "line 3: column params: expected a positive number, got '-5'"),
         ("family,params,tokens,loss\nx,1e6,0,2.0\n", "line 2: column tokens: expected a positive number, got '0'"),
         ("family,params,tokens,loss\nx,1e6,1e9,abc\n", "line 2: column loss: expected a positive number, got 'abc'"),
         ("family,params,tokens,loss,flops\nx,1e6,1e9,2,-1\n", "line 2: column flops"),
@@ -96,7 +97,8 @@ def test_bad_results_file_is_refused(tmp_path: Path, content: str, message: str)
 
 def test_fewer_points_than_parameters_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "results.csv"
-    path.write_text("family,params,tokens,loss\n" + "".join(f"few,{1e6 * (i + 1)},{1e9},{3 - 0.1 * i}\n" for i in range(4)))
+    rows = "".join(f"few,{1e6 * (i + 1)},{1e9},{3 - 0.1 * i}\n" for i in range(4))
+    path.write_text("family,params,tokens,loss\n" + rows)
     assert sweep_main(["fit", "--results", str(path)]) == 2
     assert "family few: 4 points: the parametric fit has 5 parameters" in capsys.readouterr().err
 
