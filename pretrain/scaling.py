@@ -60,6 +60,7 @@ class FamilyData:
     loss: np.ndarray
     flops: np.ndarray | None
     budget: np.ndarray | None  # the nominal budget of each run (NaN where none), groups isoFLOP curves
+    loss_unit: str = "loss"  # from a loss_unit column when the results have one
 
 
 def _positive(value: str, where: str) -> float:
@@ -88,6 +89,7 @@ def load_results(path: str | Path, params_column: str = "params") -> dict[str, F
                 f"a results file needs at least {', '.join(needed)}"
             )
         rows: dict[str, list[tuple[float, float, float, float, float]]] = {}
+        units: dict[str, str] = {}
         for line, row in enumerate(reader, start=2):
             where = f"{path}: line {line}"
             family = (row.get("family") or "").strip()
@@ -99,13 +101,14 @@ def load_results(path: str | Path, params_column: str = "params") -> dict[str, F
             c = _positive(row["flops"], f"{where}: column flops") if row.get("flops") not in (None, "") else math.nan
             b = _positive(row["budget"], f"{where}: column budget") if row.get("budget") not in (None, "") else math.nan
             rows.setdefault(family, []).append((n, d, loss, c, b))
+            units[family] = (row.get("loss_unit") or "loss").replace("_", " ")
     if not rows:
         raise ScalingFitError(f"{path}: no rows")
     data = {}
     for family, values in rows.items():
         n, d, loss, c, b = (np.array(v) for v in zip(*values))
         data[family] = FamilyData(family, n, d, loss, None if np.isnan(c).any() else c,
-                                  None if np.isnan(b).all() else b)
+                                  None if np.isnan(b).all() else b, units[family])
     return data
 
 

@@ -34,7 +34,8 @@ def plot_isoflops(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], 
                 ax.plot(np.exp(grid), c0 + c1 * grid + c2 * grid**2, color=colour, lw=1)
         for m in fits[family]["isoflop"].get("minima", []):
             ax.scatter(m["N_opt"], m["loss_opt"], marker="*", s=90, color="red", zorder=3)
-        ax.set(xscale="log", xlabel="parameters N", ylabel="held-out loss", title=f"{family}: isoFLOP curves")
+        ax.set(xscale="log", xlabel="parameters N", ylabel=f"held-out {fd.loss_unit}",
+               title=f"{family}: isoFLOP curves")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -61,7 +62,8 @@ def plot_frontier(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], 
         n_opt, d_opt = optimal_allocation(fit, c, per)
         ax.plot(c, predict_loss(fit, n_opt, d_opt), color=colour, ls="--", lw=1, label=f"{family}: fit at N*(C)")
     xlabel = "training FLOPs C" + (" (6ND where the results give none)" if estimated else "")
-    ax.set(xscale="log", xlabel=xlabel, ylabel="held-out loss", title="loss against compute")
+    units = sorted({fd.loss_unit for fd in data.values()})
+    ax.set(xscale="log", xlabel=xlabel, ylabel=f"held-out {' / '.join(units)}", title="loss against compute")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

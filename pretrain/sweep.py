@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import shlex
 import weakref
@@ -419,19 +420,22 @@ def cell_status(cell: Cell) -> str:
     return "partial" if (run_dir / "config.yaml").is_file() else "todo"
 
 
-def train_time(run_dir: Path) -> float:
-    """Seconds spent in training steps (summed over every logged window, all attempts)."""
-    seconds = 0.0
-    last_step = 0
+def train_time(run_dir: Path, tokens_per_step: int) -> float:
+    """Seconds spent in training steps, from the throughput logged for each window (every attempt
+    of the run; the first window after a resume is taken as one logging interval long)."""
+    records = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             record = json.loads(line)
-            if "perf/tokens_per_s" in record and record["perf/tokens_per_s"] > 0:
-                steps = record["step"] - last_step if record["step"] > last_step else record["step"]
-                tokens = steps * record["train/tokens_seen"] / max(record["step"], 1)
-                seconds += tokens / record["perf/tokens_per_s"]
-            if "step" in record and "train/loss" in record:
-                last_step = record["step"]
+            if record.get("perf/tokens_per_s", 0) > 0:
+                records.append((record["step"], record["perf/tokens_per_s"]))
+    deltas = [b[0] - a[0] for a, b in itertools.pairwise(records) if b[0] > a[0]]
+    interval = max(set(deltas), key=deltas.count) if deltas else (records[0][0] if records else 0)
+    seconds, previous = 0.0, 0
+    for step, rate in records:
+        steps = step - previous if step > previous else min(step, interval)
+        seconds += steps * tokens_per_step / rate
+        previous = step
     return seconds
 
 
@@ -444,7 +448,7 @@ def collect_results(cells: list[Cell]) -> tuple[list[dict[str, Any]], list[str]]
         if loss is None:
             missing.append(cell.name)
             continue
-        seconds = train_time(run_dir)
+        seconds = train_time(run_dir, cell.tokens_per_step)
         rows.append({
             "family": cell.family, "params": cell.params, "tokens": cell.tokens, "loss": loss[1],
             "flops": cell.flops, "budget": cell.budget if cell.budget is not None else "",
