@@ -27,7 +27,7 @@ from torch import nn
 
 from model import build_model
 from model.config import ModelConfig
-from model.summary import model_tree
+from model.config_loader import read_tree
 from pretrain.checkpoint import MANIFEST, step_dir_name
 from pretrain.config import ConfigError, RunConfig, load_config
 
@@ -151,7 +151,11 @@ def _model_overrides(path: Path, where: str) -> list[str]:
     """A model file's `model:` section (following its `extends`) as dotted overrides."""
     if not path.is_file():
         raise SweepError(f"{where}: model file {path} not found")
-    return _flatten(model_tree(path), "model")
+    try:
+        tree, _ = read_tree(path)
+    except ConfigError as err:
+        raise SweepError(f"{where}: {err}") from err
+    return _flatten(tree.get("model") or {}, "model")
 
 
 def _number_list(value: Any, where: str, kind: type = float) -> list:
