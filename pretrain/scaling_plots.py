@@ -19,6 +19,13 @@ def _panels(count: int) -> tuple[plt.Figure, list[plt.Axes]]:
     return fig, list(axes[0])
 
 
+def _save(fig: plt.Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_isoflops(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], path: Path) -> Path:
     """Per family: loss against N for each budget, the parabola through it and its minimum."""
     fig, axes = _panels(len(data))
@@ -37,10 +44,7 @@ def plot_isoflops(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], 
         ax.set(xscale="log", xlabel="parameters N", ylabel=f"held-out {fd.loss_unit}",
                title=f"{family}: isoFLOP curves")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_frontier(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -65,10 +69,7 @@ def plot_frontier(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], 
     units = sorted({fd.loss_unit for fd in data.values()})
     ax.set(xscale="log", xlabel=xlabel, ylabel=f"held-out {' / '.join(units)}", title="loss against compute")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_optimal_sizes(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -88,10 +89,7 @@ def plot_optimal_sizes(data: dict[str, FamilyData], fits: dict[str, dict[str, An
     for ax, key, name in zip(axes, ("N", "D"), ("parameters", "tokens")):
         ax.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel=f"compute-optimal {name} {key}*")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_residuals(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -103,10 +101,7 @@ def plot_residuals(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]],
         ax.axhline(0, color="grey", lw=0.8)
         ax.set(xscale="log", xlabel="parameters N", ylabel="log L - log L_fit", title=f"{family}: residuals")
         fig.colorbar(points, ax=ax, label="log10 tokens/param")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_all(data: dict[str, FamilyData], fits: dict[str, dict[str, Any]], directory: Path) -> list[Path]:

@@ -197,14 +197,10 @@ def _parse_shapes(value: Any, where: str) -> list[Shape]:
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file; every problem names the file and the key."""
     path = Path(path)
-    if not path.is_file():
-        raise SweepError(f"{path}: sweep file not found")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise SweepError(f"{path}: not valid YAML: {err}") from err
-    if not isinstance(data, dict):
-        raise SweepError(f"{path}: expected a mapping at the top level")
+        data, _ = read_tree(path)
+    except ConfigError as err:
+        raise SweepError(str(err)) from err
     unknown = set(data) - SWEEP_KEYS
     if unknown:
         raise SweepError(f"{path}: unknown keys {sorted(unknown)}; a sweep file accepts {sorted(SWEEP_KEYS)}")
