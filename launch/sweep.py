@@ -76,7 +76,7 @@ def _fit(args: argparse.Namespace) -> int:
     from pretrain.scaling import fit_results, format_fit, load_results
 
     data = load_results(args.results, params_column=args.params_column)
-    fits = fit_results(data, bootstrap=args.bootstrap, seed=args.seed)
+    fits = fit_results(data, bootstrap=args.bootstrap, seed=args.seed, starts=args.starts or None)
     print(format_fit(fits))
     if args.json:
         Path(args.json).write_text(json.dumps(fits, indent=1))
@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fit.add_argument("--params-column", default="params", help="the CSV column used as N (e.g. params_no_embed)")
     fit.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
     fit.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
+    fit.add_argument("--starts", type=int, default=100,
+                     help="L-BFGS-B runs from this many of the best grid starting points; 0: from all 4,500")
     return parser.parse_args(argv)
 
 

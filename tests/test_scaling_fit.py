@@ -65,7 +65,7 @@ def test_fit_command_writes_json_and_plots(tmp_path: Path, capsys: pytest.Captur
     write_planted(results)
     out, plots = tmp_path / "fit.json", tmp_path / "plots"
     assert sweep_main(["fit", "--results", str(results), "--json", str(out), "--plots", str(plots),
-                       "--bootstrap", "10"]) == 0
+                       "--bootstrap", "10", "--starts", "10"]) == 0
     fit = json.loads(out.read_text())
     assert set(fit) == set(PLANTED)
     for family_fit in fit.values():
