@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import shlex
 import weakref
 from collections.abc import Iterator
@@ -208,7 +209,7 @@ def load_sweep(path: str | Path) -> Sweep:
         if key not in data:
             raise SweepError(f"{path}: {key}: required")
     here = path.parent
-    base = here / data["base"]
+    base = Path(os.path.normpath(here / data["base"]))
     if not base.is_file():
         raise SweepError(f"{path}: base: run config {base} not found")
     families_raw = data["families"]
