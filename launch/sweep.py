@@ -23,7 +23,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # planning builds models only to 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.scaling import ScalingFitError
-from pretrain.sweep import SweepError, cell_status, collect_results, format_plan, load_sweep, plan_sweep
+from pretrain.sweep import SweepError, format_plan, load_sweep, plan_sweep
+from pretrain.sweep_results import cell_status, collect_results
 
 EXIT_BAD_INPUT = 2
 

@@ -6,16 +6,14 @@ learning-rate rule. `plan_sweep` turns it into cells: each cell is an ordinary r
 `launch/pretrain.py --config <base> <dotted overrides>`, sized so that the model's own
 `flops_per_token` times the tokens it trains on meets the cell's budget to within 1%.
 
-A cell is finished when its final checkpoint is committed and its metrics hold the held-out loss
-of the final step; `collect_results` gathers those into one table.
+What the cells leave behind is read by pretrain/sweep_results.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
-import json
+import math
 import os
 import shlex
 import weakref
@@ -29,7 +27,6 @@ from torch import nn
 from model import build_model
 from model.config import ModelConfig
 from model.config_loader import read_tree
-from pretrain.checkpoint import MANIFEST, step_dir_name
 from pretrain.config import ConfigError, RunConfig, load_config
 
 BUDGET_TOLERANCE = 0.01  # a cell's FLOPs may miss its budget by at most 1%
@@ -53,6 +50,20 @@ class Shape:
     @property
     def tag(self) -> str:
         return f"d{self.d_model}-l{self.n_layers}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamTarget:
+    """A shape given as a parameter count: resolved per family to the depth, with
+    d_model = aspect_ratio x depth (rounded to a multiple of head_dim), nearest the target."""
+
+    params: float
+    aspect_ratio: float
+    head_dim: int
+
+    def shape(self, depth: int) -> Shape:
+        width = max(1, round(self.aspect_ratio * depth / self.head_dim)) * self.head_dim
+        return Shape(width, depth, width // self.head_dim)
 
 
 @dataclasses.dataclass
@@ -108,7 +119,7 @@ class Sweep:
     base: Path
     out: Path
     families: dict[str, list[str]]  # family -> dotted overrides (its model file, then its own)
-    shapes: list[Shape]
+    shapes: list[Shape | ParamTarget]
     budgets: list[float]
     ratios: list[float]
     ratio_range: tuple[float, float] | None
@@ -173,12 +184,26 @@ def _number_list(value: Any, where: str, kind: type = float) -> list:
     return out
 
 
-def _parse_shapes(value: Any, where: str) -> list[Shape]:
+def _parse_target(item: dict[str, Any], here: str) -> ParamTarget:
+    if set(item) != {"params", "aspect_ratio", "head_dim"}:
+        raise SweepError(f"{here}: a parameter target takes exactly params, aspect_ratio (d_model / n_layers) "
+                         f"and head_dim, got {sorted(item)}")
+    target = ParamTarget(*_number_list([item["params"], item["aspect_ratio"]], here), int(item["head_dim"]))
+    if target.head_dim < 2 or target.head_dim % 2:
+        raise SweepError(f"{here}: head_dim: expected an even number >= 2, got {item['head_dim']!r}")
+    return target
+
+
+def _parse_shapes(value: Any, where: str) -> list[Shape | ParamTarget]:
     if not isinstance(value, list) or not value:
-        raise SweepError(f"{where}: expected a non-empty list of {{d_model, n_layers, n_heads or head_dim}}")
-    shapes = []
+        raise SweepError(f"{where}: expected a non-empty list of {{d_model, n_layers, n_heads or head_dim}} "
+                         f"or {{params, aspect_ratio, head_dim}}")
+    shapes: list[Shape | ParamTarget] = []
     for i, item in enumerate(value):
         here = f"{where}[{i}]"
+        if isinstance(item, dict) and "params" in item:
+            shapes.append(_parse_target(item, here))
+            continue
         if not isinstance(item, dict) or not {"d_model", "n_layers"} <= set(item):
             raise SweepError(f"{here}: expected a mapping with d_model, n_layers and n_heads or head_dim, got {item!r}")
         unknown = set(item) - {"d_model", "n_layers", "n_heads", "head_dim"}
@@ -296,6 +321,32 @@ def _resolve(sweep: Sweep, overrides: list[str], where: str) -> RunConfig:
         raise SweepError(f"{where}: {err}") from err
 
 
+def _shape_overrides(shape: Shape) -> list[str]:
+    return [f"model.d_model={shape.d_model}", f"model.n_layers={shape.n_layers}", f"model.n_heads={shape.n_heads}"]
+
+
+def _resolve_target(sweep: Sweep, family: str, overrides: list[str], target: ParamTarget) -> Shape:
+    """The depth (and so the shape) whose parameter count is nearest the target on a log scale;
+    counts grow with depth, so a doubling search then bisection needs a dozen model builds at most."""
+    counts: dict[int, int] = {}
+
+    def count(depth: int) -> int:
+        if depth not in counts:
+            shape = target.shape(depth)
+            cfg = _resolve(sweep, [*overrides, *_shape_overrides(shape)], f"{sweep.path}: family {family} {shape.tag}")
+            counts[depth] = measure_model(cfg.model, cfg.data.seq_len)[0]
+        return counts[depth]
+
+    low, high = 1, 1
+    while count(high) < target.params and high < 1024:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if count(middle) < target.params else (low, middle)
+    best = min((low, high), key=lambda d: abs(math.log(count(d) / target.params)))
+    return target.shape(best)
+
+
 def plan_sweep(sweep: Sweep) -> tuple[list[Cell], list[str]]:
     """Every cell of the sweep, and one line per (shape, budget) left out with the reason.
 
@@ -306,9 +357,15 @@ def plan_sweep(sweep: Sweep) -> tuple[list[Cell], list[str]]:
     cells: list[Cell] = []
     skipped: list[str] = []
     for family, family_overrides in sweep.families.items():
-        for shape in sweep.shapes:
-            shape_overrides = [*family_overrides, *sweep.overrides, f"model.d_model={shape.d_model}",
-                               f"model.n_layers={shape.n_layers}", f"model.n_heads={shape.n_heads}"]
+        seen: set[Shape] = set()
+        for entry in sweep.shapes:
+            shape = entry if isinstance(entry, Shape) else _resolve_target(
+                sweep, family, [*family_overrides, *sweep.overrides], entry)
+            if shape in seen:
+                skipped.append(f"{family} {shape.tag}: listed twice (a parameter target resolved to it)")
+                continue
+            seen.add(shape)
+            shape_overrides = [*family_overrides, *sweep.overrides, *_shape_overrides(shape)]
             cfg = _resolve(sweep, shape_overrides, f"{sweep.path}: family {family} shape {shape.tag}")
             if not cfg.data.valid:
                 raise SweepError(f"{sweep.base}: data.valid: a sweep needs held-out data for each cell's final loss")
@@ -388,79 +445,6 @@ def cell_arguments(sweep: Sweep, cell: Cell) -> list[str]:
 def cell_shell_command(sweep: Sweep, cell: Cell) -> str:
     """One cell's command as a shell line (the launcher's $VARIABLES left for the shell to expand)."""
     return f"{sweep.launcher} {shlex.join(cell_arguments(sweep, cell))}"
-
-
-# ----------------------------------------------------------------------------- state of a cell
-
-
-def final_loss(run_dir: Path, steps: int) -> tuple[str, float] | None:
-    """(metric name, value) of the held-out loss logged at the final step, or None."""
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return None
-    found = None
-    for line in metrics.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if record.get("step") != steps:
-            continue
-        for key, value in record.items():
-            if key.startswith("eval/bits_per_token@"):
-                found = (key.removeprefix("eval/"), float(value))
-    return found
-
-
-def cell_status(cell: Cell) -> str:
-    """"done" (final checkpoint committed and final loss logged), "partial" (started) or "todo"."""
-    run_dir = Path(cell.run_dir)
-    final = run_dir / "checkpoints" / step_dir_name(cell.steps) / MANIFEST
-    if final.is_file() and final_loss(run_dir, cell.steps) is not None:
-        return "done"
-    return "partial" if (run_dir / "config.yaml").is_file() else "todo"
-
-
-def train_time(run_dir: Path, tokens_per_step: int) -> float:
-    """Seconds spent in training steps, from the throughput logged for each window (every attempt
-    of the run; the first window after a resume is taken as one logging interval long)."""
-    records = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            record = json.loads(line)
-            if record.get("perf/tokens_per_s", 0) > 0:
-                records.append((record["step"], record["perf/tokens_per_s"]))
-    deltas = [b[0] - a[0] for a, b in itertools.pairwise(records) if b[0] > a[0]]
-    interval = max(set(deltas), key=deltas.count) if deltas else (records[0][0] if records else 0)
-    seconds, previous = 0.0, 0
-    for step, rate in records:
-        steps = step - previous if step > previous else min(step, interval)
-        seconds += steps * tokens_per_step / rate
-        previous = step
-    return seconds
-
-
-def collect_results(cells: list[Cell]) -> tuple[list[dict[str, Any]], list[str]]:
-    """One row per finished cell (loss named by unit), and the names of unfinished cells."""
-    rows, missing = [], []
-    for cell in cells:
-        run_dir = Path(cell.run_dir)
-        loss = final_loss(run_dir, cell.steps) if cell_status(cell) == "done" else None
-        if loss is None:
-            missing.append(cell.name)
-            continue
-        seconds = train_time(run_dir, cell.tokens_per_step)
-        rows.append({
-            "family": cell.family, "params": cell.params, "tokens": cell.tokens, "loss": loss[1],
-            "flops": cell.flops, "budget": cell.budget if cell.budget is not None else "",
-            "params_no_embed": cell.params_no_embed, "d_model": cell.shape.d_model,
-            "n_layers": cell.shape.n_layers, "seed": cell.seed, "steps": cell.steps,
-            "loss_unit": "bits_per_byte" if cell.tokenizer == "bytes" else "bits_per_token",
-            "loss_metric": loss[0], "train_seconds": round(seconds, 2),
-            "tokens_per_s": round(cell.tokens / seconds, 1) if seconds > 0 else "",
-            "lr": cell.lr, "run_dir": cell.run_dir,
-        })
-    return rows, missing
 
 
 def format_plan(cells: list[Cell]) -> str:

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pretrain.sweep import Cell, Sweep, cell_arguments, cell_shell_command, cell_status, final_loss
+from pretrain.sweep import Cell, Sweep, cell_arguments, cell_shell_command
+from pretrain.sweep_results import cell_status, final_loss
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_PREEMPTED = 3

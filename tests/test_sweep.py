@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -18,7 +19,8 @@ from launch.sweep import main as sweep_main
 from model import build_model
 from pretrain.checkpoint import MANIFEST, step_dir_name
 from pretrain.config import load_config
-from pretrain.sweep import SweepError, cell_arguments, cell_status, load_sweep, plan_sweep
+from pretrain.sweep import SweepError, cell_arguments, load_sweep, plan_sweep
+from pretrain.sweep_results import cell_status
 from tests.launchers import REPO, kill_tree
 
 MODELS = REPO / "configs" / "model"
@@ -71,6 +73,30 @@ def test_plan_meets_each_budget_with_the_models_own_flops(tmp_path: Path, demo_s
     assert {"family", "params", "params_no_embed", "tokens", "flops", "steps", "run_dir"} <= set(rows[0])
 
 
+def test_parameter_targets_resolve_to_the_nearest_shape_per_family(
+    tmp_path: Path, demo_shards: dict[str, str]
+) -> None:
+    targets = [{"params": p, "aspect_ratio": 16, "head_dim": 8} for p in (2.0e4, 6.0e4)]
+    sweep = load_sweep(write_sweep(tmp_path, demo_shards, shapes=targets, budgets=[3.0e10]))
+    cells, _ = plan_sweep(sweep)
+    assert len(cells) == 4
+    for cell in cells:
+        target = 2.0e4 if cell.params < 4.0e4 else 6.0e4
+        assert cell.shape.d_model == max(1, round(16 * cell.shape.n_layers / 8)) * 8  # the aspect ratio rule
+        assert cell.shape.n_heads * 8 == cell.shape.d_model
+
+        def params_at(depth: int, family: str = cell.family) -> int:
+            width = max(1, round(16 * depth / 8)) * 8
+            cfg = load_config(sweep.base, [*sweep.families[family], *sweep.overrides, f"model.d_model={width}",
+                                           f"model.n_layers={depth}", f"model.n_heads={width // 8}"])
+            return build_model(cfg.model).num_parameters()
+
+        error = abs(np.log(cell.params / target))
+        for depth in (cell.shape.n_layers - 1, cell.shape.n_layers + 1):  # no neighbour is nearer
+            if depth >= 1:
+                assert error <= abs(np.log(params_at(depth) / target))
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -78,6 +104,7 @@ def test_plan_meets_each_budget_with_the_models_own_flops(tmp_path: Path, demo_s
         ({"budgets": [1.0e3]}, "no shape of family transformer can meet 1e+03 FLOPs"),
         ({"budgets": []}, "give budgets (FLOPs per cell) and/or tokens_per_param"),
         ({"budgets": [-1]}, "budgets: expected positive numbers"),
+        ({"shapes": [{"params": 1e5, "head_dim": 8}]}, "a parameter target takes exactly params, aspect_ratio"),
         ({"shapes": [{"d_model": 24, "n_layers": 1, "head_dim": 16}]}, "a head_dim that divides d_model=24"),
         ({"families": {"x": "missing.yaml"}}, "families.x.model: model file "),
         ({"families": {"x": "missing.yaml"}}, "missing.yaml not found"),
