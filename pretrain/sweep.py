@@ -1,4 +1,4 @@
-"""Scaling-law sweeps: a sweep file, the grid of training runs it stands for, and their results.
+"""Scaling-law sweeps: a sweep file and the grid of training runs it stands for.
 
 A sweep file (YAML, `configs/sweeps/*.yaml`) names one base run config, the model families, the
 model shapes, the FLOP budgets (isoFLOP) and/or tokens-per-parameter ratios, the seeds and a
@@ -84,6 +84,7 @@ class Cell:
     steps: int
     lr: float
     run_dir: str
+    checkpoint_root: str  # a path or fsspec URL: <run dir>/checkpoints unless the base config names a root
     overrides: list[str]
 
     @property
@@ -416,13 +417,17 @@ def _make_cell(sweep: Sweep, cfg: RunConfig, family: str, shape: Shape, seed: in
     params, params_no_embed, fpt = measured
     lr = sweep.lr["base"] * (sweep.lr["d_model"] / shape.d_model) ** sweep.lr["exponent"]
     cell = Cell(family, shape, seed, budget, ratio, params, params_no_embed, fpt, cfg.data.seq_len,
-                cfg.data.tokenizer, cfg.train.global_batch * cfg.data.seq_len, steps, lr, "", [])
+                cfg.data.tokenizer, cfg.train.global_batch * cfg.data.seq_len, steps, lr, "", "", [])
     run_dir = sweep.out / cell.name
     cell.run_dir = str(run_dir)
+    # a checkpoint root in the base config (e.g. s3://bucket/ckpt) gets one directory per cell under it
+    cell.checkpoint_root = (f"{cfg.checkpoint.dir.rstrip('/')}/{sweep.name}/{cell.name}" if cfg.checkpoint.dir
+                            else str(run_dir / "checkpoints"))
     cell.overrides = [
         *shape_overrides,
         f"run.name={sweep.name}-{cell.name.replace('/', '-')}",
         f"run.dir={run_dir}",
+        f"checkpoint.dir={cell.checkpoint_root}",
         f"run.seed={seed}",
         f"train.steps={steps}",
         f"train.lr={lr:.6g}",

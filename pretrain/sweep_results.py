@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fsspec.core import url_to_fs
+
 from pretrain.checkpoint import MANIFEST, step_dir_name
 from pretrain.sweep import Cell
 
@@ -35,8 +37,8 @@ def final_loss(run_dir: Path, steps: int) -> tuple[str, float] | None:
 def cell_status(cell: Cell) -> str:
     """"done" (final checkpoint committed and final loss logged), "partial" (started) or "todo"."""
     run_dir = Path(cell.run_dir)
-    final = run_dir / "checkpoints" / step_dir_name(cell.steps) / MANIFEST
-    if final.is_file() and final_loss(run_dir, cell.steps) is not None:
+    fs, root = url_to_fs(cell.checkpoint_root)
+    if fs.exists(f"{root}/{step_dir_name(cell.steps)}/{MANIFEST}") and final_loss(run_dir, cell.steps) is not None:
         return "done"
     return "partial" if (run_dir / "config.yaml").is_file() else "todo"
 
