@@ -19,6 +19,7 @@ docs/vort.md gives the design decisions and the parameter/FLOP table.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -53,8 +54,13 @@ def certified_kernel(banks: tuple[float, ...], horizon: int, eps: float) -> soe.
 
 def bank_orders(cfg: VortConfig) -> tuple[float, ...]:
     """The K bank orders on [delta, 1], spaced so each interval has about the same blend error."""
-    banks = soe.equidistributed_banks(cfg.n_banks, cfg.delta, cfg.soe_horizon)
-    return tuple(float(a) for a in banks)
+    return _bank_orders(cfg.n_banks, cfg.delta, cfg.soe_horizon)
+
+
+@functools.lru_cache(maxsize=64)
+def _bank_orders(n_banks: int, delta: float, horizon: int) -> tuple[float, ...]:
+    # Every layer of a model asks for the same orders; computing them costs about a second at a 512k horizon.
+    return tuple(float(a) for a in soe.equidistributed_banks(n_banks, delta, horizon))
 
 
 # ----------------------------------------------------------------------------- feature map
