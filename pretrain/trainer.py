@@ -6,7 +6,9 @@ pretrain/engines.py and everything on disk behind pretrain/checkpoint.py.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import signal
 import time
@@ -20,13 +22,15 @@ import torch
 
 from data_pipeline.shards import ManifestError, load_manifest
 from data_pipeline.stream import PackedStream, StreamLoader
+from data_pipeline.synthetic import TaskBatches, make_task
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
-from pretrain.engines import build_engine, device_for_rank, grad_accumulation_steps, init_distributed
+from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
+from pretrain.engines import Engine, build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.log import get_logger
-from pretrain.metrics import MetricsLogger, all_reduce_mean, all_reduce_sum, measure_peak_flops, memory_stats
+from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
 from pretrain.parallel_dims import dims_for, local_slice
 
@@ -62,8 +66,10 @@ class StopFlag:
 
 def check_data(cfg: RunConfig) -> None:
     """Fail fast, naming the path, when shards are missing or were built for another vocabulary."""
-    if not cfg.data.train:
-        raise DataError("data.train: no training sources configured")
+    if cfg.data.task is not None:
+        make_task_data(cfg, 0, 1)
+    elif not cfg.data.train:
+        raise DataError("data.train: no training sources configured (or data.task for a synthetic task)")
     for i, source in enumerate(cfg.data.train):
         try:
             manifest = load_manifest(source.path)
@@ -102,7 +108,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader:
+def make_task_data(cfg: RunConfig, rank: int, world: int) -> TaskBatches:
+    """Batches of the configured synthetic task (token ids must fit the model's vocabulary)."""
+    task = cfg.data.task
+    assert task is not None
+    params = dict(task.params)
+    vocab = int(params.pop("vocab_size", min(cfg.model.vocab_size, 256)))
+    if vocab > cfg.model.vocab_size:
+        raise DataError(f"data.task.params.vocab_size: {vocab} exceeds model.vocab_size={cfg.model.vocab_size}")
+    try:
+        generator = make_task(task.name, cfg.data.seq_len, vocab_size=vocab, seed=task.seed, **params)
+    except ValueError as err:
+        raise DataError(f"data.task: {err}") from err
+    if generator.max_len > cfg.data.seq_len:
+        raise DataError(
+            f"data.task: {task.name} examples reach {generator.max_len} tokens, "
+            f"more than data.seq_len={cfg.data.seq_len}"
+        )
+    return TaskBatches(generator, cfg.data.seq_len, cfg.train.micro_batch, rank, world)
+
+
+def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBatches:
+    if cfg.data.task is not None:
+        return make_task_data(cfg, rank, world)
     stream = PackedStream(
         [(s.path, s.weight) for s in cfg.data.train],
         seq_len=cfg.data.seq_len,
@@ -117,7 +145,7 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader:
     return StreamLoader(stream, num_workers=cfg.data.num_workers)
 
 
-def heldout_bits_per_token(cfg: RunConfig, engine: Any, rank: int, world: int) -> dict[str, float]:
+def heldout_bits_per_token(cfg: RunConfig, engine: Engine, rank: int, world: int) -> dict[str, float]:
     """Held-out loss at each configured context length, as bits per token (= per byte for byte
     models); every rank evaluates its share of the sequences and the sums are reduced."""
     results: dict[str, float] = {}
@@ -138,7 +166,7 @@ def heldout_bits_per_token(cfg: RunConfig, engine: Any, rank: int, world: int) -
     return results
 
 
-def evaluate_tasks(cfg: RunConfig, engine: Any, device: torch.device) -> dict[str, float]:
+def evaluate_tasks(cfg: RunConfig, engine: Engine, device: torch.device) -> dict[str, float]:
     """Synthetic long-context tasks (pretrain.evaluate's, streamed with the carried state) on rank
     0. Needs whole weights on every rank: single process or DeepSpeed ZeRO stage <= 2."""
     from data_pipeline.tokenizer import load_tokenizer
@@ -170,7 +198,7 @@ def model_statistics(model: CausalLM) -> tuple[dict[str, float], dict[str, torch
     return scalars, hists
 
 
-def _batches(loader: StreamLoader) -> Iterator[dict[str, torch.Tensor]]:
+def _batches(loader: StreamLoader | TaskBatches) -> Iterator[dict[str, torch.Tensor]]:
     while True:
         yield from loader
 
@@ -179,8 +207,10 @@ def _any_rank(flag: bool) -> bool:
     return all_reduce_sum([1.0 if flag else 0.0])[0] > 0
 
 
-def train(cfg: RunConfig, resume: str | None = None) -> int:
-    """Run (or continue) the configured training; returns the process exit code."""
+def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | None = None) -> int:
+    """Run (or continue) the configured training; returns the process exit code. After a
+    preemption save has committed, rank 0 writes `preempted_marker` (when given): the file a
+    batch script checks to requeue the job."""
     log = get_logger()
     started = time.time()
     check_data(cfg)
@@ -272,7 +302,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
                 "perf/tokens_per_s": tokens_per_s,
                 "perf/mfu": flops_per_token * tokens_per_s / (peak * world),
                 **memory_stats(),
-                **{f"data/{k}": v for k, v in loader.stream.stats().items()},
+                **{f"data/{k}": v for k, v in loader.stats().items()},
             }
             model_scalars, model_hists = model_statistics(model)
             metrics.log(state.step, {**scalars, **model_scalars}, model_hists)
@@ -301,8 +331,22 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     if exit_code == 0:
         save()
     checkpointer.wait()
+    if exit_code == EXIT_PREEMPTED and preempted_marker and rank == 0:
+        write_preempted_marker(Path(preempted_marker), state.step, checkpointer.last_committed, stop.signal)
     metrics.close()
+    # No rank leaves before rank 0 has committed: a launcher that kills the job when its first
+    # rank exits (srun --kill-on-bad-exit) would otherwise interrupt the commit.
+    barrier()
     return exit_code
+
+
+def write_preempted_marker(path: Path, step: int, checkpoint: str | None, signum: int | None) -> None:
+    """Atomically write the JSON note that asks the batch script to requeue this job."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reason = signal.Signals(signum).name if signum else "max_runtime"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "checkpoint": checkpoint, "reason": reason}) + "\n")
+    os.replace(tmp, path)
 
 
 def _projected_past(started: float, steps_done: int, cfg: RunConfig) -> bool:
