@@ -1,7 +1,7 @@
 """Streaming evaluation of an exported model on raw text, at context lengths up to 512k and beyond.
 
     python -m pretrain.evaluate --model <export dir> --data <text files> --context 4096,65536,524288 \\
-        [--chunk 2048] [--json out.json] [--plot out.png] [--tasks copy,needle,zipf]
+        [--chunk 2048] [--max-tokens 65536] [--json out.json] [--plot out.png] [--tasks copy,needle,zipf]
 
 The text files are tokenised with the export's tokenizer (each file is a document followed by
 EOS) and cut into consecutive, non-overlapping windows of each context length. A window is fed to
@@ -253,11 +253,18 @@ def evaluate(
     task_examples: int = 8,
     max_windows: int | None = None,
     device: str = "cpu",
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate an export directory; returns the JSON-able report (see module docstring)."""
+    """Evaluate an export directory; returns the JSON-able report (see module docstring).
+
+    `max_windows` caps the windows of every context; `max_tokens` caps each context at
+    max(1, max_tokens // context) windows, so that all contexts score about the same tokens.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise EvalError(f"{model_dir}: no such export directory")
+    if max_tokens is not None and max_tokens < 1:
+        raise EvalError(f"--max-tokens must be positive, got {max_tokens}")
     if chunk < 1 or not contexts or min(contexts) < 1:
         raise EvalError(f"--chunk and --context must be positive (chunk={chunk}, contexts={list(contexts)})")
     unknown = sorted(set(tasks) - set(TASKS))
@@ -285,7 +292,11 @@ def evaluate(
         "contexts": {},
     }
     for context in contexts:
-        result = evaluate_context(model, text, context, chunk, max_windows, dev)
+        limit = max_windows
+        if max_tokens is not None:
+            by_tokens = max(1, max_tokens // context)
+            limit = by_tokens if limit is None else min(limit, by_tokens)
+        result = evaluate_context(model, text, context, chunk, limit, dev)
         add_text_units(result, text, tok)
         report["contexts"][str(context)] = result
     if tasks:
@@ -310,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", type=_contexts, default=[4096], help="comma-separated context lengths")
     parser.add_argument("--chunk", type=int, default=2048, help="tokens per forward call (the state carries the rest)")
     parser.add_argument("--max-windows", type=int, default=None, help="at most this many windows per context")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="at most max(1, this // context) windows per context (equal token budgets)")
     parser.add_argument("--tasks", type=lambda v: [t for t in v.split(",") if t], default=[], help="copy,needle,zipf")
     parser.add_argument("--task-len", type=int, default=2048, help="tokens per synthetic-task example")
     parser.add_argument("--task-examples", type=int, default=8, help="examples per synthetic task")
@@ -328,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.task_examples,
             args.max_windows,
             args.device,
+            args.max_tokens,
         )
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)
