@@ -1,0 +1,156 @@
+"""Bits per byte against context on a held-out book (experiment 3) and the extrapolation fix (8).
+
+Every family is trained on the demo plays and poems with the demo model's size and budget
+(configs/experiments/books.yaml: 150 steps of 16 x 256 bytes) and scored on the held-out Austen
+novel at contexts from 256 to 65,536 bytes, on the same first 65,536 bytes of the book at every
+context (so a longer context sees the same text with more of it in memory), streamed in chunks
+with the carried state as pretrain.evaluate does. The softmax Transformer carries no memory
+between chunks, so it is scored with one chunk per window, up to 4,096 bytes.
+
+Experiment 8 trains the VORT variants that the memory probe (pretrain/memory_probe.py) points
+to: rotary positions off, the state carried across windows (train.carry_state), and both; for
+every VORT-family run it also records what the probe measures at the longest context.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_pipeline.build import build_shards
+from data_pipeline.tokenizer import byte_tokenizer
+from experiments.runner import REPO, Experiment, Family, Run
+from model import CausalLM
+from model.vort import VORT_KINDS
+from pretrain.config import RunConfig, load_config
+from pretrain.evaluate import evaluate_context, read_text
+from pretrain.memory_probe import probe
+
+DEMO = REPO / "data" / "demo"
+HELD_OUT = DEMO / "valid" / "northangerabbey.txt"
+CONTEXTS = (256, 1024, 4096, 16384, 65536)
+QUICK_CONTEXTS = (64, 256)
+TRANSFORMER_MAX = 4096  # whole-window attention; beyond it the window no longer fits one chunk
+CHUNK = 1024
+TRAIN_LEN = 256  # data.seq_len of configs/experiments/books.yaml (through demo.yaml)
+
+BOOKS_FAMILIES = (
+    Family("vort"),
+    Family("pl", ("model.kind=pl",)),
+    Family("exp", ("model.kind=exp",)),
+    Family("m5", ("model.kind=m5",)),
+    Family("pmnet", ("model.kind=pmnet", "model.mlp_ratio=3.0")),  # 3.0: same parameters within 2%
+    Family("pmnet-swa", ("model.kind=pmnet", "model.pmnet.memory_every=0")),
+    Family("transformer", ("model.kind=transformer",)),
+)
+FIX_FAMILIES = (
+    Family("vort"),
+    Family("vort-norotary", ("model.vort.rotary=false",)),
+    Family("vort-carry", ("train.carry_state=true",)),
+    Family("vort-norotary-carry", ("model.vort.rotary=false", "train.carry_state=true")),
+)
+QUICK = ("train.steps=2", "train.global_batch=4", "train.micro_batch=2", "data.seq_len=32",
+         "model.d_model=32", "model.n_layers=1", "model.vort.soe_horizon=256")
+
+
+class BooksExperiment(Experiment):
+    """Train-short-test-long on books: bits per byte by context and by position in the context."""
+
+    def prepare(self, out: Path, quick: bool) -> None:
+        shards = out / "shards" / "demo-train"
+        if not (shards / "manifest.json").is_file():
+            build_shards([str(DEMO / "train")], str(shards), tokenizer="bytes", shard_tokens=262144)
+
+    def run_config(self, family: Family, seed: int, out: Path, quick: bool) -> tuple[Path, RunConfig]:
+        """As the runner's, with the shards of `prepare` and a run name shared by both
+        experiments, so that experiment 8 reuses experiment 3's VORT run."""
+        stem = Path(self.config).stem + ("-quick" if quick else "")
+        run_dir = out / "runs" / stem / family.name / f"seed{seed}"
+        overrides = [
+            f"run.seed={seed}", f"data.train=[{{path: {out / 'shards' / 'demo-train'}}}]", *family.overrides,
+            *(self.quick_overrides if quick else ()), f"run.name={stem}-{family.name}-{seed}", f"run.dir={run_dir}",
+        ]
+        return run_dir, load_config(REPO / "configs" / "experiments" / self.config, overrides)
+
+    def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
+        contexts = QUICK_CONTEXTS if quick else CONTEXTS
+        max_tokens = max(contexts)
+        text = read_text([str(HELD_OUT)], byte_tokenizer())
+        model.eval()
+        metrics: dict[str, Any] = {}
+        for context in contexts:
+            if model.config.kind == "transformer":
+                if context > TRANSFORMER_MAX:
+                    continue
+                chunk = context
+            else:
+                chunk = min(context, CHUNK)
+            result = evaluate_context(model, text, context, chunk, max(1, max_tokens // context), torch.device("cpu"))
+            metrics[f"bpb@{context}"] = result["bits_per_token"]
+            if context == max(c for c in contexts if model.config.kind != "transformer" or c <= TRANSFORMER_MAX):
+                metrics["buckets"] = result["buckets"]
+        if model.config.kind in VORT_KINDS:
+            report = probe(model, text.ids, max_tokens, min(max_tokens, CHUNK), run.config.data.seq_len)
+            first, last = report["chunks"][0]["layers"], report["chunks"][-1]["layers"]
+            metrics["normaliser_growth"] = float(np.mean([b["normaliser_mass"] / a["normaliser_mass"]
+                                                          for a, b in zip(first, last, strict=True)]))
+            if "order_one_share" in last[0]:
+                metrics["order_one_share"] = float(np.mean([layer["order_one_share"] for layer in last]))
+            if "alpha_mean" in last[0]:
+                metrics["alpha_mean"] = float(np.mean([layer["alpha_mean"] for layer in last]))
+        return metrics
+
+    def plot(self, results: dict[str, Any], path: Path) -> None:
+        """Left: bits per byte against context per family; right: against position in the
+        longest context (log-spaced buckets, seed 0)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for family, metrics in results["summary"].items():
+            points = sorted((int(k.split("@")[1]), v["mean"]) for k, v in metrics.items() if k.startswith("bpb@"))
+            left.plot([c for c, _ in points], [v for _, v in points], marker="o", label=family)
+        for record in results["runs"]:
+            if record["seed"] == 0 and "buckets" in record["metrics"]:
+                buckets = record["metrics"]["buckets"]
+                mids = [max(1.0, (b["start"] + b["end"] - 1) / 2) for b in buckets]
+                right.plot(mids, [b["bits_per_token"] for b in buckets], marker=".", label=record["family"])
+        for ax, xlabel in ((left, "context (bytes)"), (right, "position in the context (bytes)")):
+            ax.set_xscale("log", base=2)
+            if not results["quick"]:
+                ax.axvline(TRAIN_LEN, color="grey", linestyle=":", linewidth=1)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("bits per byte (held-out novel)")
+            ax.grid(True, alpha=0.3)
+        right.set_ylim(top=min(right.get_ylim()[1], 6.0))
+        left.legend(fontsize=8)
+        fig.suptitle(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+BOOKS = BooksExperiment(
+    name="books",
+    title="Bits per byte against context on a held-out novel, trained at 256 bytes",
+    config="books.yaml",
+    families=BOOKS_FAMILIES,
+    seeds=1,
+    quick_overrides=QUICK,
+    paper={"vort_table_row_3": "VORT.md section 6, row 3", "pmnet_extrapolation": "PMNET.md section 5"},
+)
+FIX = BooksExperiment(
+    name="extrapolation-fix",
+    title="VORT with positions off and the state carried across windows, trained at 256 bytes",
+    config="books.yaml",
+    families=FIX_FAMILIES,
+    seeds=1,
+    quick_overrides=QUICK,
+)
+EXPERIMENTS = (BOOKS, FIX)
+
