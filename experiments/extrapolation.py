@@ -25,6 +25,7 @@ from data_pipeline.tokenizer import byte_tokenizer
 from experiments.runner import REPO, Experiment, Family, Run
 from model import CausalLM
 from model.vort import VORT_KINDS
+from pretrain import compare
 from pretrain.config import RunConfig, load_config
 from pretrain.evaluate import evaluate_context, read_text
 from pretrain.memory_probe import probe
@@ -81,6 +82,7 @@ class BooksExperiment(Experiment):
         text = read_text([str(HELD_OUT)], byte_tokenizer())
         model.eval()
         metrics: dict[str, Any] = {}
+        scored: dict[str, Any] = {}
         for context in contexts:
             if model.config.kind == "transformer":
                 if context > TRANSFORMER_MAX:
@@ -90,8 +92,8 @@ class BooksExperiment(Experiment):
                 chunk = min(context, CHUNK)
             result = evaluate_context(model, text, context, chunk, max(1, max_tokens // context), torch.device("cpu"))
             metrics[f"bpb@{context}"] = result["bits_per_token"]
-            if context == max(c for c in contexts if model.config.kind != "transformer" or c <= TRANSFORMER_MAX):
-                metrics["buckets"] = result["buckets"]
+            scored[str(context)] = {"bits_per_token": result["bits_per_token"], "buckets": result["buckets"]}
+        metrics["contexts"] = scored  # pretrain.evaluate's report layout, for pretrain.compare
         if model.config.kind in VORT_KINDS:
             report = probe(model, text.ids, max_tokens, min(max_tokens, CHUNK), run.config.data.seq_len)
             first, last = report["chunks"][0]["layers"], report["chunks"][-1]["layers"]
@@ -104,35 +106,10 @@ class BooksExperiment(Experiment):
         return metrics
 
     def plot(self, results: dict[str, Any], path: Path) -> None:
-        """Left: bits per byte against context per family; right: against position in the
-        longest context (log-spaced buckets, seed 0)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for family, metrics in results["summary"].items():
-            points = sorted((int(k.split("@")[1]), v["mean"]) for k, v in metrics.items() if k.startswith("bpb@"))
-            left.plot([c for c, _ in points], [v for _, v in points], marker="o", label=family)
-        for record in results["runs"]:
-            if record["seed"] == 0 and "buckets" in record["metrics"]:
-                buckets = record["metrics"]["buckets"]
-                mids = [max(1.0, (b["start"] + b["end"] - 1) / 2) for b in buckets]
-                right.plot(mids, [b["bits_per_token"] for b in buckets], marker=".", label=record["family"])
-        for ax, xlabel in ((left, "context (bytes)"), (right, "position in the context (bytes)")):
-            ax.set_xscale("log", base=2)
-            if not results["quick"]:
-                ax.axvline(TRAIN_LEN, color="grey", linestyle=":", linewidth=1)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("bits per byte (held-out novel)")
-            ax.grid(True, alpha=0.3)
-        right.set_ylim(top=min(right.get_ylim()[1], 6.0))
-        left.legend(fontsize=8)
-        fig.suptitle(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        """Bits per byte against context, and against position in the longest context (seed 0)."""
+        reports = {r["family"]: {"contexts": r["metrics"]["contexts"]} for r in results["runs"] if r["seed"] == 0}
+        title = results["title"] + (" (quick)" if results["quick"] else "")
+        compare.plot(reports, str(path), title, None if results["quick"] else TRAIN_LEN)
 
 
 BOOKS = BooksExperiment(

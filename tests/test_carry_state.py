@@ -175,7 +175,7 @@ def test_lane_position_must_resume_with_the_same_layout(demo_shards: dict[str, s
     resumed = LaneStream(demo_shards["train"], 16, 8, 2)
     resumed.load_state_dict(saved.state_dict())
     assert resumed.step == 1
-    with pytest.raises(LaneError, match="train.global_batch"):
+    with pytest.raises(LaneError, match=r"train\.global_batch"):
         LaneStream(demo_shards["train"], 16, 4, 2).load_state_dict(saved.state_dict())
     with pytest.raises(LaneError, match="fewer than the"):
         LaneStream(demo_shards["train"], 4096, 1024, 2)
@@ -186,10 +186,10 @@ def test_lane_position_must_resume_with_the_same_layout(demo_shards: dict[str, s
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda c: c.data.train.append(DataSource(path="other")), "exactly one data.train source"),
-        (lambda c: setattr(c, "model", ModelConfig(kind="transformer")), "model.kind=transformer"),
-        (lambda c: setattr(c.train, "compile", True), "train.compile"),
-        (lambda c: setattr(c.data, "num_workers", 2), "data.num_workers=2"),
+        (lambda c: c.data.train.append(DataSource(path="other")), r"exactly one data\.train source"),
+        (lambda c: setattr(c, "model", ModelConfig(kind="transformer")), r"model\.kind=transformer"),
+        (lambda c: setattr(c.train, "compile", True), r"train\.compile"),
+        (lambda c: setattr(c.data, "num_workers", 2), r"data\.num_workers=2"),
     ],
 )
 def test_settings_carry_state_cannot_use_are_refused(demo_shards: dict[str, str], change, message: str) -> None:

@@ -54,7 +54,7 @@ def test_probe_tracks_the_normaliser_and_writes_json(vort_export: Path, tmp_path
     assert [c["end"] for c in chunks] == [128, 256, 384, 512]
     for layer in range(2):
         mass = [c["layers"][layer]["normaliser_mass"] for c in chunks]
-        assert all(b > a for a, b in zip(mass, mass[1:]))  # positive features: the sums only grow
+        assert mass[-1] > mass[0] > 0  # the slow terms accumulate faster than the fast ones forget
         for c in chunks:
             entry = c["layers"][layer]
             assert 0 <= entry["order_one_share"] <= entry["long_term_share"] <= 1

@@ -22,14 +22,21 @@ from tests.launchers import REPO, kill_tree, launch_command, run_training
 TINY = str(REPO / "configs" / "tiny.yaml")
 STEPS = 12
 
+# a small VORT whose state is carried across windows (train.carry_state): the carried states and
+# the lanes' position must come back exactly too
+CARRY = ["model.kind=vort", "model.vort.n_features=16", "model.vort.n_banks=4", "model.vort.soe_horizon=256",
+         "model.vort.chunk_size=16", "model.vort.probe_rank=8", "model.vort.probe_classes=32", "train.carry_state=true"]
 CASES = {
     "single": ("python", 1, ["engine.kind=single"]),
     "deepspeed-2": ("deepspeed", 2, ["engine.kind=deepspeed", "engine.zero_stage=2"]),
     "deepspeed-1": ("deepspeed", 1, ["engine.kind=deepspeed", "engine.zero_stage=2"]),
     "fsdp-2": ("torchrun", 2, ["engine.kind=fsdp"]),
     "fsdp-1": ("torchrun", 1, ["engine.kind=fsdp"]),
+    "single-carry": ("python", 1, ["engine.kind=single", *CARRY]),
+    "deepspeed-2-carry": ("deepspeed", 2, ["engine.kind=deepspeed", "engine.zero_stage=2", *CARRY]),
+    "fsdp-2-carry": ("torchrun", 2, ["engine.kind=fsdp", *CARRY]),
 }
-FAST = {"single", "deepspeed-2"}
+FAST = {"single", "deepspeed-2", "single-carry"}
 
 
 def step_losses(run_dir: Path) -> dict[int, list[float]]:
