@@ -1,7 +1,8 @@
 """Streaming evaluation of an exported model on raw text, at context lengths up to 512k and beyond.
 
     python -m pretrain.evaluate --model <export dir> --data <text files> --context 4096,65536,524288 \\
-        [--chunk 2048] [--max-tokens 65536] [--json out.json] [--plot out.png] [--tasks copy,needle,zipf]
+        [--chunk 2048] [--max-tokens 65536] [--soe-horizon N] [--json out.json] [--plot out.png] \\
+        [--tasks copy,needle,zipf]
 
 The text files are tokenised with the export's tokenizer (each file is a document followed by
 EOS) and cut into consecutive, non-overlapping windows of each context length. A window is fed to
@@ -19,6 +20,7 @@ long-context tasks of data_pipeline.synthetic, also run in streaming mode.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 from data_pipeline import synthetic
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
-from model import CausalLM
+from model import CausalLM, build_model
 from pretrain.config import MIN_TASK_LEN
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
 
@@ -160,6 +162,29 @@ def evaluate_context(
     return result
 
 
+SOE_TABLES = ("log_lambda", "bank_coef", "banks", "coef")  # buffer names of the certified kernel tables
+
+
+def recertify(model: CausalLM, horizon: int) -> CausalLM:
+    """The same weights with the SOE tables rebuilt for another certified horizon.
+
+    The tables (decays, bank coefficients, bank orders) are fixed buffers derived from
+    `model.vort.soe_horizon`, not learned, so a VORT-family model trained with a short horizon can
+    be scored with kernels that follow the power law further (or the other way round). Bank orders
+    move with the horizon; the router's continuous order alpha is mapped onto the new banks.
+    """
+    if model.config.kind not in ("vort", "pl"):
+        raise EvalError(f"--soe-horizon: model.kind={model.config.kind!r} has no certified SOE kernel")
+    config = dataclasses.replace(model.config, vort=dataclasses.replace(model.config.vort, soe_horizon=horizon))
+    rebuilt = build_model(config)
+    tables = {name for name, _ in rebuilt.named_buffers() if name.rsplit(".", 1)[-1] in SOE_TABLES}
+    weights = {k: v for k, v in model.state_dict().items() if k not in tables}
+    missing, unexpected = rebuilt.load_state_dict(weights, strict=False)
+    if set(missing) != tables or unexpected:
+        raise EvalError(f"--soe-horizon: unexpected state keys (missing {missing}, unexpected {unexpected})")
+    return rebuilt.to(next(model.parameters()).device).eval()
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size so far, in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -254,11 +279,13 @@ def evaluate(
     max_windows: int | None = None,
     device: str = "cpu",
     max_tokens: int | None = None,
+    soe_horizon: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate an export directory; returns the JSON-able report (see module docstring).
 
     `max_windows` caps the windows of every context; `max_tokens` caps each context at
     max(1, max_tokens // context) windows, so that all contexts score about the same tokens.
+    `soe_horizon` rebuilds a VORT-family model's SOE tables for that horizon (see `recertify`).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -277,6 +304,8 @@ def evaluate(
         model = load_exported(model_dir, device)
     except ExportError as err:
         raise EvalError(str(err)) from err
+    if soe_horizon is not None:
+        model = recertify(model, soe_horizon)
     tok = load_export_tokenizer(model_dir)
     text = read_text(data, tok)
     dev = torch.device(device)
@@ -289,6 +318,7 @@ def evaluate(
         "text_tokens": int(text.ids.size),
         "text_bytes": text.n_bytes,
         "chunk": chunk,
+        "soe_horizon": config["lm_config"].get("vort", {}).get("soe_horizon") if soe_horizon is None else soe_horizon,
         "contexts": {},
     }
     for context in contexts:
@@ -323,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-windows", type=int, default=None, help="at most this many windows per context")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="at most max(1, this // context) windows per context (equal token budgets)")
+    parser.add_argument("--soe-horizon", type=int, default=None,
+                        help="VORT family: score with SOE tables certified to this many lags (weights unchanged)")
     parser.add_argument("--tasks", type=lambda v: [t for t in v.split(",") if t], default=[], help="copy,needle,zipf")
     parser.add_argument("--task-len", type=int, default=2048, help="tokens per synthetic-task example")
     parser.add_argument("--task-examples", type=int, default=8, help="examples per synthetic task")
@@ -342,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.max_windows,
             args.device,
             args.max_tokens,
+            args.soe_horizon,
         )
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -12,7 +12,7 @@ pretrain.evaluate does) and records, after every chunk:
   -1/log(lambda_s) exceeds `--train-len` (memory that never had time to fill during training:
   it keeps growing with the position and, once it dominates, the normalised read averages over
   a history far longer than any seen in training), and the share held by the lambda = 1 term
-  (order 1: a running sum that never decays);
+  (order 1: a running sum that never decays, unless model.vort.temper is set);
 - per layer (vort), the mean routed order alpha and the share of tokens at the top bank.
 
 The kernel table (no model needed) shows, per bank order, the share of the kernel's mass that
@@ -89,7 +89,7 @@ def probe(model: CausalLM, ids: np.ndarray, context: int, chunk: int, train_len:
                 log_lam = log_lam.double()
                 long_term = log_lam > -1.0 / train_len  # timescale -1/log(lambda) beyond train_len
                 entry["long_term_share"] = float(mass[long_term].sum()) / total
-                entry["order_one_share"] = float(mass[log_lam == 0].sum()) / total
+                entry["order_one_share"] = float(mass[log_lam.argmax()]) / total  # the lambda = 1 node (tempered or not)
             stats = layer.memory.stats()
             if "alpha_mean" in stats:
                 entry["alpha_mean"] = float(stats["alpha_mean"])
