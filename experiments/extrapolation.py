@@ -8,8 +8,9 @@ with the carried state as pretrain.evaluate does. The softmax Transformer carrie
 between chunks, so it is scored with one chunk per window, up to 4,096 bytes.
 
 Experiment 8 trains the VORT variants that the memory probe (pretrain/memory_probe.py) points
-to: rotary positions off, the state carried across windows (train.carry_state), and both; for
-every VORT-family run it also records what the probe measures at the longest context.
+to: rotary positions off, the state carried across windows (train.carry_state), both, and rotary
+off with the kernel tempered at 1,024 tokens (what configs/demo.yaml now uses); for every
+VORT-family run it also records what the probe measures at the longest context.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ FIX_FAMILIES = (
     Family("vort-norotary", ("model.vort.rotary=false",)),
     Family("vort-carry", ("train.carry_state=true",)),
     Family("vort-norotary-carry", ("model.vort.rotary=false", "train.carry_state=true")),
+    Family("vort-norotary-temper", ("model.vort.rotary=false", "model.vort.temper=1024")),  # the demo's fix
 )
 QUICK = ("train.steps=2", "train.global_batch=4", "train.micro_batch=2", "data.seq_len=32",
          "model.d_model=32", "model.n_layers=1", "model.vort.soe_horizon=256")
