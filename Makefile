@@ -1,4 +1,4 @@
-# The two commands of the README, plus the long test target and benchmarks.
+# The two commands of the README, plus the long test target.
 # A virtualenv in .venv holds everything; on machines without CUDA the CPU build of torch goes in
 # first, so that the unpinned `torch` requirement never pulls a multi-GB CUDA build.
 
@@ -11,7 +11,7 @@ TORCH_PIP_ARGS ?=
 export PYTHONHASHSEED := 0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install demo test test-long lint bench clean
+.PHONY: install demo test test-long lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

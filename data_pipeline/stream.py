@@ -1,68 +1,27 @@
-"""Streaming loader: a global, deterministic order of packed samples, resumable at any world size.
+"""Packed, shuffled, mixed token sequences from shard manifests, resumable at any world size.
 
-The order is defined once, globally, independent of ranks and data-loader workers:
-
-1. Per source (one manifest) and epoch ``e``, the shards are permuted with a seed derived from
-   ``(seed, source fingerprint, e)``. Their documents, each followed by EOS, are concatenated into
-   one token stream in that order.
-2. Packed sample ``j`` of the epoch is ``stream[j*L : j*L + L + 1]`` (``L = seq_len``): inputs are the
-   first ``L`` tokens, labels the last ``L``; consecutive samples share one token, so every token is
-   a target exactly once. The tail shorter than ``L + 1`` is dropped; the next epoch follows.
-3. Shuffle: the epoch's samples are cut into windows of ``shuffle_buffer`` consecutive samples and
-   each window is permuted with a seed derived from ``(seed, fingerprint, e, window)``.
-4. Mixture: global sample ``g`` is assigned to a source by blocks of ``mix_block`` samples; each
-   block holds each source's exact quota (largest-remainder rounding of the weights) in a seeded
-   order, so the mixture is exact per block and needs no history to evaluate.
-
-Rank ``r`` of ``world_size`` takes global samples ``start + r + i * world_size`` (``i = 0, 1, ...``);
-with ``DataLoader`` workers, worker ``w`` of ``k`` produces the rank's batches ``w, w + k, ...`` (of
-``batch_size`` samples), which is exactly the order in which ``DataLoader`` returns them. The
-resumable state is therefore just the number of global samples consumed (plus the mixture
-bookkeeping), so a run saved at one world size / worker count / batch size resumes at any other
-with exactly the samples not yet consumed.
-
-Reading: ``read="shard"`` loads whole shards (sha256-verified, cached, the next one prefetched in a
-thread); ``read="range"`` reads only each sample's byte range plus a small per-shard index.
-
-Memory: per shard two int64 counts, its URL and its hash (~200 bytes), one shuffle-window
-permutation, and a bounded cache of decoded shards; nothing proportional to tokens or documents.
+``data_pipeline.order`` defines one global sample order, independent of ranks and workers;
+``data_pipeline.shard_reader`` reads the shard positions it names. This module packs samples from
+them, splits the order over ranks and ``DataLoader`` workers, and keeps the resumable state: the
+number of global samples consumed plus the mixture bookkeeping (see docs/data.md).
 """
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import torch
-from fsspec.core import url_to_fs
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_pipeline.shards import (
-    Manifest,
-    ShardError,
-    ShardIndex,
-    checked_shard,
-    load_manifest,
-    read_bytes,
-    read_index,
-    sha256_hex,
-    with_retries,
-)
-from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer, smallest_dtype
+from data_pipeline.order import Mixture, SourceOrder
+from data_pipeline.shard_reader import ReadPolicy, ReadStats, ShardReader
+from data_pipeline.shards import Manifest, ShardError, load_manifest
+from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 
 STATE_VERSION = 1
-_SHARD_ORDER_TAG = 1
-_WINDOW_TAG = 2
-_MIX_TAG = 3
-
-
-def _rng(*keys: int) -> np.random.Generator:
-    """A generator seeded from non-negative integer keys (order-sensitive, platform-independent)."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) for k in keys])))
 
 
 def tokenizer_info(manifest: str | Manifest) -> dict[str, Any]:
@@ -73,289 +32,35 @@ def tokenizer_info(manifest: str | Manifest) -> dict[str, Any]:
 
 
 class _Source:
-    """One manifest of a mixture: shard table, per-epoch layout, shuffle window and shard cache."""
+    """One manifest of a mixture: its sample order and its shard reader."""
 
     def __init__(
-        self, url: str, seq_len: int, seed: int, shuffle_buffer: int, shuffle: bool, prefetch: bool, read: str
+        self,
+        url: str,
+        seq_len: int,
+        seed: int,
+        shuffle_buffer: int,
+        shuffle: bool,
+        policy: ReadPolicy,
+        stats: ReadStats,
     ) -> None:
         m = load_manifest(url)
         self.manifest = m
         self.url = m.url
         self.fingerprint = m.fingerprint
-        self.salt = int(self.fingerprint[:15], 16)
-        self.seq_len = seq_len
-        self.seed = seed
-        self.window = max(1, shuffle_buffer) if shuffle else 1
-        self.shuffle = shuffle
-        self.eos = int(m.tokenizer["eos_id"])
-        self.out_dtype = smallest_dtype(int(m.tokenizer["vocab_size"]))
-        self.tokens = np.array([int(s["tokens"]) for s in m.shards], dtype=np.int64)
-        self.documents = np.array([int(s["documents"]) for s in m.shards], dtype=np.int64)
-        self.shard_urls = [m.shard_url(i) for i in range(len(m.shards))]
-        self.shard_sha = [s["sha256"] for s in m.shards]
-        m.shards = []  # the per-shard dicts (~1 KB each) are replaced by the compact lists above
-        self.lengths = self.tokens + self.documents
-        total = int(self.lengths.sum())
-        self.samples_per_epoch = (total - 1) // seq_len
-        if self.samples_per_epoch < 1:
-            raise ValueError(
-                f"source {self.url!r} has {total} tokens (with EOS), fewer than seq_len + 1 = {seq_len + 1}"
-            )
-        self.cache_budget = self.window * (seq_len + 1) + 2 * int(self.lengths.max())
-        self._epoch = -1
-        self._order = np.empty(0, dtype=np.int64)
-        self._ends = np.empty(0, dtype=np.int64)
-        self._window_key: tuple[int, int] = (-1, -1)
-        self._window_perm = np.empty(0, dtype=np.int64)
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._cached_tokens = 0
-        self.prefetch = prefetch and read == "shard"
-        self.read = read
-        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
-        self._handles: OrderedDict[int, Any] = OrderedDict()
-        self._handles_pid = -1
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = -1
-        self._inflight: OrderedDict[int, Future] = OrderedDict()
+        window = max(1, shuffle_buffer) if shuffle else 1
+        self.reader = ShardReader(m, policy, stats, window * (seq_len + 1))
+        self.eos = self.reader.eos
+        salt = int(self.fingerprint[:15], 16)
+        self.order = SourceOrder(self.reader.lengths, seq_len, seed, salt, window, shuffle, self.url)
+        self.samples_per_epoch = self.order.samples_per_epoch
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the shard cache and the prefetch thread (workers rebuild them)."""
-        state = dict(self.__dict__)
-        state.update(_cache=OrderedDict(), _cached_tokens=0, _pool=None, _pool_pid=-1, _inflight=OrderedDict())
-        state.update(_handles=OrderedDict(), _handles_pid=-1)
-        return state
-
-    def _handle(self, idx: int) -> Any:
-        """An open fsspec file for shard ``idx`` (range mode), kept in a small LRU; reopened after fork."""
-        if self._handles_pid != os.getpid():
-            self._handles, self._handles_pid = OrderedDict(), os.getpid()
-        f = self._handles.get(idx)
-        if f is None:
-            fs, path = url_to_fs(self.shard_urls[idx])
-            f = self._handles[idx] = fs.open(path, "rb")
-            while len(self._handles) > 16:
-                self._handles.popitem(last=False)[1].close()
-        self._handles.move_to_end(idx)
-        return f
-
-    def _drop_handle(self, idx: int) -> None:
-        f = self._handles.pop(idx, None)
-        if f is not None:
-            f.close()
-
-    def _read_range(self, idx: int, start: int, stop: int, retries: int) -> tuple[bytes, int]:
-        """Bytes ``[start, stop)`` of shard ``idx`` through its cached handle."""
-
-        def read() -> bytes:
-            f = self._handle(idx)
-            f.seek(start)
-            return f.read(stop - start)
-
-        return with_retries(self.shard_urls[idx], retries, read, lambda: self._drop_handle(idx))
-
-    def _fetch(self, idx: int, verify: bool, retries: int) -> tuple[bytes, int, str]:
-        """Read shard ``idx`` and hash it (runs in the prefetch thread or inline)."""
-        data, used = read_bytes(self.shard_urls[idx], retries)
-        return data, used, sha256_hex(data) if verify else ""
-
-    def _schedule(self, idx: int, verify: bool, retries: int) -> None:
-        """Start reading shard ``idx`` in the background (one thread per process, fork-safe)."""
-        if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
-            self._pool_pid = os.getpid()
-            self._inflight = OrderedDict()
-        if idx in self._cache or idx in self._inflight:
-            return
-        self._inflight[idx] = self._pool.submit(self._fetch, idx, verify, retries)
-        while len(self._inflight) > 2:
-            self._inflight.popitem(last=False)
-
-    def _layout(self, epoch: int) -> None:
-        """Shard order and cumulative stream ends for ``epoch`` (recomputed on epoch change)."""
-        if epoch == self._epoch:
-            return
-        n = len(self.lengths)
-        if self.shuffle:
-            order = _rng(self.seed, self.salt, _SHARD_ORDER_TAG, epoch).permutation(n)
-        else:
-            order = np.arange(n)
-        self._order = order
-        self._ends = np.cumsum(self.lengths[order])
-        self._epoch = epoch
-
-    def _sample_in_epoch(self, epoch: int, q: int) -> int:
-        """Packed-sample number within the epoch for shuffled position ``q``."""
-        if self.window == 1:
-            return q
-        w, k = divmod(q, self.window)
-        if self._window_key != (epoch, w):
-            size = min(self.window, self.samples_per_epoch - w * self.window)
-            self._window_perm = _rng(self.seed, self.salt, _WINDOW_TAG, epoch, w).permutation(size)
-            self._window_key = (epoch, w)
-        return w * self.window + int(self._window_perm[k])
-
-    def _shard(self, idx: int, next_idx: int | None, stats: dict[str, int], verify: bool, retries: int) -> np.ndarray:
-        """Decoded shard ``idx`` as one stream (documents each followed by EOS), through an LRU cache.
-
-        On a miss, the shard that follows in the epoch's order (``next_idx``) starts loading in the
-        background, so reading and hashing it overlaps with packing this one.
-        """
-        hit = self._cache.get(idx)
-        if hit is not None:
-            self._cache.move_to_end(idx)
-            return hit
-        url = self.shard_urls[idx]
-        pending = self._inflight.pop(idx, None) if self._pool_pid == os.getpid() else None
-        if pending is not None:
-            data, used, digest = pending.result()
-            stats["prefetched"] += 1
-        else:
-            data, used, digest = self._fetch(idx, verify, retries)
-        if self.prefetch and next_idx is not None:
-            self._schedule(next_idx, verify, retries)
-        stats["read_retries"] += used
-        stats["shards_opened"] += 1
-        stats["shard_bytes_read"] += len(data)
-        entry = {"sha256": self.shard_sha[idx], "tokens": self.tokens[idx], "documents": self.documents[idx]}
-        tokens, lengths = checked_shard(data, url, entry, self.manifest.dtype, digest if verify else None)
-        stats["sha256_verified"] += int(verify)
-        stream = np.empty(tokens.size + lengths.size, dtype=self.out_dtype)
-        eos_at = np.cumsum(lengths, dtype=np.int64) + np.arange(1, lengths.size + 1)
-        eos_at -= 1
-        keep = np.ones(stream.size, dtype=bool)
-        keep[eos_at] = False
-        stream[keep] = tokens
-        stream[eos_at] = self.eos
-        self._cache[idx] = stream
-        self._cached_tokens += stream.size
-        while self._cached_tokens > self.cache_budget and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cached_tokens -= old.size
-            stats["cache_evictions"] += 1
-        return stream
-
-    def _index(self, idx: int, stats: dict[str, int], retries: int) -> ShardIndex:
-        """Token offset and EOS positions of shard ``idx`` (range-read mode), through a small LRU cache."""
-        hit = self._indexes.get(idx)
-        if hit is not None:
-            self._indexes.move_to_end(idx)
-            return hit
-        url = self.shard_urls[idx]
-        index = read_index(url, retries)
-        stats["shards_opened"] += 1
-        if (
-            index.tokens != self.tokens[idx]
-            or index.eos_positions.size != self.documents[idx]
-            or index.dtype != self.manifest.dtype
-        ):
-            raise ShardError(
-                f"shard {url!r}: holds {index.tokens} {index.dtype} tokens / {index.eos_positions.size} documents, "
-                f"manifest says {self.tokens[idx]} {self.manifest.dtype} / {self.documents[idx]}"
-            )
-        self._indexes[idx] = index
-        while len(self._indexes) > 64:
-            self._indexes.popitem(last=False)
-        return index
-
-    def _range(self, idx: int, start: int, stop: int, stats: dict[str, int], retries: int) -> np.ndarray:
-        """Stream positions ``[start, stop)`` of shard ``idx`` read as one byte range (no whole-shard read)."""
-        index = self._index(idx, stats, retries)
-        eos = index.eos_positions
-        first, last = int(eos.searchsorted(start)), int(eos.searchsorted(stop))
-        lo, hi = start - first, stop - last
-        item = index.dtype.itemsize
-        url = self.shard_urls[idx]
-        raw, used = self._read_range(idx, index.data_offset + lo * item, index.data_offset + hi * item, retries)
-        stats["read_retries"] += used
-        stats["shard_bytes_read"] += len(raw)
-        if len(raw) != (hi - lo) * item:
-            raise ShardError(f"shard {url!r} is truncated (tokens {lo}..{hi} cut off)")
-        out = np.empty(stop - start, dtype=self.out_dtype)
-        at = eos[first:last] - start
-        keep = np.ones(out.size, dtype=bool)
-        keep[at] = False
-        out[keep] = np.frombuffer(raw, dtype=index.dtype)
-        out[at] = self.eos
-        return out
-
-    def span(self, epoch: int, start: int, stop: int, stats: dict[str, int], verify: bool, retries: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the epoch's stream (may cross shard boundaries)."""
-        self._layout(epoch)
-        pos = int(self._ends.searchsorted(start, side="right"))
-        pieces = []
-        while start < stop:
-            shard_end = int(self._ends[pos])
-            shard_start = shard_end - int(self.lengths[self._order[pos]])
-            following = int(self._order[pos + 1]) if pos + 1 < len(self._order) else None
-            take = min(stop, shard_end)
-            idx = int(self._order[pos])
-            if self.read == "range":
-                pieces.append(self._range(idx, start - shard_start, take - shard_start, stats, retries))
-            else:
-                stream = self._shard(idx, following, stats, verify, retries)
-                pieces.append(stream[start - shard_start : take - shard_start])
-            start = take
-            pos += 1
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-
-    def sample(
-        self, position: int, with_prev: bool, stats: dict[str, int], verify: bool, retries: int
-    ) -> tuple[np.ndarray, bool]:
+    def sample(self, position: int, with_prev: bool) -> tuple[np.ndarray, bool]:
         """Tokens of the source's ``position``-th sample (``seq_len + 1`` of them, or one more in front
         when ``with_prev`` and the sample does not start the epoch); returns ``(tokens, has_prev)``."""
-        epoch, q = divmod(position, self.samples_per_epoch)
-        j = self._sample_in_epoch(epoch, q)
-        start = j * self.seq_len
-        has_prev = with_prev and start > 0
-        return self.span(epoch, start - int(has_prev), start + self.seq_len + 1, stats, verify, retries), has_prev
-
-
-class _Mixture:
-    """Deterministic assignment of global sample numbers to sources (see module docstring, step 4)."""
-
-    def __init__(self, weights: Sequence[float], block: int, seed: int) -> None:
-        if block < 1:
-            raise ValueError(f"mix_block must be >= 1, not {block}")
-        w = np.asarray(weights, dtype=np.float64)
-        if w.ndim != 1 or len(w) == 0 or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
-            raise ValueError(f"mixture weights must be non-negative, finite and not all zero: {list(weights)}")
-        w = w / w.sum()
-        exact = w * block
-        quota = np.floor(exact).astype(np.int64)
-        remainder = exact - quota
-        for i in np.argsort(-remainder, kind="stable")[: block - int(quota.sum())]:
-            quota[i] += 1
-        self.weights = w
-        self.block = block
-        self.seed = seed
-        self.quota = quota
-        self._base = np.repeat(np.arange(len(w)), quota)
-        self._cached_block = -1
-        self._perm = self._base
-        self._rank = np.zeros(0, dtype=np.int64)
-
-    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Source of each slot in block ``b`` and its rank among that source's slots."""
-        if b != self._cached_block:
-            perm = _rng(self.seed, _MIX_TAG, b).permutation(self._base) if len(self.quota) > 1 else self._base
-            order = np.argsort(perm, kind="stable")
-            rank = np.empty(self.block, dtype=np.int64)
-            rank[order] = np.arange(self.block) - np.repeat(np.cumsum(self.quota) - self.quota, self.quota)
-            self._perm, self._rank, self._cached_block = perm, rank, b
-        return self._perm, self._rank
-
-    def locate(self, n: int) -> tuple[int, int]:
-        """``(source, k)``: the ``n``-th sample of this mixture is source's ``k``-th sample."""
-        b, i = divmod(n, self.block)
-        perm, rank = self._block(b)
-        s = int(perm[i])
-        return s, b * int(self.quota[s]) + int(rank[i])
-
-    def counts(self, n: int) -> np.ndarray:
-        """How many of the first ``n`` samples of this mixture each source received."""
-        b, i = divmod(n, self.block)
-        perm, _ = self._block(b)
-        return b * self.quota + np.bincount(perm[:i], minlength=len(self.quota))
+        epoch, start, stop, has_prev = self.order.sample_span(position, with_prev)
+        pieces = [self.reader.span(*piece) for piece in self.order.pieces(epoch, start, stop)]
+        return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)), has_prev
 
 
 class PackedStream(IterableDataset):
@@ -417,10 +122,7 @@ class PackedStream(IterableDataset):
             raise ValueError("batch_size must be >= 1")
         if not sources:
             raise ValueError("at least one source is needed")
-        if read not in ("shard", "range"):
-            raise ValueError(f"read must be 'shard' or 'range', not {read!r}")
-        if read == "range" and verify:
-            raise ValueError("read='range' cannot check sha256 (it never reads whole shards); pass verify=False")
+        policy = ReadPolicy(mode=read, verify=verify, retries=read_retries, prefetch=prefetch and read == "shard")
         self.seq_len = seq_len
         self.seed = seed
         self.rank = rank
@@ -428,11 +130,13 @@ class PackedStream(IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.doc_boundaries = doc_boundaries
         self.batch_size = batch_size
-        self.verify = verify
         self.max_samples = max_samples
-        self.read_retries = read_retries
         self.shuffle = shuffle
-        self._sources = [_Source(url, seq_len, seed, shuffle_buffer, shuffle, prefetch, read) for url, _ in sources]
+        self._read_stats = ReadStats()
+        self._samples = 0
+        self._sources = [
+            _Source(url, seq_len, seed, shuffle_buffer, shuffle, policy, self._read_stats) for url, _ in sources
+        ]
         fingerprints = [s.fingerprint for s in self._sources]
         if len(set(fingerprints)) != len(fingerprints):
             raise ValueError("the same dataset appears twice in sources; merge their weights instead")
@@ -445,24 +149,11 @@ class PackedStream(IterableDataset):
         if expected_tokenizer is not None:
             check_tokenizer(first.manifest.tokenizer, expected_tokenizer, where=f"shards of {first.url!r}")
         self.weights = [float(w) for _, w in sources]
-        self._mixture = _Mixture(self.weights, mix_block, seed)
+        self._mixture = Mixture(self.weights, mix_block, seed)
         self._origin = 0
         self._offsets = np.zeros(len(self._sources), dtype=np.int64)
         self._start = 0
         self._yielded = 0
-        self._stats = self._zero_stats()
-
-    @staticmethod
-    def _zero_stats() -> dict[str, int]:
-        return {
-            "samples": 0,
-            "shards_opened": 0,
-            "shard_bytes_read": 0,
-            "sha256_verified": 0,
-            "read_retries": 0,
-            "cache_evictions": 0,
-            "prefetched": 0,
-        }
 
     @property
     def vocab_size(self) -> int:
@@ -482,7 +173,7 @@ class PackedStream(IterableDataset):
         """Counters for the logs: this process's reads (per data-loader worker when workers are used)
         plus the build-time skip counts of all sources (``build_empty_documents``,
         ``build_invalid_utf8_documents``, from the manifests)."""
-        out = dict(self._stats)
+        out = {"samples": self._samples, **asdict(self._read_stats)}
         for key in ("empty_documents", "invalid_utf8_documents"):
             out[f"build_{key}"] = sum(int(s.manifest.stats.get(key, 0)) for s in self._sources)
         return out
@@ -497,9 +188,7 @@ class PackedStream(IterableDataset):
     def get(self, g: int) -> dict[str, Any]:
         """The sample with global number ``g`` (random access; the iterator uses the same path)."""
         s, position = self.locate(g)
-        tokens, has_prev = self._sources[s].sample(
-            position, self.doc_boundaries, self._stats, self.verify, self.read_retries
-        )
+        tokens, has_prev = self._sources[s].sample(position, self.doc_boundaries)
         seq = tokens[1:] if has_prev else tokens
         out: dict[str, Any] = {
             "input_ids": torch.from_numpy(seq[:-1].astype(np.int64)),
@@ -538,7 +227,7 @@ class PackedStream(IterableDataset):
             if self.max_samples is not None and g >= self.max_samples:
                 return
             sample = self.get(g)
-            self._stats["samples"] += 1
+            self._samples += 1
             self._yielded += 1
             yield sample
 
@@ -597,7 +286,7 @@ class PackedStream(IterableDataset):
         consumed = int(state["consumed"])
         mix = state["mixture"]
         fingerprints = [s.fingerprint for s in self._sources]
-        old = _Mixture(mix["weights"], int(state["mix_block"]), self.seed)
+        old = Mixture(mix["weights"], int(state["mix_block"]), self.seed)
         if (
             mix["sources"] == fingerprints
             and old.block == self._mixture.block

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-IGNORE_INDEX = -100
-"""Label value for positions that are not scored (PyTorch cross-entropy's default ignore_index)."""
+# The label the loss skips is the model interface's contract; data producers follow it (model/ never
+# imports data_pipeline/, so the dependency points one way).
+from model.interface import IGNORE_INDEX
 
 _TASK_TAGS = {"zipf": 11, "entity": 12, "copy": 13, "needle": 14}
 _COPY_START, _COPY_QUERY = 0x02, 0x03

@@ -87,7 +87,7 @@ class Tokenizer:
         Byte-level keeps the bytes exactly. The sentencepiece path decodes UTF-8 with
         replacement (each invalid byte sequence becomes U+FFFD) and reports that it did so,
         so that the build can count such documents in the manifest. It encodes the document line
-        by line in one batched call (3x faster than one long string); with sentencepiece's default
+        by line in one batched call (faster than one long string); with sentencepiece's default
         whitespace handling this gives the same ids as encoding the whole text (tested).
         """
         if self.kind == "bytes":

@@ -1,4 +1,4 @@
-"""Helpers shared by the scans: backend selection and angle wrapping."""
+"""Helpers shared by the scans: backend selection, compute dtype and angle wrapping."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def wrap_angle(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The CPU paths' compute dtype: float64 inputs stay float64 (for tight checks); everything else
-    accumulates in fp32."""
+    """The one compute-dtype policy of the scans and of the model code around them: float64 inputs
+    stay float64 (tight reference checks); fp32, bf16 and fp16 compute and accumulate in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
+
+from model.config_loader import ConfigError, build_config, read_tree
 
 ModelKind = Literal["transformer", "vort", "pl", "exp", "m5", "pmnet"]
 
@@ -137,3 +140,12 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """The `model:` section of a YAML file (following `extends`), checked as a run's config is."""
+    tree, sources = read_tree(path)
+    section = tree.get("model")
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: expected a `model:` mapping, got {section!r}")
+    return build_config(ModelConfig, section, sources, prefix="model")

@@ -11,6 +11,7 @@ from torch import nn
 from model.config import ModelConfig
 
 IGNORE_INDEX = -100
+"""Label value of positions that are not scored (PyTorch cross-entropy's default ignore_index)."""
 
 
 class LMOutput(NamedTuple):

@@ -4,22 +4,14 @@ A block is pre-norm sliding-window attention, then (in the blocks `memory_every`
 phasor memory of model/pmnet_memory.py, then a SwiGLU MLP. The streaming state of a block is its
 position, the last window-1 keys/values and the memory phases, so a long byte stream processed
 piecewise gives the outputs it gives processed whole, in memory that does not grow with its length.
-
-`python -m model.pmnet --config configs/model/pmnet-119m.yaml` prints the parameter count and
-FLOPs per token; add `--fwd-bwd` to time one forward+backward pass on this machine.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import math
-import time
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import yaml
 from torch import nn
 
 from model.attention_window import SlidingWindowAttention
@@ -85,11 +77,6 @@ class PMNet(StackedLM):
     def memories(self) -> list[PhasorMemory]:
         return [b.memory for b in self.blocks if b.memory is not None]
 
-    def set_reference(self, enabled: bool) -> None:
-        """Route and scan token by token with the sequential reference scan (for tests)."""
-        for memory in self.memories():
-            memory.reference = enabled
-
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per matmul parameter, windowed attention, the memory's own work.
 
@@ -135,52 +122,3 @@ class PMNet(StackedLM):
         if grads:
             out["pmnet/memory_write_grad_norm"] = float(torch.stack(grads).sum().sqrt())
         return out
-
-
-def load_model_config(path: str | Path) -> ModelConfig:
-    """A ModelConfig from a YAML file holding a `model:` mapping (or the mapping itself).
-
-    A small reader for this command and the tests (model/ does not import pretrain/); runs load
-    the same files through pretrain.config, which also resolves `extends` and overrides.
-    """
-    tree = yaml.safe_load(Path(path).read_text()) or {}
-    tree = tree.get("model", tree)
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    kwargs = dict(tree)
-    if "pmnet" in kwargs:
-        kwargs["pmnet"] = PMNetConfig(**kwargs["pmnet"])
-    unknown = set(kwargs) - known
-    if unknown:
-        raise ValueError(f"{path}: unknown model keys {sorted(unknown)}")
-    return ModelConfig(**kwargs)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML file with a `model:` section")
-    parser.add_argument("--seq-len", type=int, default=4096, help="context length for FLOPs and timing")
-    parser.add_argument("--fwd-bwd", action="store_true", help="time one forward+backward pass (batch 1, CPU)")
-    args = parser.parse_args(argv)
-    config = load_model_config(args.config)
-    torch.manual_seed(0)
-    model = PMNet(config)
-    print(f"config            {args.config}")
-    print(f"parameters        {model.num_parameters():,}")
-    print(f"  non-embedding   {model.num_parameters(exclude_embeddings=True):,}")
-    print(f"  memory          {sum(p.numel() for m in model.memories() for p in m.parameters()):,}")
-    print(f"memory blocks     {len(model.memories())} of {config.n_layers}, {config.pmnet.n_slots} slots each")
-    flops = model.flops_per_token(args.seq_len)
-    print(f"FLOPs/token       {flops:.4g} (training, fwd+bwd, seq_len {args.seq_len})")
-    if args.fwd_bwd:
-        ids = torch.randint(0, config.vocab_size, (1, args.seq_len + 1))
-        start = time.perf_counter()
-        loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
-        forward_s = time.perf_counter() - start
-        loss.backward()
-        total_s = time.perf_counter() - start
-        print(f"fwd+bwd           {total_s:.1f} s (forward {forward_s:.1f} s), loss {loss.item():.3f}, "
-              f"{torch.get_num_threads()} threads")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,59 +2,21 @@
 
     python -m model.summary configs/model/vort-125m.yaml configs/model/pl-125m.yaml ... [--seq-len N]
 
-Reads each file's `model:` section (following `extends`, as the run config loader does), builds the
+Reads each file's `model:` section (following `extends`, as a run does), builds the
 model on the CPU and prints one Markdown table row per config: total parameters, parameters without
 the embedding, and training FLOPs per token (forward + backward, the number the trainer divides by
 for MFU) at the given context length (default: each config's max_seq_len).
-model/ does not import the trainer, so this module reads the YAML itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from model import build_model
-from model.config import ModelConfig
-
-
-def _model_tree(path: Path) -> dict[str, Any]:
-    """The merged `model:` mapping of a YAML file and the files it extends (later keys win)."""
-    data = yaml.safe_load(path.read_text()) or {}
-    parents = data.get("extends", [])
-    tree: dict[str, Any] = {}
-    for parent in [parents] if isinstance(parents, str) else parents:
-        tree = _merge(tree, _model_tree(path.parent / parent))
-    return _merge(tree, data.get("model", {}))
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in extra.items():
-        nested = isinstance(value, dict) and isinstance(merged.get(key), dict)
-        merged[key] = _merge(merged[key], value) if nested else value
-    return merged
-
-
-def _build(cls: type, tree: dict[str, Any]) -> Any:
-    """Instantiate a config dataclass, turning nested mappings into their section dataclasses."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in tree.items():
-        kind = hints.get(key)
-        kwargs[key] = _build(kind, value) if dataclasses.is_dataclass(kind) and isinstance(value, dict) else value
-    return cls(**kwargs)
-
-
-def load_model_config(path: str | Path) -> ModelConfig:
-    """ModelConfig from a YAML file's `model:` section (the trainer's loader validates types too)."""
-    return _build(ModelConfig, _model_tree(Path(path)))
+from model.config import ModelConfig, load_model_config
 
 
 def summarize(config: ModelConfig, seq_len: int | None = None) -> dict[str, Any]:

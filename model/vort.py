@@ -6,7 +6,7 @@ differ only in the kernel that weights a past token in the mixer's keyed linear-
     o_t = sum_{j<=t} w_{t-j}(j) phi(q_t).phi(k_j) v_j / (sum_{j<=t} w_{t-j}(j) phi(q_t).phi(k_j) + eps)
 
 - vort: w_n(j) is the Grünwald–Letnikov power-law weight of the order alpha_j that a router gives
-  token j, in SOE form over nodes shared by every order (model/soe.py), with alpha_j quantised to K
+  token j, in SOE form over nodes shared by every order (model/soe/), with alpha_j quantised to K
   banks by linear interpolation between the two neighbouring banks;
 - pl: the same SOE kernel with one fixed order;
 - exp: one exponential per head with a learned decay (RetNet-like);
@@ -33,11 +33,6 @@ from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables
 from model.config import ModelConfig, VortConfig
 
 VORT_KINDS = ("vort", "pl", "exp", "m5")
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp64 stays fp64 (tight reference runs); fp32, bf16 and fp16 are computed in fp32."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 class VortState(NamedTuple):
@@ -166,7 +161,7 @@ class OrderRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d] -> (alpha [B, T, H], entropy [B, T] in [0, 1], entity score [B, T])."""
-        dt = compute_dtype(x)
+        dt = kernels.work_dtype(x.dtype)
         x = x.to(dt)
         logp = torch.log_softmax(x @ self.probe_down.to(dt) @ self.probe_up.to(dt), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1) / math.log(logp.shape[-1])
@@ -233,7 +228,7 @@ class FixedOrderMemory(Fp32Tables):
         return self.log_lambda.numel()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dt = compute_dtype(x)
+        dt = kernels.work_dtype(x.dtype)
         coef = self.coef.to(dt).expand(*x.shape[:2], self.n_heads, -1)
         return coef, self.log_lambda.to(dt).expand(self.n_heads, -1)
 
@@ -256,7 +251,7 @@ class ExpMemory(nn.Module):
     n_terms = 1
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dt = compute_dtype(x)
+        dt = kernels.work_dtype(x.dtype)
         log_lam = -torch.exp(-self.log_timescale.to(dt))[:, None]
         return x.new_ones(*x.shape[:2], self.n_heads, 1, dtype=dt), log_lam
 
@@ -279,7 +274,7 @@ class MixtureMemory(Fp32Tables):
         return self.log_lambda.numel()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dt = compute_dtype(x)
+        dt = kernels.work_dtype(x.dtype)
         coef = F.softplus(self.raw_weight.to(dt)).expand(*x.shape[:2], -1, -1)
         return coef, self.log_lambda.to(dt).expand(self.n_heads, -1)
 
@@ -334,7 +329,7 @@ class VortLayer(nn.Module):
         if self.rotary:
             cos, sin = rotary_tables(torch.arange(offset, offset + T, device=x.device), self.head_dim, self.rope_base)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        dt = compute_dtype(x)
+        dt = kernels.work_dtype(x.dtype)
         fq = self.features(F.normalize(q.to(dt), dim=-1) * self.scale)
         fk = self.features(F.normalize(k.to(dt), dim=-1) * self.scale)
         coef, log_lam = self.memory(x)

@@ -1,33 +1,21 @@
-"""One typed configuration system for every entry point.
+"""The run configuration: one dataclass per section of the YAML files every run is described by.
 
-A run is described by YAML files that may extend each other (`extends: base.yaml`), plus dotted
-command-line overrides (`train.lr=3e-4`). The merged tree is validated against dataclasses: an
-unknown key, a wrong type or a bad value stops the program before any work, with a message that
-names the key, the file it came from and what was expected.
-
-Value checks live in each dataclass's `__post_init__`, which raises `ValueError("field: message")`;
-the loader turns that into a `ConfigError` carrying the full dotted key and its source.
+Reading, `extends`, overrides and the typed checks are `model.config_loader`'s; value checks live in
+each dataclass's `__post_init__` (`ValueError("field: message")`, reported with the dotted key and
+the file it came from).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
 
 from model.config import ModelConfig
-
-COMMAND_LINE = "<command line>"
-_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before any work starts."""
+from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
+from model.config_loader import build_config, read_tree
 
 
 @dataclasses.dataclass
@@ -230,216 +218,14 @@ class RunConfig:
     log: LogSection = dataclasses.field(default_factory=LogSection)
 
 
-# ----------------------------------------------------------------------------- reading YAML
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
-def _merge(base: dict, extra: dict, sources: dict[str, str] | None, origin: str, prefix: str = "") -> dict:
-    """Deep-merge `extra` into a copy of `base`; with `sources`, record `origin` for each key set."""
-    merged = dict(base)
-    for key, value in extra.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value, sources, origin, dotted + ".")
-        else:
-            merged[key] = value
-            if sources is not None:
-                _record_sources(value, dotted, sources, origin)
-    return merged
-
-
-def _record_sources(value: Any, dotted: str, sources: dict[str, str], origin: str) -> None:
-    sources[dotted] = origin
-    if isinstance(value, dict):
-        for key, sub in value.items():
-            _record_sources(sub, f"{dotted}.{key}", sources, origin)
-
-
-def _load_tree(path: Path, sources: dict[str, str], chain: tuple[Path, ...] = ()) -> dict:
-    """Load one file on top of the files it extends (in order), recording each key's file."""
-    path = path.resolve()
-    if path in chain:
-        cycle = " -> ".join(str(p) for p in (*chain, path))
-        raise ConfigError(f"{path}: 'extends' forms a cycle: {cycle}")
-    data = _read_yaml(path)
-    parents = data.pop("extends", [])
-    if isinstance(parents, str):
-        parents = [parents]
-    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
-        raise ConfigError(f"{path}: extends: expected a file name or a list of file names, got {parents!r}")
-    tree: dict = {}
-    for parent in parents:
-        tree = _merge(tree, _load_tree(path.parent / parent, sources, (*chain, path)), None, "")
-    return _merge(tree, data, sources, str(path))
-
-
-def _apply_override(tree: dict, item: str, sources: dict[str, str]) -> None:
-    if "=" not in item:
-        raise ConfigError(f"{COMMAND_LINE}: override {item!r}: expected key=value, e.g. train.lr=3e-4")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"{COMMAND_LINE}: override {item!r}: malformed key {key!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{COMMAND_LINE}: override {key}: cannot parse value {raw!r}: {err}") from err
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{COMMAND_LINE}: override {key}: {part!r} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-    _record_sources(value, ".".join(parts), sources, COMMAND_LINE)
-
-
-# ----------------------------------------------------------------------------- typed building
-
-
-def _type_name(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(get_args(tp)[0])}"
-    if origin is dict:
-        return f"a mapping of {_type_name(get_args(tp)[1])}"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping ({tp.__name__})"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
-
-
-class _Mismatch(Exception):
-    def __init__(self, key: str, expected: str, got: Any):
-        super().__init__(key)
-        self.key, self.expected, self.got = key, expected, got
-
-
-def _convert(tp: Any, value: Any, key: str, sources: dict[str, str]) -> Any:
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise _Mismatch(key, _type_name(tp), value)
-        return _build(tp, value, key, sources)
-    if origin is Literal:
-        if value not in get_args(tp):
-            raise _Mismatch(key, _type_name(tp), value)
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in get_args(tp):
-            return None
-        for option in get_args(tp):
-            if option is type(None):
-                continue
-            try:
-                return _convert(option, value, key, sources)
-            except _Mismatch:
-                continue
-        raise _Mismatch(key, _type_name(tp), value)
-    if origin is list:
-        if not isinstance(value, list):
-            raise _Mismatch(key, _type_name(tp), value)
-        (item_tp,) = get_args(tp)
-        return [_convert(item_tp, v, f"{key}[{i}]", sources) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _Mismatch(key, _type_name(tp), value)
-        _, item_tp = get_args(tp)
-        return {str(k): _convert(item_tp, v, f"{key}.{k}", sources) for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _Mismatch(key, _type_name(tp), value)
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _Mismatch(key, _type_name(tp), value)
-        return value
-    if tp is float:
-        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _Mismatch(key, _type_name(tp), value)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _Mismatch(key, _type_name(tp), value)
-        return value
-    raise TypeError(f"unsupported config field type {tp!r} at {key}")
-
-
-def _source_of(key: str, sources: dict[str, str]) -> str:
-    probe = key
-    while probe:
-        if probe in sources:
-            return sources[probe]
-        probe = probe.rsplit(".", 1)[0] if "." in probe else ""
-    return "<defaults>"
-
-
-def _build(cls: type, tree: dict, prefix: str, sources: dict[str, str]) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key in tree:
-        if key not in fields:
-            dotted = f"{prefix}.{key}" if prefix else str(key)
-            known = ", ".join(sorted(fields))
-            raise ConfigError(
-                f"{_source_of(dotted, sources)}: {dotted}: unknown key; "
-                f"{cls.__name__} {'section ' + prefix + ' ' if prefix else ''}accepts: {known}"
-            )
-    kwargs = {}
-    for name, value in tree.items():
-        dotted = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _convert(hints[name], value, dotted, sources)
-    try:
-        return cls(**kwargs)
-    except ValueError as err:
-        if isinstance(err, ConfigError):
-            raise
-        message = str(err)
-        field_name, sep, detail = message.partition(": ")
-        if sep and field_name in fields:
-            dotted = f"{prefix}.{field_name}" if prefix else field_name
-            raise ConfigError(f"{_source_of(dotted, sources)}: {dotted}: {detail}") from None
-        where = prefix or "<top level>"
-        raise ConfigError(f"{_source_of(prefix, sources)}: {where}: {message}") from None
-
-
 def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunConfig:
     """Validate a plain nested dict (e.g. a resolved config read back from a run directory)."""
-    sources = sources if sources is not None else {}
-    try:
-        return _build(RunConfig, tree, "", sources)
-    except _Mismatch as err:
-        raise ConfigError(
-            f"{_source_of(err.key, sources)}: {err.key}: expected {err.expected}, "
-            f"got {err.got!r} ({type(err.got).__name__})"
-        ) from None
+    return build_config(RunConfig, tree, sources)
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read `path` (following `extends`), apply dotted overrides, and validate everything."""
-    sources: dict[str, str] = {}
-    tree = _load_tree(Path(path), sources)
-    for item in overrides:
-        _apply_override(tree, item, sources)
-    return config_from_dict(tree, sources)
+    return config_from_dict(*read_tree(path, overrides))
 
 
 def config_to_dict(config: Any) -> dict:
@@ -447,6 +233,11 @@ def config_to_dict(config: Any) -> dict:
     return dataclasses.asdict(config)
 
 
+def config_text(config: RunConfig) -> str:
+    """The resolved config as YAML text (run directories, checkpoints); load_config reads it back."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
 def dump_config(config: RunConfig, path: str | Path) -> None:
     """Write the resolved config as YAML; reading it back with load_config gives the same config."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    Path(path).write_text(config_text(config))

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from data_pipeline.shards import ManifestError, load_manifest
 from data_pipeline.stream import PackedStream, StreamLoader
@@ -25,7 +24,7 @@ from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
 from pretrain import carry
 from pretrain.checkpoint import Checkpointer
-from pretrain.config import RunConfig, config_to_dict
+from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
 from pretrain.engines import build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.log import get_logger
 from pretrain.metrics import MetricsLogger, all_reduce_mean, all_reduce_sum, measure_peak_flops, memory_stats
@@ -118,7 +117,7 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader:
     return StreamLoader(stream, num_workers=cfg.data.num_workers)
 
 
-def evaluate(cfg: RunConfig, engine: Any, rank: int, world: int) -> dict[str, float]:
+def heldout_bits_per_token(cfg: RunConfig, engine: Any, rank: int, world: int) -> dict[str, float]:
     """Held-out loss at each configured context length, as bits per token (= per byte for byte
     models); every rank evaluates its share of the sequences and the sums are reduced."""
     results: dict[str, float] = {}
@@ -193,10 +192,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
         cfg.checkpoint.dir or str(run_dir / "checkpoints"), run_dir / ".checkpoint_staging",
         cfg.checkpoint.keep_last, cfg.checkpoint.milestone_every, cfg.checkpoint.async_save,
     )
-    config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    config_yaml = config_text(cfg)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config_yaml)
+        dump_config(cfg, run_dir / "config.yaml")
 
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     device = device_for_rank()
@@ -290,7 +289,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
             window_start, window_tokens = time.time(), 0
 
         if cfg.eval.every and state.step % cfg.eval.every == 0:
-            results = evaluate(cfg, engine, rank, world) if cfg.data.valid else {}
+            results = heldout_bits_per_token(cfg, engine, rank, world) if cfg.data.valid else {}
             if cfg.eval.tasks and rank == 0:
                 results.update(evaluate_tasks(cfg, engine, device))
             metrics.log(state.step, results)

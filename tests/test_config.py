@@ -131,3 +131,16 @@ def test_every_shipped_config_validates() -> None:
         data = yaml.safe_load(path.read_text()) or {}
         if set(data) - {"extends"} <= set(RunConfig.__dataclass_fields__):
             load_config(path)
+
+
+def test_model_entry_points_share_the_typed_reader(tmp_path: Path, base: Path) -> None:
+    """Model-only commands (model.summary, benchmarks.pmnet_size) read `model:` with the run loader's checks."""
+    from model.config import load_model_config
+
+    child = write(tmp_path / "child.yaml", "extends: base.yaml\nmodel:\n  n_layers: 3\n")
+    assert load_model_config(child) == load_config(child).model
+    bad = write(tmp_path / "bad.yaml", "extends: base.yaml\nmodel:\n  n_layers: three\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: model\.n_layers: expected an integer"):
+        load_model_config(bad)
+    with pytest.raises(ConfigError, match=r"expected a `model:` mapping"):
+        load_model_config(write(tmp_path / "none.yaml", "train:\n  steps: 5\n"))

@@ -81,9 +81,9 @@ def test_unshuffled_stream_is_documents_with_eos(data: dict) -> None:
 def test_shuffled_epoch_is_a_permutation(data: dict) -> None:
     s = _stream(data)
     n = s.samples_per_epoch()[0]
-    source = s._sources[0]
-    assert sorted(source._sample_in_epoch(0, q) for q in range(n)) == list(range(n))
-    assert sorted(source._sample_in_epoch(1, q) for q in range(n)) == list(range(n))
+    order = s._sources[0].order
+    assert sorted(order.sample_in_epoch(0, q) for q in range(n)) == list(range(n))
+    assert sorted(order.sample_in_epoch(1, q) for q in range(n)) == list(range(n))
     epoch0 = _ids(_take(_stream(data), n))
     unshuffled = _ids(_take(_stream(data, shuffle=False), n))
     assert [x for _, x in epoch0] != [x for _, x in unshuffled]
@@ -267,7 +267,7 @@ def test_resume_property(data: dict, world_a: int, steps_a: int, world_b: int, s
 
 def test_10k_shard_manifest_reads_lazily(tmp_path: Path) -> None:
     """Start-up and a deep resume read one shard, not the corpus (10,000-shard manifest)."""
-    from data_pipeline.bench import write_scale_dataset
+    from benchmarks.data_loader import write_scale_dataset
 
     write_scale_dataset(tmp_path, shards=10_000, shard_tokens=2_000, doc_tokens=100)
     s = PackedStream([(str(tmp_path), 1.0)], seq_len=64, seed=0, rank=1, world_size=4)
@@ -304,9 +304,9 @@ def test_pickled_stream_drops_cache_and_continues(data: dict) -> None:
 
     s = _stream(data)
     _take(s, 3)
-    assert s._sources[0]._cache
+    assert s._sources[0].reader._cache
     clone = pickle.loads(pickle.dumps(s))
-    assert not clone._sources[0]._cache
+    assert not clone._sources[0].reader._cache
     assert _ids(_take(clone, 4)) == _ids(_take(s, 4))
     assert clone.stats()["build_empty_documents"] == 0
 
@@ -314,7 +314,7 @@ def test_pickled_stream_drops_cache_and_continues(data: dict) -> None:
 @settings(max_examples=25, deadline=None)
 @given(weights=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=5), block=st.integers(1, 64))
 def test_mixture_quotas_property(weights: list[float], block: int) -> None:
-    from data_pipeline.stream import _Mixture
+    from data_pipeline.order import Mixture as _Mixture
 
     if sum(weights) <= 0:
         with pytest.raises(ValueError):

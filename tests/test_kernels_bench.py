@@ -7,14 +7,13 @@ import json
 import pytest
 import torch
 
-from benchmarks import gpu_kernels
-from kernels import bench
+from benchmarks import gpu_kernels, scan_speed
 
 
 def test_bench_writes_every_row(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--T", "32,80", "--H", "1", "--F", "8", "--D", "8", "--S", "2", "--chunk", "16", "--L", "2", "--M", "4"]
-    rows = bench.main([*argv, "--repeats", "1", "--threads", "1", "--out", str(out)])
+    rows = scan_speed.main([*argv, "--repeats", "1", "--threads", "1", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["rows"] == rows and all(r["matmul_gflops"] > 0 for r in rows)
     assert data["meta"]["matmul_gflops"] == max(r["matmul_gflops"] for r in rows)
@@ -28,19 +27,19 @@ def test_bench_writes_every_row(tmp_path, capsys):
 
 
 def test_bench_skips_sdpa_above_limit():
-    rows = bench.main(["--T", "40", "--ops", "phasor", "--modes", "fwd", "--sdpa-max-T", "16", "--repeats", "1"])
+    rows = scan_speed.main(["--T", "40", "--ops", "phasor", "--modes", "fwd", "--sdpa-max-T", "16", "--repeats", "1"])
     assert rows[0]["sdpa_time_s"] is None and rows[0]["speedup_vs_sdpa"] is None
 
 
 def test_bench_rejects_unknown_op():
     with pytest.raises(SystemExit):
-        bench.parse_args(["--ops", "retnet"])
+        scan_speed.parse_args(["--ops", "retnet"])
 
 
 def test_soe_flops_are_linear_in_tokens():
-    one = bench.soe_flops(1000, 4, 64, 64, 32, 64, backward=True)
-    assert bench.soe_flops(4000, 4, 64, 64, 32, 64, backward=True) == pytest.approx(4 * one)
-    assert bench.soe_flops(1000, 4, 64, 64, 32, 64, backward=False) < one
+    one = scan_speed.soe_flops(1000, 4, 64, 64, 32, 64, backward=True)
+    assert scan_speed.soe_flops(4000, 4, 64, 64, 32, 64, backward=True) == pytest.approx(4 * one)
+    assert scan_speed.soe_flops(1000, 4, 64, 64, 32, 64, backward=False) < one
 
 
 def test_gpu_script_parses_arguments():

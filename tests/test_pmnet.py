@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from model import build_model
 from model.attention_window import SlidingWindowAttention
 from model.blocks import apply_rotary, rotary_tables
-from model.config import ModelConfig, PMNetConfig
-from model.pmnet import PMNet, load_model_config
+from model.config import ModelConfig, PMNetConfig, load_model_config
+from model.pmnet import PMNet
 from model.pmnet_memory import PhasorMemory, SequenceCollisions, collision_counts, normalise_collisions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
@@ -83,7 +83,8 @@ def run_reference_and_fast(backend: str, scope: str) -> None:
     results = []
     for reference in (True, False):
         model = make_model(seed=3, scan_backend=backend, collision_scope=scope)
-        model.set_reference(reference)
+        for memory in model.memories():
+            memory.reference = reference  # token-by-token routing and the sequential scan
         logits, _ = model(ids)
         (logits.float().pow(2).mean() + logits[:, -1].sum()).backward()
         results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))

@@ -1,4 +1,4 @@
-"""Tests for the certified SOE power-law kernel (model/soe.py)."""
+"""Tests for the certified SOE power-law kernel (model/soe/)."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def test_certificate_meets_eps_and_is_reproducible(small_cert: soe.Certificate) 
 def test_certificate_s_is_minimal_in_its_node_family(small_cert: soe.Certificate) -> None:
     m = small_cert.S - 2  # decaying nodes of the next smaller kernel
     lo_alpha = small_cert.alpha_range[0]
-    for lo in soe._NODE_LO:
-        for hi in soe._NODE_HI:
+    for lo in soe.fit._NODE_LO:
+        for hi in soe.fit._NODE_HI:
             nodes = soe.design_nodes(SMALL_T, m, lo, hi)
             coef = soe.fit_coefficients(nodes, lo_alpha, SMALL_T)
             err = soe.max_relative_error(nodes, coef[None], [lo_alpha], SMALL_T)[0]
@@ -186,7 +186,7 @@ def test_measurement_across_chunks_matches_lgamma_reference(monkeypatch: pytest.
     n = np.arange(T + 1, dtype=np.float64)
     brute = np.abs(soe.soe_weights(nodes, coef, n) / soe.gl_weights(n[None, :], alphas[:, None]) - 1.0).max(axis=1)
     for chunk in (1, 999, 1 << 16):
-        monkeypatch.setattr(soe, "_CHUNK", chunk)
+        monkeypatch.setattr(soe.certificate, "_CHUNK", chunk)
         np.testing.assert_allclose(soe.max_relative_error(nodes, coef, alphas, T), brute, rtol=1e-8, atol=1e-15)
 
 
@@ -233,7 +233,7 @@ def test_cache_round_trip_skips_certify(cache_dir, monkeypatch: pytest.MonkeyPat
     def no_certify(*args: object, **kwargs: object) -> None:
         raise AssertionError("a valid cache entry must not be recomputed")
 
-    monkeypatch.setattr(soe, "certify", no_certify)
+    monkeypatch.setattr(soe.cache, "certify", no_certify)
     warm = soe.build_kernel(CACHE_BANKS, CACHE_T, 1e-3, cache=True)
     for a, b in zip(warm.kernel.as_tensors(torch.float64), cold.kernel.as_tensors(torch.float64)):
         assert torch.equal(a, b)
@@ -260,7 +260,7 @@ def _tamper_coef(text: str) -> str:
     row = doc["payload"]["coef"][1]
     row[0] += 1e-3
     row[1] -= 1e-3
-    doc["sha256"] = soe._checksum(doc["payload"])
+    doc["sha256"] = soe.cache._checksum(doc["payload"])
     return json.dumps(doc)
 
 
@@ -280,16 +280,16 @@ def test_corrupt_cache_entry_is_rebuilt_not_trusted(cache_dir, damage: str) -> N
     else:
         doc = json.loads(text)
         doc["payload"]["version"] = soe.CACHE_VERSION + 1
-        doc["sha256"] = soe._checksum(doc["payload"])
+        doc["sha256"] = soe.cache._checksum(doc["payload"])
         path.write_text(json.dumps(doc))
     key = path.stem
     banks = np.asarray(CACHE_BANKS)
-    assert soe._load_entry(path, key, banks, CACHE_T, 1e-3) is None
+    assert soe.cache._load_entry(path, key, banks, CACHE_T, 1e-3) is None
     soe.clear_memory_cache()
     rebuilt = soe.build_kernel(CACHE_BANKS, CACHE_T, 1e-3, cache=True)
     np.testing.assert_array_equal(rebuilt.kernel.coef, cold.kernel.coef)
     assert rebuilt.max_rel_err <= 1e-3
-    assert soe._load_entry(_entry(cache_dir), key, banks, CACHE_T, 1e-3) is not None  # rewritten
+    assert soe.cache._load_entry(_entry(cache_dir), key, banks, CACHE_T, 1e-3) is not None  # rewritten
 
 
 def test_cache_write_failure_only_warns(tmp_path) -> None:
@@ -428,7 +428,7 @@ def test_bank_error_matches_direct_blend_and_vanishes_at_banks() -> None:
     blend = (1 - theta) * soe.gl_weights(n, banks[k]) + theta * soe.gl_weights(n, banks[k + 1])
     exact = soe.gl_weights(n, a)
     assert err.max_rel == pytest.approx(np.max(np.abs(blend - exact) / exact), rel=1e-12)
-    on_banks = soe._interp_weights(banks, banks, n)
+    on_banks = soe.banks._interp_weights(banks, banks, n)
     np.testing.assert_allclose(on_banks, soe.gl_weights(n[None, :], banks[:, None]), rtol=1e-14)
 
 
@@ -464,7 +464,7 @@ def test_prop_4_2_exponential_fit_error_grows_with_horizon() -> None:
 
 
 def test_tables_block_is_replaced_not_duplicated(tmp_path) -> None:
-    from model import soe_tables
+    from benchmarks import soe_tables
 
     doc = tmp_path / "soe.md"
     doc.write_text("# prose\n")

@@ -1,19 +1,10 @@
 """Compiled sequential phasor scan for CPU tensors (numba), with a hand-written backward.
 
-The scan is a walk over tokens that reads and bumps a few of n_slots running phases. Eager PyTorch has
-to express it as sorts and cumsums, each a memory-bound pass over all T * L * M values; compiled, it is
-one pass with every slot's phases ([n_slots, M] float64, ~44 KB for PMNet's 85-slot tree) held in the
-L1/L2 cache. Phases are kept in float64 and wrapped to [0, 2*pi) after each increment, so precision
-does not decay with sequence length; reads are rounded to the input dtype.
-
-Single-threaded on purpose: the pass is memory-bound (two threads measured no faster), and numba's
-OpenMP thread pool shares libgomp with torch and resets torch's intra-op thread count when it starts.
-
-Backward: the gradient of an increment is its slot's final-state gradient plus the read gradients of
-the slot at later tokens. Two forward passes give it (a walk in reverse token order measured 3-5x
-slower on our CPUs): the first sums each slot's final-state and read gradients, which is the initial
-state's gradient; the second subtracts the read gradients token by token, and what remains after a
-token's own reads is the gradient of its increments. The sums are float64.
+The scan is the definition run as one pass over the tokens, every slot's phases ([n_slots, M]
+float64) held in cache; phases are wrapped to [0, 2*pi) after each increment, so precision does not
+decay with sequence length, and reads are rounded to the input dtype. Single-threaded on purpose:
+numba's OpenMP pool shares libgomp with torch and resets torch's intra-op thread count. The backward
+is two forward passes (docs/kernels.md says why and what they sum); its sums are float64.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ def _wrap(x):
 
 
 @triton.jit
-def _phasor_fwd_kernel(
-    delta, slots, init, read, final, seq_len, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
-):
+def _slot_tile(M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's batch row, phase columns, slot rows and chunk positions, and the offsets and mask
+    of its state tile [BN, BM] in a [B, NS, M] state."""
     b = tl.program_id(0)
     offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
@@ -36,17 +36,33 @@ def _phasor_fwd_kernel(
     mask_m = offs_m < M
     st_off = (b * NS + offs_n[:, None]) * M + offs_m[None, :]
     st_mask = (offs_n < NS)[:, None] & mask_m[None, :]
+    return b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask
+
+
+@triton.jit
+def _level_rows(values, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m):
+    """Level ``lvl`` of tokens ``t``: flat row ids, the [BT, BM] mask, each token's slot, its one-hot
+    over the slot rows, and the rows of ``values`` (an increment or its gradient) in fp32."""
+    mask_t = t < seq_len
+    entry = ((b * seq_len + t) * L + lvl).to(tl.int64)
+    sl = tl.load(slots + entry, mask=mask_t, other=-1)
+    mask = mask_t[:, None] & mask_m[None, :]
+    rows = tl.load(values + entry[:, None] * M + offs_m[None, :], mask=mask, other=0.0).to(tl.float32)
+    onehot = (sl[:, None] == offs_n[None, :]).to(tl.float32)
+    return entry, mask, sl, onehot, rows
+
+
+@triton.jit
+def _phasor_fwd_kernel(
+    delta, slots, init, read, final, seq_len, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+):
+    b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask = _slot_tile(M, NS, BT, BM, BN)
     state = tl.load(init + st_off, mask=st_mask, other=0.0)
     before = offs_t[:, None] > offs_t[None, :]
     for start in range(0, seq_len, BT):
         t = start + offs_t
-        mask_t = t < seq_len
         for lvl in range(0, L):
-            entry = ((b * seq_len + t) * L + lvl).to(tl.int64)
-            sl = tl.load(slots + entry, mask=mask_t, other=-1)
-            mask = mask_t[:, None] & mask_m[None, :]
-            d = tl.load(delta + entry[:, None] * M + offs_m[None, :], mask=mask, other=0.0).to(tl.float32)
-            onehot = (sl[:, None] == offs_n[None, :]).to(tl.float32)
+            entry, mask, sl, onehot, d = _level_rows(delta, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
             same = ((sl[:, None] == sl[None, :]) & before).to(tl.float32)
             r = tl.dot(onehot, state, input_precision="ieee") + tl.dot(same, d, input_precision="ieee")
             tl.store(read + entry[:, None] * M + offs_m[None, :], _wrap(r), mask=mask)
@@ -59,25 +75,14 @@ def _phasor_fwd_kernel(
 def _phasor_bwd_kernel(
     d_read, slots, d_final, d_delta, d_init, seq_len, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
 ):
-    b = tl.program_id(0)
-    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
-    offs_n = tl.arange(0, BN)
-    offs_t = tl.arange(0, BT)
-    mask_m = offs_m < M
-    st_off = (b * NS + offs_n[:, None]) * M + offs_m[None, :]
-    st_mask = (offs_n < NS)[:, None] & mask_m[None, :]
+    b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask = _slot_tile(M, NS, BT, BM, BN)
     g_state = tl.load(d_final + st_off, mask=st_mask, other=0.0)
     after = offs_t[:, None] < offs_t[None, :]
     n_chunks = tl.cdiv(seq_len, BT)
     for rev in range(0, n_chunks):
         t = (n_chunks - 1 - rev) * BT + offs_t
-        mask_t = t < seq_len
         for lvl in range(0, L):
-            entry = ((b * seq_len + t) * L + lvl).to(tl.int64)
-            sl = tl.load(slots + entry, mask=mask_t, other=-1)
-            mask = mask_t[:, None] & mask_m[None, :]
-            g = tl.load(d_read + entry[:, None] * M + offs_m[None, :], mask=mask, other=0.0).to(tl.float32)
-            onehot = (sl[:, None] == offs_n[None, :]).to(tl.float32)
+            entry, mask, sl, onehot, g = _level_rows(d_read, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
             same = ((sl[:, None] == sl[None, :]) & after).to(tl.float32)
             gd = tl.dot(onehot, g_state, input_precision="ieee") + tl.dot(same, g, input_precision="ieee")
             tl.store(d_delta + entry[:, None] * M + offs_m[None, :], gd, mask=mask)

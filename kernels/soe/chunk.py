@@ -1,32 +1,10 @@
 """Chunked PyTorch SOE scan: the CPU path, with a hand-written backward.
 
-Layout. Work tensors are [B*H, T, .] in fp32 (float64 for float64 inputs); a chunk is a slice of T.
-For B = 1 they are views of the [1, T, H, .] inputs and outputs, so no full-size copy is made (fresh
-multi-MB buffers cost more in page faults than the copy itself on the CPUs we measured); the operands
-of each chunk's products are copied into small contiguous tensors instead. The state is G [B*H, S*F, D]
-(the S terms stacked along the contraction) and the normaliser b [B*H, S, F], kept apart from G: a ones
-column appended to v would make every large product D + 1 = 65 columns wide, which the BLAS kernels
-run ~25% slower than 64.
-
-Forward, per chunk of c tokens with entering per-term states G_s [F, D], b_s [F] (positions i, j in
-the chunk; qd[i,s] = lam_s^(i+1), w[j,s] = lam_s^(c-1-j) coef[j,s]):
-  o_i = sum_s qd[i,s] q_i^T G_s    + sum_{j<=i} (q_i . k_j) Wc[i, j] v_j
-  z_i = sum_s qd[i,s] (q_i . b_s)  + sum_{j<=i} (q_i . k_j) Wc[i, j]
-  G_s <- lam_s^c G_s + sum_j w[j,s] k_j v_j^T,    b_s <- lam_s^c b_s + sum_j w[j,s] k_j
-with Wc[i, j] = sum_s coef[j,s] lam_s^(i-j). Every power has a non-negative exponent, so no factor
-exceeds 1 and nothing is divided by a decay. The large cross-chunk terms are single matmuls with the S
-terms folded into the contraction, [c, S*F] @ [S*F, D] (queries scaled by qd) and [S*F, c] @ [c, D]
-(keys scaled by w), written into work buffers reused by every chunk; the normaliser's are small
-[c, F] @ [F, S] and [S, c] @ [c, F] products. Wc never exists as [S, c, c]: with E[s, d] = lam_s^d,
-the product coef @ E is [c, c] indexed (j, i-j), and a fixed gather lays it out. The intra-chunk part
-has no sequential dependency and runs for blocks of chunks at once.
-
-Backward recomputes the states instead of storing them: one forward-order pass rebuilds (G, b) to get
-the query gradients of the cross-chunk terms, and one reverse pass carries (dG, db) (seeded by the
-gradient of the final state) for the key/value/coef gradients and the gradient of the initial state.
-The decay gradient is sum over (reader, writer) pairs of (distance) x (contribution): within a chunk
-it is computed locally; for pairs that cross chunk boundaries it is split into reader and writer
-position sums (positions centred on the sequence middle; see docs/kernels.md for the precision).
+Each chunk's contribution is a few matmuls with the S terms folded into the contraction, plus an
+intra-chunk part computed for blocks of chunks at once; the backward recomputes the states (a
+forward-order pass for the query gradients, a reverse pass for the rest). The algorithm, the layout
+choices and the precision of the decay gradient are in docs/kernels.md ("SOE scan: the chunked
+algorithm").
 """
 
 from __future__ import annotations
@@ -68,7 +46,7 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 class _Buffers:
     """Work buffers reused by every chunk: an operand scaled per term, [BH, c, S, F] and its transpose
     [BH, S, F, c], and a per-term gradient block [BH, S*F, c]. Fresh multi-MB temporaries per chunk cost
-    allocation and page faults (a 2 MB product measured ~20% slower into a fresh tensor)."""
+    allocation and page faults (docs/kernels.md)."""
 
     def __init__(self, like: torch.Tensor, c: int, n_terms: int) -> None:
         bh, feat = like.shape[0], like.shape[-1]
@@ -141,8 +119,8 @@ class _Chunks:
         return self._tables[r]
 
     def take(self, n: int, *xs: torch.Tensor) -> list[torch.Tensor]:
-        """Contiguous copies of chunk n of [BH, T, X] tensors: small, and the matmuls run ~10% faster on
-        them than on the strided views."""
+        """Contiguous copies of chunk n of [BH, T, X] tensors: small, and the matmuls run faster on them
+        than on the strided views."""
         span = self.tokens(n)
         return [x[:, span].contiguous() for x in xs]
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._common import work_dtype
+
 
 def soe_scan_reference(
     q: torch.Tensor,
@@ -26,7 +28,7 @@ def soe_scan_reference(
     batch, seq_len, heads, feat = q.shape
     dim_v = v.shape[-1]
     n_terms = log_lam.shape[-1]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = work_dtype(q.dtype)
     q, k, v, coef = (x.to(dtype) for x in (q, k, v, coef))
     lam = log_lam.to(dtype).exp()[None, :, :, None]  # [1, H, S, 1]
     if initial_state is None:

@@ -5,7 +5,7 @@ keeps its term's state G_s [F, BD] in registers, in fp32:
   o'_chunk += (Q K^T * coef_j lam_s^(i-j)) V' + (Q * lam_s^(i+1)) G_s
   G_s <- lam_s^c G_s + (K * lam_s^(c-1-j) coef)^T V'
 The S terms of one head add into the same outputs, so outputs are accumulated with fp32 atomic adds.
-v' = [v, 1] carries the normaliser z and b as in the PyTorch path.
+v' = [v, 1] carries the normaliser z and b through the same products.
 
 Backward, two kernels, no stored states: a forward-order one rebuilds G_s and produces the query
 gradients, all intra-chunk gradients and the reader half of the decay gradient; a reverse-order one
@@ -24,6 +24,23 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_triton_inputs
+
+
+@triton.jit
+def _term_tile(H, S, F, DV, BF: tl.constexpr, BD: tl.constexpr):
+    """This program's batch, head, term and value block, and the offsets and mask of its state tile
+    G_s [BF, BD] in a [B, H, S, F, DV] state."""
+    pid = tl.program_id(0)
+    i_d = tl.program_id(1)
+    s = pid % S
+    bh = pid // S
+    h = bh % H
+    b = bh // H
+    offs_f = tl.arange(0, BF)
+    offs_d = i_d * BD + tl.arange(0, BD)
+    st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
+    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    return b, h, s, i_d, offs_f, offs_d, st_off, st_mask
 
 
 @triton.jit
@@ -81,16 +98,7 @@ def _soe_fwd_kernel(
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    i_d = tl.program_id(1)
-    s = pid % S
-    bh = pid // S
-    h = bh % H
-    b = bh // H
-    offs_f = tl.arange(0, BF)
-    offs_d = i_d * BD + tl.arange(0, BD)
-    st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
-    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    b, h, s, i_d, _offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
     state = tl.load(g0 + st_off, mask=st_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     for start in range(0, seq_len, BT):
@@ -133,16 +141,7 @@ def _soe_bwd_forward_order_kernel(
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    i_d = tl.program_id(1)
-    s = pid % S
-    bh = pid // S
-    h = bh % H
-    b = bh // H
-    offs_f = tl.arange(0, BF)
-    offs_d = i_d * BD + tl.arange(0, BD)
-    st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
-    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    b, h, s, i_d, offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
     state = tl.load(g0 + st_off, mask=st_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     acc_ll = tl.zeros([BT], dtype=tl.float32)
@@ -204,16 +203,7 @@ def _soe_bwd_reverse_order_kernel(
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    i_d = tl.program_id(1)
-    s = pid % S
-    bh = pid // S
-    h = bh % H
-    b = bh // H
-    offs_f = tl.arange(0, BF)
-    offs_d = i_d * BD + tl.arange(0, BD)
-    st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
-    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    b, h, s, i_d, offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
     d_state = tl.load(d_gt + st_off, mask=st_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     acc_ll = tl.zeros([BT], dtype=tl.float32)

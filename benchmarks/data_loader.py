@@ -1,6 +1,6 @@
 """Benchmarks for the data pipeline (results go into docs/data.md).
 
-``python -m data_pipeline.bench throughput --input <corpus files/globs> --workdir <dir>``
+``python -m benchmarks.data_loader throughput --input <corpus files/globs> --workdir <dir>``
     Builds byte-level shards and sentencepiece shards (training a tokenizer first) from the
     corpus, then measures tokens/s of one ``PackedStream`` in one process (= one data-loader
     worker) from a cold start: read through fsspec + sha256 verify + decode + pack + shuffle +
@@ -8,7 +8,7 @@
     tokens/s and tokens per CPU-second of the process (the latter is what one worker sustains on
     an uncontended core; the wall number drops when the machine is shared).
 
-``python -m data_pipeline.bench scale --shards 10000 --shard-tokens 1880000 --workdir <dir>``
+``python -m benchmarks.data_loader scale --shards 10000 --shard-tokens 1880000 --workdir <dir>``
     Writes one real shard and links it under ``--shards`` names (hard links: the files are real
     and pass verification, but take the disk space of one), plus a manifest describing
     ``shards * shard_tokens`` tokens; then, in a fresh process, measures the start-up time
@@ -157,7 +157,7 @@ def scale(args: argparse.Namespace) -> list[dict]:
         write_scale_dataset(root, shards, args.shard_tokens, args.doc_tokens)
         write_s = time.perf_counter() - t
         resume = int(0.85 * shards * args.shard_tokens)
-        cmd = [sys.executable, "-m", "data_pipeline.bench", "_startup", str(root), str(args.seq_len), str(resume)]
+        cmd = [sys.executable, "-m", "benchmarks.data_loader", "_startup", str(root), str(args.seq_len), str(resume)]
         t = time.perf_counter()
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         wall = time.perf_counter() - t
@@ -176,7 +176,7 @@ def scale(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: ``throughput`` or ``scale`` (see module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m data_pipeline.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.data_loader", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     tp = sub.add_parser("throughput")
     tp.add_argument("--input", nargs="+", required=True)

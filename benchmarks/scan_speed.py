@@ -1,6 +1,6 @@
 """Benchmark of the scans against causal scaled_dot_product_attention, on the current machine.
 
-    python -m kernels.bench [--T 1024,4096,16384] [--ops soe,phasor] [--modes fwd,fwdbwd] [--out bench.json]
+    python -m benchmarks.scan_speed [--T 1024,4096,16384] [--ops soe,phasor] [--modes fwd,fwdbwd] [--out bench.json]
 
 Prints one table and writes JSON. Every row is the best of ``--repeats`` runs after a warm-up, and the
 runs of a row alternate between the scan, causal SDPA (same B, H and head dimension F) and a 2048^3

@@ -1,0 +1,140 @@
+"""The global sample order: where each packed sample of a source lies, and which source each global
+sample comes from. Pure arithmetic on shard lengths and seeds, no I/O (see docs/data.md, "The
+stream: one global order")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+_SHARD_ORDER_TAG = 1
+_WINDOW_TAG = 2
+_MIX_TAG = 3
+
+
+def seeded_rng(*keys: int) -> np.random.Generator:
+    """A generator seeded from non-negative integer keys (order-sensitive, platform-independent)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) for k in keys])))
+
+
+class SourceOrder:
+    """Per-epoch shard permutation, packing into ``seq_len + 1`` windows and shuffle windows of one source.
+
+    ``lengths[i]`` is shard ``i``'s stream length (tokens plus one EOS per document); ``salt`` comes
+    from the source fingerprint, so the order does not depend on where the data is stored.
+    """
+
+    def __init__(
+        self, lengths: np.ndarray, seq_len: int, seed: int, salt: int, window: int, shuffle: bool, name: str
+    ) -> None:
+        total = int(lengths.sum())
+        self.samples_per_epoch = (total - 1) // seq_len
+        if self.samples_per_epoch < 1:
+            raise ValueError(f"source {name!r} has {total} tokens (with EOS), fewer than seq_len + 1 = {seq_len + 1}")
+        self.lengths = lengths
+        self.seq_len = seq_len
+        self.seed = seed
+        self.salt = salt
+        self.window = window
+        self.shuffle = shuffle
+        self._epoch = -1
+        self._order = np.empty(0, dtype=np.int64)
+        self._ends = np.empty(0, dtype=np.int64)
+        self._window_key: tuple[int, int] = (-1, -1)
+        self._window_perm = np.empty(0, dtype=np.int64)
+
+    def _layout(self, epoch: int) -> None:
+        """Shard order and cumulative stream ends for ``epoch`` (recomputed on epoch change)."""
+        if epoch == self._epoch:
+            return
+        n = len(self.lengths)
+        if self.shuffle:
+            order = seeded_rng(self.seed, self.salt, _SHARD_ORDER_TAG, epoch).permutation(n)
+        else:
+            order = np.arange(n)
+        self._order = order
+        self._ends = np.cumsum(self.lengths[order])
+        self._epoch = epoch
+
+    def sample_in_epoch(self, epoch: int, q: int) -> int:
+        """Packed-sample number within the epoch for shuffled position ``q``."""
+        if self.window == 1:
+            return q
+        w, k = divmod(q, self.window)
+        if self._window_key != (epoch, w):
+            size = min(self.window, self.samples_per_epoch - w * self.window)
+            self._window_perm = seeded_rng(self.seed, self.salt, _WINDOW_TAG, epoch, w).permutation(size)
+            self._window_key = (epoch, w)
+        return w * self.window + int(self._window_perm[k])
+
+    def sample_span(self, position: int, with_prev: bool) -> tuple[int, int, int, bool]:
+        """``(epoch, start, stop, has_prev)``: stream positions of the source's ``position``-th sample
+        (``seq_len + 1`` tokens, or one more in front when ``with_prev`` and it does not start the epoch)."""
+        epoch, q = divmod(position, self.samples_per_epoch)
+        start = self.sample_in_epoch(epoch, q) * self.seq_len
+        has_prev = with_prev and start > 0
+        return epoch, start - int(has_prev), start + self.seq_len + 1, has_prev
+
+    def pieces(self, epoch: int, start: int, stop: int) -> Iterator[tuple[int, int, int, int | None]]:
+        """``(shard, lo, hi, following shard)`` for each shard that positions ``[start, stop)`` of the
+        epoch's stream cross; ``[lo, hi)`` are positions within that shard's stream."""
+        self._layout(epoch)
+        pos = int(self._ends.searchsorted(start, side="right"))
+        while start < stop:
+            shard_end = int(self._ends[pos])
+            shard_start = shard_end - int(self.lengths[self._order[pos]])
+            following = int(self._order[pos + 1]) if pos + 1 < len(self._order) else None
+            take = min(stop, shard_end)
+            yield int(self._order[pos]), start - shard_start, take - shard_start, following
+            start = take
+            pos += 1
+
+
+class Mixture:
+    """Deterministic assignment of global sample numbers to sources: blocks of ``block`` samples, each
+    holding every source's exact quota (largest-remainder rounding of the weights) in a seeded order."""
+
+    def __init__(self, weights: Sequence[float], block: int, seed: int) -> None:
+        if block < 1:
+            raise ValueError(f"mix_block must be >= 1, not {block}")
+        w = np.asarray(weights, dtype=np.float64)
+        if w.ndim != 1 or len(w) == 0 or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
+            raise ValueError(f"mixture weights must be non-negative, finite and not all zero: {list(weights)}")
+        w = w / w.sum()
+        exact = w * block
+        quota = np.floor(exact).astype(np.int64)
+        remainder = exact - quota
+        for i in np.argsort(-remainder, kind="stable")[: block - int(quota.sum())]:
+            quota[i] += 1
+        self.weights = w
+        self.block = block
+        self.seed = seed
+        self.quota = quota
+        self._base = np.repeat(np.arange(len(w)), quota)
+        self._cached_block = -1
+        self._perm = self._base
+        self._rank = np.zeros(0, dtype=np.int64)
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source of each slot in block ``b`` and its rank among that source's slots."""
+        if b != self._cached_block:
+            perm = seeded_rng(self.seed, _MIX_TAG, b).permutation(self._base) if len(self.quota) > 1 else self._base
+            order = np.argsort(perm, kind="stable")
+            rank = np.empty(self.block, dtype=np.int64)
+            rank[order] = np.arange(self.block) - np.repeat(np.cumsum(self.quota) - self.quota, self.quota)
+            self._perm, self._rank, self._cached_block = perm, rank, b
+        return self._perm, self._rank
+
+    def locate(self, n: int) -> tuple[int, int]:
+        """``(source, k)``: the ``n``-th sample of this mixture is source's ``k``-th sample."""
+        b, i = divmod(n, self.block)
+        perm, rank = self._block(b)
+        s = int(perm[i])
+        return s, b * int(self.quota[s]) + int(rank[i])
+
+    def counts(self, n: int) -> np.ndarray:
+        """How many of the first ``n`` samples of this mixture each source received."""
+        b, i = divmod(n, self.block)
+        perm, _ = self._block(b)
+        return b * self.quota + np.bincount(perm[:i], minlength=len(self.quota))
