@@ -340,5 +340,9 @@ class StreamLoader:
         self.stream.load_state_dict(state)
         self._consumed_local = 0
 
+    def stats(self) -> dict[str, int]:
+        """The stream's I/O counters (see ``PackedStream.stats``)."""
+        return self.stream.stats()
+
 
 __all__ = ["PackedStream", "ShardError", "StreamLoader", "TokenizerMismatchError", "tokenizer_info"]

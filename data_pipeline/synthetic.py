@@ -60,55 +60,83 @@ class _KeyValueRecall(ABC):
     """Shared generator: key/value records planted in noise, then a query for one key.
 
     Layout: noise with ``num_pairs`` records ``[MARK, key, value...]``; the sequence ends with
-    ``[QUERY, key, value...]`` where the queried record starts ``lag`` tokens before the query.
+    ``queries`` query blocks ``[QUERY, key, value...]``, the j-th asking for the j-th key, whose
+    record starts ``lags[j]`` tokens before that query's QUERY token. With one query (the default)
+    the last block is the whole answer; with several, every query block's value is labelled (a
+    denser training signal) and ``meta`` lists each query's position and lag. A later query's lag
+    is drawn from the task's distribution conditioned on fitting before the query blocks.
     Vocabulary: keys ``[0, K)``, values ``[K, 2K)``, noise ``[2K, vocab-2)``, MARK ``vocab-2``,
     QUERY ``vocab-1``, with ``K = (vocab - 2) // 4``.
     """
 
     task = ""
 
-    def __init__(self, seq_len: int, vocab_size: int, num_pairs: int, value_len: int, seed: int) -> None:
+    def __init__(
+        self, seq_len: int, vocab_size: int, num_pairs: int, value_len: int, seed: int, queries: int = 1
+    ) -> None:
         self.keys = (vocab_size - 2) // 4
         if self.keys < num_pairs:
             raise ValueError(f"vocab_size {vocab_size} has {self.keys} keys, fewer than num_pairs={num_pairs}")
+        if not 1 <= queries <= num_pairs:
+            raise ValueError(f"queries must be in [1, num_pairs={num_pairs}], got {queries}")
         record = 2 + value_len
-        if seq_len < (num_pairs + 2) * record:
-            raise ValueError(f"seq_len {seq_len} too short for {num_pairs} records of {record} tokens")
+        if seq_len < (num_pairs + queries + 1) * record:
+            raise ValueError(
+                f"seq_len {seq_len} too short for {num_pairs} records and {queries} queries of {record} tokens"
+            )
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.num_pairs = num_pairs
         self.value_len = value_len
+        self.queries = queries
         self.seed = seed
         self.mark = vocab_size - 2
         self.query = vocab_size - 1
 
     @property
+    def max_len(self) -> int:
+        """Tokens per example."""
+        return self.seq_len
+
+    @property
     def max_lag(self) -> int:
         """Largest lag (query position minus queried record position) that fits."""
-        return self.seq_len - (2 + self.value_len)
+        return self.seq_len - self.queries * (2 + self.value_len)
 
     @abstractmethod
-    def _lag(self, rng: np.random.Generator) -> int:
-        """Distance from the queried record's first token to the query token."""
+    def _lag(self, rng: np.random.Generator, low: int) -> int:
+        """Distance from a queried record's first token to its query token, at least ``low``."""
 
     def example(self, i: int) -> Example:
         """Example ``i`` (deterministic in ``(seed, i)``)."""
         rng = _rng(self.seed, self.task, i)
         record = 2 + self.value_len
-        body_len = self.seq_len - record
+        body_len = self.seq_len - self.queries * record
         tokens = rng.integers(2 * self.keys, self.vocab_size - 2, size=self.seq_len)
         keys = rng.choice(self.keys, size=self.num_pairs, replace=False)
         values = rng.integers(self.keys, 2 * self.keys, size=(self.num_pairs, self.value_len))
-        lag = self._lag(rng)
-        target_at = body_len - lag
-        occupied = {target_at // record, (target_at + record - 1) // record}
-        free = np.array([s for s in range(body_len // record) if s not in occupied])
-        others = rng.choice(free, size=self.num_pairs - 1, replace=False) * record
-        for pos, key, value in zip([target_at, *others.tolist()], keys, values):
+        taken = np.zeros(body_len, dtype=bool)
+        starts, lags, query_at = [], [], []
+        for j in range(self.queries):
+            at = body_len + j * record
+            while True:  # a free place for the record: lags near the query blocks collide most
+                lag = self._lag(rng, low=at - body_len + record)
+                if not taken[at - lag : at - lag + record].any():
+                    break
+            taken[at - lag : at - lag + record] = True
+            starts.append(at - lag)
+            lags.append(lag)
+            query_at.append(at)
+        free = [s * record for s in range(body_len // record) if not taken[s * record : (s + 1) * record].any()]
+        starts += (rng.choice(free, size=self.num_pairs - self.queries, replace=False)).tolist()
+        for pos, key, value in zip(starts, keys, values):
             tokens[pos : pos + record] = [self.mark, key, *value]
-        tokens[body_len : body_len + 2] = [self.query, keys[0]]
-        tokens[body_len + 2 :] = values[0]
-        return _example(tokens, body_len + 2, {"lag": lag, "key": int(keys[0])})
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        for j, at in enumerate(query_at):
+            tokens[at : at + record] = [self.query, keys[j], *values[j]]
+            labels[at + 1 : at + 1 + self.value_len] = values[j]
+        meta = {"lag": lags[-1], "key": int(keys[self.queries - 1]), "lags": lags, "query_at": query_at}
+        return Example(tokens.astype(np.int64), labels, (query_at[-1] + 2, self.seq_len), meta)
 
 
 class ZipfRetrieval(_KeyValueRecall):
@@ -128,15 +156,16 @@ class ZipfRetrieval(_KeyValueRecall):
         alpha: float = 1.2,
         min_lag: int = 4,
         seed: int = 0,
+        queries: int = 1,
     ) -> None:
-        super().__init__(seq_len, vocab_size, num_pairs, 1, seed)
+        super().__init__(seq_len, vocab_size, num_pairs, 1, seed, queries)
         self.alpha = alpha
         self.min_lag = max(min_lag, 3)
 
-    def _lag(self, rng: np.random.Generator) -> int:
+    def _lag(self, rng: np.random.Generator, low: int) -> int:
         while True:
             lag = self.min_lag - 1 + int(rng.zipf(self.alpha))
-            if lag <= self.max_lag:
+            if low <= lag <= self.max_lag:
                 return lag
 
 
@@ -153,12 +182,13 @@ class EntityLabelCopy(_KeyValueRecall):
         label_len: int = 4,
         min_lag: int | None = None,
         seed: int = 0,
+        queries: int = 1,
     ) -> None:
-        super().__init__(seq_len, vocab_size, num_entities, label_len, seed)
+        super().__init__(seq_len, vocab_size, num_entities, label_len, seed, queries)
         self.min_lag = min_lag if min_lag is not None else 2 + label_len
 
-    def _lag(self, rng: np.random.Generator) -> int:
-        return int(rng.integers(self.min_lag, self.max_lag + 1))
+    def _lag(self, rng: np.random.Generator, low: int) -> int:
+        return int(rng.integers(max(self.min_lag, low), self.max_lag + 1))
 
 
 class CopyPaste:
@@ -177,6 +207,11 @@ class CopyPaste:
         self.max_copy = max_copy
         self.max_lookback = max_lookback
         self.seed = seed
+
+    @property
+    def max_len(self) -> int:
+        """Tokens in the longest example."""
+        return self.max_lookback + self.max_copy + 1
 
     def example(self, i: int) -> Example:
         """Example ``i`` (deterministic in ``(seed, i)``); variable length, at most ``max_lookback + max_copy + 1``."""
@@ -233,6 +268,11 @@ class NeedleHaystack:
         fixed = len(self._ids(self.needle % 0)) + len(self._ids(self.question)) + len(self._ids(b"000000"))
         if context_len <= fixed:
             raise ValueError(f"context_len {context_len} leaves no room for the haystack")
+
+    @property
+    def max_len(self) -> int:
+        """Tokens per example."""
+        return self.context_len
 
     def _ids(self, data: bytes) -> np.ndarray:
         return np.asarray(self.encode(data), dtype=np.int64)
@@ -312,6 +352,96 @@ class TaskStream(IterableDataset):
                 ids = torch.nn.functional.pad(ids, (0, extra), value=self.pad_id)
                 labels = torch.nn.functional.pad(labels, (0, extra), value=IGNORE_INDEX)
             yield {"input_ids": ids, "labels": labels, "index": i}
+
+
+# ----------------------------------------------------------------------------- the registry
+
+Task = ZipfRetrieval | EntityLabelCopy | CopyPaste | NeedleHaystack
+
+MIN_TASK_LEN = 128
+"""Shortest example length every task accepts: room for the needle sentence and question, and for
+8 key/value records of the token-level tasks."""
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """How to build one task at a given example length.
+
+    ``build(length, vocab_size, haystack, encode, seed, params)`` sizes the task to ``length`` tokens
+    (the task's own defaults otherwise; ``params`` overrides them by constructor name).
+    """
+
+    build: Callable[[int, int, bytes | None, Callable[[bytes], Any] | None, int, dict[str, Any]], Task]
+    needs_haystack: bool = False
+
+
+def _copy(length: int, _vocab: int, _hay: bytes | None, _enc: Any, seed: int, params: dict[str, Any]) -> CopyPaste:
+    max_copy = int(params.pop("max_copy", max(1, length // 8)))
+    max_lookback = int(params.pop("max_lookback", length - max_copy - 1))
+    return CopyPaste(max_copy=max_copy, max_lookback=max_lookback, seed=seed, **params)
+
+
+def _needle(length: int, _vocab: int, hay: bytes | None, enc: Any, seed: int, params: dict[str, Any]) -> NeedleHaystack:
+    if not hay:
+        raise ValueError("the needle task needs a haystack text")
+    return NeedleHaystack(length, hay, encode=enc, seed=seed, **params)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "copy": TaskSpec(_copy),
+    "entity": TaskSpec(lambda n, vocab, _h, _e, seed, p: EntityLabelCopy(n, vocab_size=vocab, seed=seed, **p)),
+    "needle": TaskSpec(_needle, needs_haystack=True),
+    "zipf": TaskSpec(lambda n, vocab, _h, _e, seed, p: ZipfRetrieval(n, vocab_size=vocab, seed=seed, **p)),
+}
+
+
+def make_task(
+    name: str,
+    length: int,
+    vocab_size: int = 256,
+    haystack: bytes | None = None,
+    encode: Callable[[bytes], Any] | None = None,
+    seed: int = 0,
+    **params: Any,
+) -> Task:
+    """The task ``name`` with examples of (at most) ``length`` tokens; ValueError names what is wrong."""
+    if name not in TASKS:
+        raise ValueError(f"unknown synthetic task {name!r}; known: {', '.join(sorted(TASKS))}")
+    if length < MIN_TASK_LEN:
+        raise ValueError(f"task {name!r}: length {length} is below the minimum of {MIN_TASK_LEN} tokens")
+    try:
+        return TASKS[name].build(length, vocab_size, haystack, encode, seed, dict(params))
+    except TypeError as err:
+        raise ValueError(f"task {name!r}: bad parameters {sorted(params)}: {err}") from err
+
+
+class TaskBatches:
+    """Micro-batches of a synthetic task for the trainer, with the loader interface it uses.
+
+    Each example is padded to ``seq_len``; ``state_dict`` counts the examples consumed by all ranks
+    so that a resumed run continues with the next unseen example.
+    """
+
+    def __init__(self, task: Task, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        self.task, self.seq_len, self.batch_size = task, seq_len, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.consumed = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            stream = TaskStream(self.task, self.rank, self.world_size, start=self.consumed, pad_to=self.seq_len)
+            rows = list(itertools.islice(iter(stream), self.batch_size))
+            self.consumed += self.batch_size * self.world_size
+            yield {key: torch.stack([row[key] for row in rows]) for key in ("input_ids", "labels")}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed = int(state["consumed"])
+
+    def stats(self) -> dict[str, int]:
+        return {"examples": self.consumed}
 
 
 def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:

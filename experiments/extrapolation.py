@@ -27,7 +27,7 @@ from experiments.runner import REPO, Experiment, Family, Run
 from model import CausalLM
 from model.vort import VORT_KINDS
 from pretrain import compare
-from pretrain.config import RunConfig, load_config
+from pretrain.config import RunConfig
 from pretrain.evaluate import evaluate_context, read_text
 from pretrain.memory_probe import probe
 
@@ -37,6 +37,7 @@ CONTEXTS = (256, 1024, 4096, 16384, 65536)
 QUICK_CONTEXTS = (64, 256)
 TRANSFORMER_MAX = 4096  # whole-window attention; beyond it the window no longer fits one chunk
 CHUNK = 1024
+DEMO_SEED = 1234  # run.seed of configs/experiments/books.yaml (the demo's)
 TRAIN_LEN = 256  # data.seq_len of configs/experiments/books.yaml (through demo.yaml)
 
 BOOKS_FAMILIES = (
@@ -68,15 +69,11 @@ class BooksExperiment(Experiment):
             build_shards([str(DEMO / "train")], str(shards), tokenizer="bytes", shard_tokens=262144)
 
     def run_config(self, family: Family, seed: int, out: Path, quick: bool) -> tuple[Path, RunConfig]:
-        """As the runner's, with the shards of `prepare` and a run name shared by both
-        experiments, so that experiment 8 reuses experiment 3's VORT run."""
-        stem = Path(self.config).stem + ("-quick" if quick else "")
-        run_dir = out / "runs" / stem / family.name / f"seed{seed}"
-        overrides = [
-            f"run.seed={seed}", f"data.train=[{{path: {out / 'shards' / 'demo-train'}}}]", *family.overrides,
-            *(self.quick_overrides if quick else ()), f"run.name={stem}-{family.name}-{seed}", f"run.dir={run_dir}",
-        ]
-        return run_dir, load_config(REPO / "configs" / "experiments" / self.config, overrides)
+        """The runner's, on the shards of `prepare`, seeded from the demo's seed."""
+        shards = out / "shards" / "demo-train"
+        extended = Family(family.name, (f"run.seed={DEMO_SEED + seed}", f"data.train=[{{path: {shards}}}]",
+                                        *family.overrides))
+        return super().run_config(extended, seed, out, quick)
 
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
         contexts = QUICK_CONTEXTS if quick else CONTEXTS
@@ -120,6 +117,7 @@ BOOKS = BooksExperiment(
     config="books.yaml",
     families=BOOKS_FAMILIES,
     seeds=1,
+    seed_overrides=(),
     quick_overrides=QUICK,
     paper={"vort_table_row_3": "VORT.md section 6, row 3", "pmnet_extrapolation": "PMNET.md section 5"},
 )
@@ -129,6 +127,7 @@ FIX = BooksExperiment(
     config="books.yaml",
     families=FIX_FAMILIES,
     seeds=1,
+    seed_overrides=(),
     quick_overrides=QUICK,
 )
 EXPERIMENTS = (BOOKS, FIX)

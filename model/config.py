@@ -17,7 +17,8 @@ class VortConfig:
 
     docs/vort.md explains each choice. The kernel baselines use only the fields that concern
     them (pl: `pl_alpha`; exp: nothing kernel-specific; m5: `m5_timescales`). `temper` (tokens)
-    tempers the vort and pl kernels: w_n(alpha) exp(-n / temper).
+    tempers the vort and pl kernels: w_n(alpha) exp(-n / temper). `entity_aux_weight` (vort only)
+    adds the weak-label entity loss of model/entity_labels.py to training.
     """
 
     n_features: int = 64
@@ -35,6 +36,7 @@ class VortConfig:
     probe_rank: int = 32
     probe_classes: int = 256
     alpha_bins: int = 20
+    entity_aux_weight: float = 0.0
     eps: float = 1e-6
     chunk_size: int = 64
     scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
@@ -58,6 +60,8 @@ class VortConfig:
             raise ValueError(f"soe_eps: must be in (0, 1), got {self.soe_eps}")
         if self.eps <= 0:
             raise ValueError(f"eps: must be > 0, got {self.eps}")
+        if self.entity_aux_weight < 0:
+            raise ValueError(f"entity_aux_weight: must be >= 0 (0 disables it), got {self.entity_aux_weight}")
         if len(self.m5_timescales) != 5 or min(self.m5_timescales) <= 0:
             raise ValueError(f"m5_timescales: must be 5 positive numbers of tokens, got {self.m5_timescales}")
 
@@ -68,7 +72,8 @@ class PMNetConfig:
 
     docs/pmnet.md explains each choice. `memory_every = 0` gives the SWA-only ablation; the two
     `update_memory_*` switches freeze the memory (reads still happen) for the paper's ablation;
-    `collision_scope` is where the writers s of the 1/sqrt(s) gradient normalisation are counted.
+    `collision_scope` is where the writers s of the 1/sqrt(s) gradient normalisation are counted
+    ("none": no normalisation, for the ablation).
     """
 
     window: int = 64
@@ -80,7 +85,7 @@ class PMNetConfig:
     route_temperature: float = 0.1
     update_memory_train: bool = True
     update_memory_eval: bool = True
-    collision_scope: Literal["sequence", "segment"] = "sequence"
+    collision_scope: Literal["sequence", "segment", "none"] = "sequence"
     scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
 
     def __post_init__(self) -> None:

@@ -11,7 +11,8 @@ adds its increment to each of them. The scan itself is `kernels.phasor_scan`.
 Routing sees the memory state at the start of the token's segment (a fixed chunk of absolute
 positions, `segment_len`), so routes within a segment are computed in parallel; reads are
 token-exact through the scan. Writes carry the 1/sqrt(s) gradient normalisation for collisions,
-s counted over the call's whole sequence (the paper's definition, the default) or per segment.
+s counted over the call's whole sequence (the paper's definition, the default) or per segment;
+scope "none" drops the normalisation (the ablation of the gradient wake-up experiment).
 docs/pmnet.md gives the reasons.
 """
 
@@ -203,10 +204,10 @@ class PhasorMemory(nn.Module):
             else:
                 slots, gates = self.route(query_phasor[:, start:stop], keys)
             delta = increment[:, start:stop, None, :].expand(B, stop - start, L, M)
-            if sequence is None:
-                delta = normalise_collisions(delta, slots, self.n_slots)
-            else:
+            if sequence is not None:
                 sequence.add(delta, slots)
+            elif self.collision_scope == "segment":
+                delta = normalise_collisions(delta, slots, self.n_slots)
             if self.reference:
                 reads = []
                 for t in range(stop - start):

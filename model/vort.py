@@ -31,6 +31,7 @@ import kernels
 from model import soe
 from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables
 from model.config import ModelConfig, VortConfig
+from model.entity_labels import capitalised_word_mask
 
 VORT_KINDS = ("vort", "pl", "exp", "m5")
 
@@ -185,6 +186,7 @@ class VariableOrderMemory(Fp32Tables):
         self.register_buffer("banks", banks)
         self.router = OrderRouter(config.d_model, config.n_heads, cfg)
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.entity_score: torch.Tensor | None = None  # with its graph, for the auxiliary loss
 
     @property
     def n_terms(self) -> int:
@@ -195,7 +197,13 @@ class VariableOrderMemory(Fp32Tables):
         alpha, _, entity = self.router(x)
         coef = soe.interpolate_coefficients(alpha, self.banks.to(alpha.dtype), self.bank_coef.to(alpha.dtype))
         self._last = (alpha.detach(), entity.detach())
+        self.entity_score = entity
         return coef, self.log_lambda.to(alpha.dtype).expand(self.n_heads, -1)
+
+    @property
+    def last_routing(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(alpha [B, T, H], entity score [B, T]) of the last forward pass, detached; None before it."""
+        return self._last
 
     def stats(self) -> dict[str, Any]:
         """Alpha histogram (counts over `alpha_bins` equal bins of [0, 1]), share per bank, probe means."""
@@ -379,6 +387,18 @@ class VortLM(StackedLM):
         if config.kind not in VORT_KINDS:
             raise ValueError(f"kind: VortLM builds {', '.join(VORT_KINDS)}, got {config.kind!r}")
         super().__init__(config, lambda i: VortBlock(config, i))
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
+        """The LM loss; in training with `vort.entity_aux_weight > 0`, plus that weight times the mean
+        (over layers) binary cross-entropy of the entity probe against capitalised_word_mask."""
+        loss, state = super().loss(input_ids, labels, state)
+        weight = self.config.vort.entity_aux_weight
+        if self.training and weight > 0 and self.config.kind == "vort":
+            target = capitalised_word_mask(input_ids)
+            scores = [block.mixer.memory.entity_score for block in self.blocks]
+            aux = torch.stack([F.binary_cross_entropy(p.float().clamp(1e-6, 1 - 1e-6), target) for p in scores])
+            loss = loss + weight * aux.mean()
+        return loss, state
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 per matmul parameter plus 3 x the non-parameter forward work; linear cost, so no seq_len term."""

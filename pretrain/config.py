@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
+from data_pipeline import synthetic
 from model.config import ModelConfig
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
 from model.config_loader import build_config, read_tree
@@ -48,10 +49,27 @@ class DataSource:
 
 
 @dataclasses.dataclass
+class TaskSource:
+    """A synthetic task of data_pipeline.synthetic as the training data, examples of data.seq_len
+    tokens; `params` overrides the task's constructor arguments (e.g. alpha, num_pairs)."""
+
+    name: str = ""
+    params: dict[str, int | float] = dataclasses.field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in synthetic.TASKS:
+            raise ValueError(f"name: unknown synthetic task {self.name!r}; known: {', '.join(sorted(synthetic.TASKS))}")
+        if synthetic.TASKS[self.name].needs_haystack:
+            raise ValueError(f"name: the {self.name!r} task needs a haystack text and cannot be training data")
+
+
+@dataclasses.dataclass
 class DataSection:
-    """Training and validation data."""
+    """Training and validation data: shard sets (`train`) or one synthetic task (`task`)."""
 
     train: list[DataSource] = dataclasses.field(default_factory=list)
+    task: TaskSource | None = None
     valid: list[str] = dataclasses.field(default_factory=list)
     tokenizer: str = "bytes"
     seq_len: int = 256
@@ -60,6 +78,8 @@ class DataSection:
     num_workers: int = 0
 
     def __post_init__(self) -> None:
+        if self.task is not None and self.train:
+            raise ValueError("task: set either data.train (shards) or data.task (a synthetic task), not both")
         if self.seq_len < 2:
             raise ValueError(f"seq_len: must be >= 2, got {self.seq_len}")
         if self.shuffle_buffer < 1:
@@ -159,9 +179,6 @@ class CheckpointSection:
             raise ValueError(f"milestone_every: must be >= 0, got {self.milestone_every}")
 
 
-MIN_TASK_LEN = 128  # room for the needle sentence and question, and for 8 Zipf records
-
-
 @dataclasses.dataclass
 class EvalSection:
     """Periodic held-out evaluation."""
@@ -169,19 +186,23 @@ class EvalSection:
     every: int = 0
     contexts: list[int] = dataclasses.field(default_factory=lambda: [256])
     max_tokens: int = 65536
-    tasks: list[Literal["copy", "needle", "zipf"]] = dataclasses.field(default_factory=list)
+    tasks: list[str] = dataclasses.field(default_factory=list)
     task_len: int = 512
     task_examples: int = 16
     haystack: str | None = None
 
     def __post_init__(self) -> None:
-        if self.task_len < MIN_TASK_LEN:
+        unknown = sorted(set(self.tasks) - set(synthetic.TASKS))
+        if unknown:
+            raise ValueError(f"tasks: unknown {unknown}; known: {', '.join(sorted(synthetic.TASKS))}")
+        if self.task_len < synthetic.MIN_TASK_LEN:
             raise ValueError(
-                f"task_len: must be >= {MIN_TASK_LEN} tokens (room for the tasks' prompts), got {self.task_len}"
+                f"task_len: must be >= {synthetic.MIN_TASK_LEN} tokens (room for the tasks' prompts), "
+                f"got {self.task_len}"
             )
         if self.task_examples < 1:
             raise ValueError(f"task_examples: must be >= 1, got {self.task_examples}")
-        if "needle" in self.tasks and not self.haystack:
+        if any(synthetic.TASKS[t].needs_haystack for t in self.tasks) and not self.haystack:
             raise ValueError("haystack: the needle task needs a text file to hide the needle in")
         if self.every < 0:
             raise ValueError(f"every: must be >= 0 (0 disables evaluation), got {self.every}")

@@ -40,10 +40,7 @@ import torch.nn.functional as F
 from data_pipeline import synthetic
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from model import CausalLM, build_model
-from pretrain.config import MIN_TASK_LEN
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
-
-TASKS = ("copy", "needle", "zipf")
 
 
 class EvalError(RuntimeError):
@@ -230,12 +227,9 @@ def run_tasks(
     """Accuracy of each requested task on `n` examples of about `length` tokens."""
     results: dict[str, Any] = {}
     for task in tasks:
-        if task == "copy":
-            gen: Any = synthetic.CopyPaste(max_copy=max(1, length // 8), max_lookback=length - length // 8 - 1)
-        elif task == "needle":
-            gen = synthetic.NeedleHaystack(length, haystack, encode=lambda b: tok.encode(b)[0])
-        else:
-            gen = synthetic.ZipfRetrieval(length, vocab_size=tok.content_vocab)
+        gen = synthetic.make_task(
+            task, length, vocab_size=tok.content_vocab, haystack=haystack, encode=lambda b: tok.encode(b)[0]
+        )
         examples = [gen.example(i) for i in range(n)]
         results[task] = {"examples": n, "length": length, **task_accuracy(model, examples, chunk, device)}
     return results
@@ -294,11 +288,13 @@ def evaluate(
         raise EvalError(f"--max-tokens must be positive, got {max_tokens}")
     if chunk < 1 or not contexts or min(contexts) < 1:
         raise EvalError(f"--chunk and --context must be positive (chunk={chunk}, contexts={list(contexts)})")
-    unknown = sorted(set(tasks) - set(TASKS))
+    unknown = sorted(set(tasks) - set(synthetic.TASKS))
     if unknown:
-        raise EvalError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
-    if tasks and task_len < MIN_TASK_LEN:
-        raise EvalError(f"--task-len: {task_len} is too short for the synthetic tasks (at least {MIN_TASK_LEN})")
+        raise EvalError(f"--tasks: unknown {unknown}; known: {', '.join(sorted(synthetic.TASKS))}")
+    if tasks and task_len < synthetic.MIN_TASK_LEN:
+        raise EvalError(
+            f"--task-len: {task_len} is too short for the synthetic tasks (at least {synthetic.MIN_TASK_LEN})"
+        )
     try:
         config = read_export_config(model_dir)
         model = load_exported(model_dir, device)
@@ -355,7 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="at most max(1, this // context) windows per context (equal token budgets)")
     parser.add_argument("--soe-horizon", type=int, default=None,
                         help="VORT family: score with SOE tables certified to this many lags (weights unchanged)")
-    parser.add_argument("--tasks", type=lambda v: [t for t in v.split(",") if t], default=[], help="copy,needle,zipf")
+    parser.add_argument(
+        "--tasks", type=lambda v: [t for t in v.split(",") if t], default=[], help=",".join(sorted(synthetic.TASKS))
+    )
     parser.add_argument("--task-len", type=int, default=2048, help="tokens per synthetic-task example")
     parser.add_argument("--task-examples", type=int, default=8, help="examples per synthetic task")
     parser.add_argument("--device", default="cpu")

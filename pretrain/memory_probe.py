@@ -89,7 +89,8 @@ def probe(model: CausalLM, ids: np.ndarray, context: int, chunk: int, train_len:
                 log_lam = log_lam.double()
                 long_term = log_lam > -1.0 / train_len  # timescale -1/log(lambda) beyond train_len
                 entry["long_term_share"] = float(mass[long_term].sum()) / total
-                entry["order_one_share"] = float(mass[log_lam.argmax()]) / total  # the lambda = 1 node (tempered or not)
+                # the lambda = 1 node, tempered or not, is the slowest term
+                entry["order_one_share"] = float(mass[log_lam.argmax()]) / total
             stats = layer.memory.stats()
             if "alpha_mean" in stats:
                 entry["alpha_mean"] = float(stats["alpha_mean"])

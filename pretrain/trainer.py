@@ -20,6 +20,7 @@ import torch
 
 from data_pipeline.shards import ManifestError, load_manifest
 from data_pipeline.stream import PackedStream, StreamLoader
+from data_pipeline.synthetic import TaskBatches, make_task
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
 from pretrain import carry
@@ -62,8 +63,10 @@ class StopFlag:
 
 def check_data(cfg: RunConfig) -> None:
     """Fail fast, naming the path, when shards are missing or were built for another vocabulary."""
-    if not cfg.data.train:
-        raise DataError("data.train: no training sources configured")
+    if cfg.data.task is not None:
+        make_task_data(cfg, 0, 1)
+    elif not cfg.data.train:
+        raise DataError("data.train: no training sources configured (or data.task for a synthetic task)")
     for i, source in enumerate(cfg.data.train):
         try:
             manifest = load_manifest(source.path)
@@ -102,7 +105,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader:
+def make_task_data(cfg: RunConfig, rank: int, world: int) -> TaskBatches:
+    """Batches of the configured synthetic task (token ids must fit the model's vocabulary)."""
+    task = cfg.data.task
+    assert task is not None
+    params = dict(task.params)
+    vocab = int(params.pop("vocab_size", min(cfg.model.vocab_size, 256)))
+    if vocab > cfg.model.vocab_size:
+        raise DataError(f"data.task.params.vocab_size: {vocab} exceeds model.vocab_size={cfg.model.vocab_size}")
+    try:
+        generator = make_task(task.name, cfg.data.seq_len, vocab_size=vocab, seed=task.seed, **params)
+    except ValueError as err:
+        raise DataError(f"data.task: {err}") from err
+    if generator.max_len > cfg.data.seq_len:
+        raise DataError(
+            f"data.task: {task.name} examples reach {generator.max_len} tokens, "
+            f"more than data.seq_len={cfg.data.seq_len}"
+        )
+    return TaskBatches(generator, cfg.data.seq_len, cfg.train.micro_batch, rank, world)
+
+
+def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBatches:
+    if cfg.data.task is not None:
+        return make_task_data(cfg, rank, world)
     stream = PackedStream(
         [(s.path, s.weight) for s in cfg.data.train],
         seq_len=cfg.data.seq_len,
@@ -170,7 +195,7 @@ def model_statistics(model: CausalLM) -> tuple[dict[str, float], dict[str, torch
     return scalars, hists
 
 
-def _batches(loader: StreamLoader) -> Iterator[dict[str, torch.Tensor]]:
+def _batches(loader: StreamLoader | TaskBatches) -> Iterator[dict[str, torch.Tensor]]:
     while True:
         yield from loader
 
@@ -278,7 +303,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
                 "perf/tokens_per_s": tokens_per_s,
                 "perf/mfu": flops_per_token * tokens_per_s / (peak * world),
                 **memory_stats(),
-                **{f"data/{k}": v for k, v in loader.stream.stats().items()},
+                **{f"data/{k}": v for k, v in loader.stats().items()},
             }
             model_scalars, model_hists = model_statistics(model)
             metrics.log(state.step, {**scalars, **model_scalars}, model_hists)

@@ -198,6 +198,25 @@ def test_collision_scopes_agree_when_one_segment_spans_the_call() -> None:
     assert max(rel_err(seq, seg) for seq, seg in several) > 1e-3
 
 
+def test_collision_scope_none_drops_the_normalisation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scope none: the same forward, and the gradient of the sequence scope without its 1/sqrt(s) hooks."""
+    ids = torch.randint(0, 258, (2, 30), generator=torch.Generator().manual_seed(6))
+
+    def run(scope: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model = make_model(seed=9, collision_scope=scope)
+        logits = model(ids[:, :-1]).logits
+        model.loss(ids[:, :-1], ids[:, 1:])[0].backward()
+        return logits.detach(), [p.grad for p in model.parameters()]
+
+    none_logits, none_grads = run("none")
+    normalised_logits, normalised_grads = run("sequence")
+    assert torch.equal(none_logits, normalised_logits)
+    assert max(rel_err(a, b) for a, b in zip(none_grads, normalised_grads)) > 1e-3
+    monkeypatch.setattr(SequenceCollisions, "finish", lambda self: None)
+    for a, b in zip(none_grads, run("sequence")[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
 def test_activation_checkpointing_gives_the_same_gradients_and_stats() -> None:
     """Recomputation must not register the sequence-scope hooks or the stats hook twice."""
     ids = torch.randint(0, 258, (2, 30), generator=torch.Generator().manual_seed(7))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from model import build_model
 from model.config import ModelConfig, VortConfig
+from model.entity_labels import capitalised_word_mask
 from model.soe import gl_weights
 from model.summary import load_model_config
 from model.summary import main as summary_main
@@ -243,6 +244,29 @@ def test_gradients_reach_the_router() -> None:
     for i, block in enumerate(model.blocks):
         for name, p in block.mixer.memory.router.named_parameters():
             assert p.grad is not None and p.grad.abs().max() > 0, f"layer {i} router.{name} got no gradient"
+
+
+def test_weak_entity_labels_mark_capitalised_words_inside_sentences() -> None:
+    text = b'Then Catherine said. She saw Mr. Tilney and I went to Bath, said "Henry'
+    mask = capitalised_word_mask(torch.tensor(list(text))[None])[0]
+    marked = "".join(chr(c) if m else "_" for c, m in zip(text, mask.tolist()))
+    assert [w for w in marked.split("_") if w] == ["Catherine", "Mr", "Bath", "Henry"]
+
+
+def test_entity_aux_loss_is_added_in_training_only() -> None:
+    """weight x mean-over-layers BCE(entity probe, weak labels) on top of the LM loss, in train mode."""
+    torch.manual_seed(2)
+    model = build_model(dataclasses.replace(tiny("vort", entity_aux_weight=0.5), vocab_size=258))
+    ids = torch.tensor(list(b"At Bath she met Henry Tilney and Eleanor. They walked."))[None]
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    model.eval()
+    lm_loss, _ = model.loss(inputs, labels)
+    model.train()
+    total, _ = model.loss(inputs, labels)
+    target = capitalised_word_mask(inputs)
+    assert 0 < target.sum() < target.numel()
+    bce = [torch.nn.functional.binary_cross_entropy(b.mixer.memory.entity_score, target) for b in model.blocks]
+    torch.testing.assert_close(total, lm_loss + 0.5 * torch.stack(bce).mean())
 
 
 def test_activation_checkpointing_gives_the_same_gradients() -> None:

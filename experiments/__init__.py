@@ -1,0 +1,13 @@
+"""The papers' experiments at CPU scale, run by `python launch/experiment.py run <name>`."""
+
+from __future__ import annotations
+
+from experiments import extrapolation, orders, phasor, retrieval
+from experiments.runner import Experiment
+
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in (*retrieval.EXPERIMENTS, *phasor.EXPERIMENTS, *orders.EXPERIMENTS, *extrapolation.EXPERIMENTS)
+}
+
+__all__ = ["EXPERIMENTS", "Experiment"]

@@ -1,0 +1,282 @@
+"""What every experiment shares: train its runs with the ordinary trainer, evaluate, aggregate.
+
+An experiment names one run config under configs/experiments/, the families it compares (each a
+list of dotted overrides on that config) and the seeds. A run lives in
+`<out>/runs/<config>/<family>/seed<k>` (so two experiments that train the same family on the same
+config share the run) and is trained only if its final checkpoint is missing; the experiment's
+evaluation of a run is stored beside it as `eval-<experiment>.json` and also computed once. The
+experiment then writes `<out>/<experiment>/results.json`, `results.csv` and `plot.png`.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import itertools
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from data_pipeline import synthetic
+from model import CausalLM
+from pretrain.config import RunConfig, config_to_dict, load_config
+from pretrain.export import consolidate, resolve_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs" / "experiments"
+EVAL_SEED = 1_000_003
+"""Task seed of the evaluation examples; training examples are drawn with the run's seed."""
+
+
+class ExperimentError(RuntimeError):
+    """A run that failed or an experiment that cannot proceed; the message says which."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model (or training variant) compared by an experiment."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass
+class Run:
+    """A trained run and where it lives."""
+
+    family: Family
+    seed: int
+    dir: Path
+    config: RunConfig
+
+
+@dataclass
+class Experiment:
+    """Base of the experiments: subclasses implement `evaluate`, `summarise` and `plot`."""
+
+    name: str
+    title: str
+    config: str
+    families: tuple[Family, ...]
+    seeds: int = 3
+    seed_overrides: tuple[str, ...] = ("run.seed={seed}", "data.task.seed={seed}")
+    quick_overrides: tuple[str, ...] = ()
+    paper: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ to implement
+
+    def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
+        """Metrics of one trained run (JSON-able; scalars are averaged over seeds by `aggregate`)."""
+        raise NotImplementedError
+
+    def plot(self, results: dict[str, Any], path: Path) -> None:
+        """A PNG of the results."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared
+
+    def run_config(self, family: Family, seed: int, out: Path, quick: bool) -> tuple[Path, RunConfig]:
+        stem = Path(self.config).stem + ("-quick" if quick else "")
+        run_dir = out / "runs" / stem / family.name / f"seed{seed}"
+        overrides = [
+            *(o.format(seed=seed) for o in self.seed_overrides),
+            *family.overrides,
+            *(self.quick_overrides if quick else ()),
+            f"run.name={stem}-{family.name}-{seed}",
+            f"run.dir={run_dir}",
+        ]
+        return run_dir, load_config(CONFIGS / self.config, overrides)
+
+    def prepare(self, out: Path, quick: bool) -> None:
+        """Anything the runs need before training (e.g. shards); nothing by default."""
+
+    def train(self, family: Family, seed: int, out: Path, quick: bool) -> Run:
+        """Train (or resume) one run unless its final checkpoint is already there."""
+        from pretrain.trainer import train
+
+        run_dir, cfg = self.run_config(family, seed, out, quick)
+        saved = run_dir / "config.yaml"
+        if saved.is_file() and yaml.safe_load(saved.read_text()) != config_to_dict(cfg):
+            raise ExperimentError(
+                f"{run_dir} holds a run of another configuration (configs/experiments/{self.config} or the "
+                "family changed since); delete it or choose another --out"
+            )
+        if finished_step(run_dir) != cfg.train.steps:
+            code = train(cfg)
+            if code != 0:
+                raise ExperimentError(f"{run_dir}: training exited with code {code}")
+        return Run(family, seed, run_dir, cfg)
+
+    def run(self, out: Path, seeds: int | None = None, quick: bool = False, log: Any = print) -> dict[str, Any]:
+        """Train and evaluate every (family, seed), then write results.json, results.csv, plot.png."""
+        seeds = 1 if quick and seeds is None else (seeds or self.seeds)
+        self.prepare(out, quick)
+        records = []
+        for family in self.families:
+            for seed in range(seeds):
+                started = time.time()
+                run = self.train(family, seed, out, quick)
+                cached = run.dir / f"eval-{self.name}{'-quick' if quick else ''}.json"
+                if cached.is_file():
+                    record = json.loads(cached.read_text())
+                else:
+                    model = consolidate(resolve_checkpoint(run.dir), run.config)
+                    record = {
+                        "family": family.name,
+                        "seed": seed,
+                        "parameters": model.num_parameters(),
+                        "train_tokens": tokens_trained(run.config),
+                        "metrics": self.evaluate(model, run, quick),
+                    }
+                    cached.write_text(json.dumps(record, indent=1) + "\n")
+                record["metrics"]["train_loss_end"] = final_train_loss(run.dir)
+                records.append(record)
+                shown = {k: v for k, v in record["metrics"].items() if isinstance(v, float) and "_n_" not in k}
+                log(f"[{self.name}] {family.name} seed {seed}: {time.time() - started:.0f}s "
+                    + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
+        results = {
+            "experiment": self.name,
+            "title": self.title,
+            "command": f"python launch/experiment.py run {self.name}" + (" --quick" if quick else "")
+            + ("" if seeds == self.seeds or quick else f" --seeds {seeds}"),
+            "date": datetime.date.today().isoformat(),
+            "quick": quick,
+            "config": f"configs/experiments/{self.config}",
+            "families": {f.name: list(f.overrides) for f in self.families},
+            "paper": self.paper,
+            "summary": aggregate(records),
+            "runs": records,
+        }
+        target = out / self.name
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        write_csv(results["summary"], target / "results.csv")
+        self.plot(results, target / "plot.png")
+        return results
+
+
+def tokens_trained(cfg: RunConfig) -> int:
+    return cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+
+
+def final_train_loss(run_dir: Path) -> float:
+    """Mean training loss (nats per scored token) over the last tenth of the logged steps: beside a
+    task's chance level it says whether the run learned anything at all."""
+    losses = [row["train/loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if "train/loss" in row]
+    return statistics.fmean(losses[-max(1, len(losses) // 10) :])
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The step of the run's newest verified checkpoint, or None."""
+    try:
+        step_dir = resolve_checkpoint(run_dir)
+    except Exception:
+        return None
+    return int(step_dir.name.rsplit("_", 1)[-1])
+
+
+def aggregate(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per family and scalar metric: mean, sample standard deviation (0 for one seed) and n."""
+    by_family: dict[str, dict[str, list[float]]] = {}
+    for record in records:
+        metrics = by_family.setdefault(record["family"], {})
+        for key, value in [("parameters", record["parameters"]), *record["metrics"].items()]:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                metrics.setdefault(key, []).append(float(value))
+    return {
+        family: {
+            key: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "n": len(v)}
+            for key, v in metrics.items()
+        }
+        for family, metrics in by_family.items()
+    }
+
+
+def write_csv(summary: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["family", "metric", "mean", "std", "n"])
+        for family, metrics in summary.items():
+            for key, s in metrics.items():
+                writer.writerow([family, key, f"{s['mean']:.6g}", f"{s['std']:.6g}", s["n"]])
+
+
+# ----------------------------------------------------------------------------- shared evaluation
+
+
+def eval_task(run: Run, quick: bool) -> synthetic.Task:
+    """The training task of `run` with held-out examples (another seed than any training run)."""
+    task = run.config.data.task
+    if task is None:
+        raise ExperimentError(f"{run.dir}: the run config has no data.task")
+    params = dict(task.params)
+    vocab = int(params.pop("vocab_size", min(run.config.model.vocab_size, 256)))
+    return synthetic.make_task(task.name, run.config.data.seq_len, vocab_size=vocab, seed=EVAL_SEED, **params)
+
+
+@torch.inference_mode()
+def predictions(model: CausalLM, examples: Sequence[synthetic.Example], batch_size: int = 16) -> list[np.ndarray]:
+    """The model's argmax next-token guesses per example (whole sequences in one forward pass, so
+    every family sees the full context)."""
+    model.eval()
+    out = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        batch = synthetic.collate(chunk, pad_id=0)
+        guesses = model(batch["input_ids"]).logits.argmax(-1).numpy()
+        out += [g[: e.input_ids.size] for e, g in zip(chunk, guesses)]
+    return out
+
+
+def exact_hits(model: CausalLM, examples: Sequence[synthetic.Example]) -> np.ndarray:
+    """1.0 where the model's argmax reproduces the whole answer of an example, else 0.0."""
+    return np.asarray([synthetic.accuracy([e], [p])["exact"] for e, p in zip(examples, predictions(model, examples))])
+
+
+def bucket_accuracy(hits: np.ndarray, values: np.ndarray, edges: Sequence[float], prefix: str) -> dict[str, float]:
+    """Mean of `hits` for `values` in each half-open bucket (edges[i], edges[i+1]]; NaN-free: empty
+    buckets are left out, and `<prefix>_n_<bucket>` records how many examples each holds."""
+    out: dict[str, float] = {}
+    for lo, hi in itertools.pairwise(edges):
+        inside = (values > lo) & (values <= hi)
+        label = f"{int(lo)}-{int(hi)}" if math.isfinite(hi) else f">{int(lo)}"
+        out[f"{prefix}_n_{label}"] = float(inside.sum())
+        if inside.any():
+            out[f"{prefix}_{label}"] = float(hits[inside].mean())
+    return out
+
+
+def bar_plot(results: dict[str, Any], keys: Sequence[str], labels: Sequence[str], path: Path, ylabel: str) -> None:
+    """Grouped bars (one group per key, one bar per family), error bars = spread over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]
+    families = list(summary)
+    width = 0.8 / max(1, len(families))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys) + 2), 4))
+    for i, family in enumerate(families):
+        means = [summary[family].get(k, {}).get("mean", np.nan) for k in keys]
+        stds = [summary[family].get(k, {}).get("std", 0.0) for k in keys]
+        xs = np.arange(len(keys)) + (i - (len(families) - 1) / 2) * width
+        ax.bar(xs, means, width, yerr=stds, capsize=3, label=family)
+    ax.set_xticks(np.arange(len(keys)), labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,62 @@
+"""Run one of the papers' experiments at CPU scale: train its families, evaluate, write results.
+
+    python launch/experiment.py list
+    python launch/experiment.py run <name> [--quick] [--seeds N] [--out DIR]
+
+Results go to <out>/<name>/results.json, results.csv and plot.png (runs under <out>/runs/,
+shared by experiments that train the same family on the same config). A rerun skips the runs
+already trained and evaluated, so an interrupted experiment resumes where it stopped. --quick
+trains every family for two steps on short sequences (a smoke test, not a result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments import EXPERIMENTS
+from experiments.runner import ExperimentError
+from pretrain.config import ConfigError
+from pretrain.log import setup_logging
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="the experiments, their families and seeds")
+    run = commands.add_parser("run", help="train, evaluate and write the results of one experiment")
+    run.add_argument("name", choices=sorted(EXPERIMENTS))
+    run.add_argument("--quick", action="store_true", help="two training steps per run, short sequences")
+    run.add_argument("--seeds", type=int, default=None, help="seeds per family (default: the experiment's)")
+    run.add_argument("--out", type=Path, default=Path("runs/experiments"), help="where runs and results go")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        for name, experiment in EXPERIMENTS.items():
+            families = ", ".join(f.name for f in experiment.families)
+            print(f"{name:10s} {experiment.title}\n{'':10s} families: {families}; seeds: {experiment.seeds}; "
+                  f"config: configs/experiments/{experiment.config}")
+        return 0
+    if args.seeds is not None and args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    setup_logging("WARNING")
+    try:
+        results = EXPERIMENTS[args.name].run(args.out, args.seeds, args.quick)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ExperimentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out / args.name}/results.json, results.csv, plot.png ({len(results['runs'])} runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""launch/experiment.py: every experiment's quick mode end to end, resume, parameter parity; the
+synthetic-task registry and task data in the trainer."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import pretrain.trainer
+from data_pipeline import synthetic
+from experiments import EXPERIMENTS
+from experiments.runner import ExperimentError, Family
+from launch.experiment import main
+from model import build_model
+from pretrain.config import ConfigError, load_config
+from pretrain.trainer import DataError, make_task_data
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One output directory for the module, so experiments share runs as they do for users."""
+    return tmp_path_factory.mktemp("experiments")
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_quick_mode_writes_results_and_resumes(name: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    experiment = EXPERIMENTS[name]
+    assert main(["run", name, "--quick", "--out", str(out)]) == 0
+    results = json.loads((out / name / "results.json").read_text())
+    families = [f.name for f in experiment.families]
+    assert [r["family"] for r in results["runs"]] == families and results["quick"]
+    assert list(results["summary"]) == families
+    for record in results["runs"]:
+        assert record["metrics"] and record["train_tokens"] > 0
+        assert (out / "runs").glob(f"*/{record['family']}/seed0/checkpoints")
+    with (out / name / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {row["family"] for row in rows} == set(families)
+    assert (out / name / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def no_training(*_args: object, **_kwargs: object) -> int:
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(pretrain.trainer, "train", no_training)
+    assert main(["run", name, "--quick", "--out", str(out)]) == 0
+    again = json.loads((out / name / "results.json").read_text())
+    assert again["runs"] == results["runs"]
+
+
+def test_a_changed_config_is_not_mixed_with_an_old_run(tmp_path: Path) -> None:
+    experiment = EXPERIMENTS["copy"]
+    experiment.train(Family("swa", ("model.pmnet.memory_every=0",)), 0, tmp_path, quick=True)
+    with pytest.raises(ExperimentError, match="another configuration"):
+        experiment.train(Family("swa", ("model.pmnet.memory_every=0", "train.lr=1e-3")), 0, tmp_path, quick=True)
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_families_compared_have_the_same_size_budget_and_optimizer(name: str, tmp_path: Path) -> None:
+    experiment = EXPERIMENTS[name]
+    configs = [experiment.run_config(f, 0, tmp_path, quick=False)[1] for f in experiment.families]
+    sizes = [build_model(c.model).num_parameters() for c in configs]
+    assert max(sizes) <= 1.05 * min(sizes), dict(zip([f.name for f in experiment.families], sizes))
+    assert len({(c.train.steps, c.train.global_batch, c.data.seq_len) for c in configs}) == 1
+    assert len({(c.train.lr, c.train.schedule, c.train.weight_decay, c.train.grad_clip) for c in configs}) == 1
+
+
+def test_list_names_every_experiment(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", sorted(synthetic.TASKS))
+def test_registry_builds_every_task_at_its_minimum_length(name: str) -> None:
+    haystack = b"Some plain text for the haystack.\n" * 20
+    task = synthetic.make_task(name, synthetic.MIN_TASK_LEN, haystack=haystack)
+    lengths = [task.example(i).input_ids.size for i in range(8)]
+    assert max(lengths) <= task.max_len <= synthetic.MIN_TASK_LEN
+
+
+def test_registry_and_config_reject_unknown_tasks_and_bad_parameters() -> None:
+    with pytest.raises(ValueError, match="unknown synthetic task 'sorting'"):
+        synthetic.make_task("sorting", 256)
+    with pytest.raises(ValueError, match="bad parameters"):
+        synthetic.make_task("zipf", 256, num_keys=3)
+    with pytest.raises(ConfigError, match=r"eval\.tasks: unknown"):
+        load_config(TINY, ["eval.tasks=[sorting]"])
+    with pytest.raises(ConfigError, match=r"data\.task\.name: unknown synthetic task"):
+        load_config(TINY, ["data.train=[]", "data.task.name=sorting"])
+    with pytest.raises(ConfigError, match=r"either data\.train"):
+        load_config(TINY, ["data.task.name=zipf"])
+
+
+def test_task_data_batches_resume_after_the_examples_consumed() -> None:
+    cfg = load_config(TINY, ["data.train=[]", "data.task.name=zipf", "data.seq_len=128", "data.task.seed=5"])
+    loader = make_task_data(cfg, 0, 1)
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    expected = next(batches)
+    resumed = make_task_data(cfg, 0, 1)
+    resumed.load_state_dict(state)
+    got = next(iter(resumed))
+    assert torch.equal(got["input_ids"], expected["input_ids"]) and torch.equal(got["labels"], expected["labels"])
+    assert got["input_ids"].shape == (cfg.train.micro_batch, 128)
+    too_long = load_config(TINY, ["data.train=[]", "data.task.name=copy", "data.seq_len=128",
+                                  "data.task.params={max_copy: 64, max_lookback: 100}"])
+    with pytest.raises(DataError, match=r"more than data\.seq_len=128"):
+        make_task_data(too_long, 0, 1)
