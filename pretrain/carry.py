@@ -87,10 +87,9 @@ class StateCarrier:
         self.n_micro = lanes.rows_per_rank // lanes.micro_batch
         self.states: dict[int, Any] = {}
 
-    @property
-    def stream(self) -> Any:
-        """The underlying PackedStream (for its read statistics)."""
-        return self.lanes.stream
+    def stats(self) -> dict[str, int]:
+        """The lanes' read counters (see ``PackedStream.stats``)."""
+        return self.lanes.stream.stats()
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
         out = []
