@@ -41,18 +41,22 @@ from pretrain.evaluate import EvalError, load_export_tokenizer, read_text
 from pretrain.export import ExportError, load_exported
 
 
-def kernel_table(kernel: SOEKernel, horizon: int, train_len: int, contexts: Sequence[int]) -> list[dict[str, Any]]:
+def kernel_table(
+    kernel: SOEKernel, horizon: int, train_len: int, contexts: Sequence[int], temper: int | None = None
+) -> list[dict[str, Any]]:
     """Per bank order: share of the kernel mass within `train_len` lags at each context (exact
-    power law and SOE), and the SOE's max relative error over lags in (horizon, max context]."""
+    power law and SOE, both tempered by exp(-lag / temper) when given), and the SOE's max relative
+    error over lags in (horizon, max context]."""
     rows = []
     top = max(contexts)
     n = np.arange(top, dtype=np.float64)
-    decays = np.exp(np.outer(n, kernel.log_lambda))  # [N, S]
+    taper = np.exp(-n / temper) if temper else np.ones_like(n)
+    decays = np.exp(np.outer(n, kernel.log_lambda)) * taper[:, None]  # [N, S]
     for k, alpha in enumerate(kernel.banks):
-        exact = np.cumsum(gl_weights(n, alpha))
+        exact = np.cumsum(gl_weights(n, alpha) * taper)
         soe = np.cumsum(decays @ kernel.coef[k])
         beyond = slice(horizon + 1, top)
-        ref = gl_weights(n[beyond], alpha)
+        ref = gl_weights(n[beyond], alpha) * taper[beyond]
         error = float(np.max(np.abs(decays[beyond] @ kernel.coef[k] - ref) / ref)) if top > horizon + 1 else 0.0
         rows.append({
             "alpha": float(alpha),
@@ -152,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         banks = bank_orders(cfg) if model.config.kind == "vort" else (cfg.pl_alpha,)
         kernel = certified_kernel(banks, cfg.soe_horizon, cfg.soe_eps)
         contexts = [c for c in (1024, 4096, 16384, 65536) if c <= args.context] or [args.context]
-        report["kernel"] = kernel_table(kernel, cfg.soe_horizon, args.train_len, contexts)
+        report["kernel"] = kernel_table(kernel, cfg.soe_horizon, args.train_len, contexts, cfg.temper)
     for c in result["chunks"]:
         if c["end"] & (c["end"] - 1) == 0:  # powers of two
             layers = " ".join(
