@@ -1,7 +1,7 @@
 """Streaming evaluation of an exported model on raw text, at context lengths up to 512k and beyond.
 
     python -m pretrain.evaluate --model <export dir> --data <text files> --context 4096,65536,524288 \\
-        [--chunk 2048] [--max-tokens 65536] [--soe-horizon N] [--json out.json] [--plot out.png] \\
+        [--chunk 2048] [--max-tokens 65536] [--soe-horizon N] [--temper N] [--json out.json] [--plot out.png] \\
         [--tasks copy,needle,zipf]
 
 The text files are tokenised with the export's tokenizer (each file is a document followed by
@@ -162,23 +162,24 @@ def evaluate_context(
 SOE_TABLES = ("log_lambda", "bank_coef", "banks", "coef")  # buffer names of the certified kernel tables
 
 
-def recertify(model: CausalLM, horizon: int) -> CausalLM:
-    """The same weights with the SOE tables rebuilt for another certified horizon.
+def rebuild_kernel(model: CausalLM, **kernel: Any) -> CausalLM:
+    """The same weights with the SOE tables rebuilt from other kernel settings (`soe_horizon`,
+    `temper`).
 
-    The tables (decays, bank coefficients, bank orders) are fixed buffers derived from
-    `model.vort.soe_horizon`, not learned, so a VORT-family model trained with a short horizon can
-    be scored with kernels that follow the power law further (or the other way round). Bank orders
-    move with the horizon; the router's continuous order alpha is mapped onto the new banks.
+    The tables (decays, bank coefficients, bank orders) are fixed buffers derived from the
+    `model.vort` settings, not learned, so a VORT-family model can be scored with kernels certified
+    further than in training, or tempered. Bank orders move with the horizon; the router's
+    continuous order alpha is mapped onto the new banks.
     """
     if model.config.kind not in ("vort", "pl"):
-        raise EvalError(f"--soe-horizon: model.kind={model.config.kind!r} has no certified SOE kernel")
-    config = dataclasses.replace(model.config, vort=dataclasses.replace(model.config.vort, soe_horizon=horizon))
+        raise EvalError(f"--soe-horizon/--temper: model.kind={model.config.kind!r} has no certified SOE kernel")
+    config = dataclasses.replace(model.config, vort=dataclasses.replace(model.config.vort, **kernel))
     rebuilt = build_model(config)
     tables = {name for name, _ in rebuilt.named_buffers() if name.rsplit(".", 1)[-1] in SOE_TABLES}
     weights = {k: v for k, v in model.state_dict().items() if k not in tables}
     missing, unexpected = rebuilt.load_state_dict(weights, strict=False)
     if set(missing) != tables or unexpected:
-        raise EvalError(f"--soe-horizon: unexpected state keys (missing {missing}, unexpected {unexpected})")
+        raise EvalError(f"rebuilding the kernel: unexpected state keys (missing {missing}, unexpected {unexpected})")
     return rebuilt.to(next(model.parameters()).device).eval()
 
 
@@ -274,12 +275,13 @@ def evaluate(
     device: str = "cpu",
     max_tokens: int | None = None,
     soe_horizon: int | None = None,
+    temper: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate an export directory; returns the JSON-able report (see module docstring).
 
     `max_windows` caps the windows of every context; `max_tokens` caps each context at
     max(1, max_tokens // context) windows, so that all contexts score about the same tokens.
-    `soe_horizon` rebuilds a VORT-family model's SOE tables for that horizon (see `recertify`).
+    `soe_horizon` and `temper` rebuild a VORT-family model's SOE tables (see `rebuild_kernel`).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -300,8 +302,9 @@ def evaluate(
         model = load_exported(model_dir, device)
     except ExportError as err:
         raise EvalError(str(err)) from err
-    if soe_horizon is not None:
-        model = recertify(model, soe_horizon)
+    kernel = {k: v for k, v in (("soe_horizon", soe_horizon), ("temper", temper)) if v is not None}
+    if kernel:
+        model = rebuild_kernel(model, **kernel)
     tok = load_export_tokenizer(model_dir)
     text = read_text(data, tok)
     dev = torch.device(device)
@@ -314,7 +317,8 @@ def evaluate(
         "text_tokens": int(text.ids.size),
         "text_bytes": text.n_bytes,
         "chunk": chunk,
-        "soe_horizon": config["lm_config"].get("vort", {}).get("soe_horizon") if soe_horizon is None else soe_horizon,
+        "soe_horizon": model.config.vort.soe_horizon,
+        "temper": model.config.vort.temper,
         "contexts": {},
     }
     for context in contexts:
@@ -351,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="at most max(1, this // context) windows per context (equal token budgets)")
     parser.add_argument("--soe-horizon", type=int, default=None,
                         help="VORT family: score with SOE tables certified to this many lags (weights unchanged)")
+    parser.add_argument("--temper", type=int, default=None,
+                        help="VORT family: score with the kernel tempered by exp(-lag/N) (weights unchanged)")
     parser.add_argument(
         "--tasks", type=lambda v: [t for t in v.split(",") if t], default=[], help=",".join(sorted(synthetic.TASKS))
     )
@@ -373,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.device,
             args.max_tokens,
             args.soe_horizon,
+            args.temper,
         )
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)
