@@ -103,6 +103,24 @@ class Tokenizer:
         count = sum(len(p) for p in pieces)
         return np.fromiter(itertools.chain.from_iterable(pieces), dtype=self.storage_dtype, count=count), invalid
 
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Text of content ids (special ids such as EOS and PAD are dropped); a byte sequence that is
+        not valid UTF-8 becomes U+FFFD, as in ``encode``'s sentencepiece path."""
+        specials = {self.eos_id, self.pad_id}
+        content = [int(i) for i in ids if int(i) not in specials]
+        if self.kind == "bytes":
+            return bytes(content).decode("utf-8", errors="replace")
+        return _sp_processor(self.model, self.sha256).decode(content)
+
+    def pieces(self) -> list[str]:
+        """A distinct readable string per id: sentencepiece's pieces; for byte-level, printable ASCII
+        as itself, other bytes as ``<0xNN>``, then ``<eos>`` and ``<pad>``."""
+        if self.kind != "bytes":
+            processor = _sp_processor(self.model, self.sha256)
+            return [processor.id_to_piece(i) for i in range(self.vocab_size)]
+        pieces = [chr(b) if 0x21 <= b <= 0x7E else f"<0x{b:02X}>" for b in range(256)]
+        return pieces + ["<eos>" if i == self.eos_id else "<pad>" for i in range(256, self.vocab_size)]
+
 
 _SP_CACHE: dict[str, Any] = {}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ class CausalLM(nn.Module):
     """
 
     config: ModelConfig
+    streams_exactly: ClassVar[bool] = True
+    """Whether the state carries all a later call needs from earlier tokens, so that a sequence fed
+    piece by piece gives the outputs of the whole; False for a model that forgets across calls."""
 
     def forward(self, input_ids: torch.Tensor, state: Any = None) -> LMOutput:
         raise NotImplementedError

@@ -51,6 +51,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(StackedLM):
+    streams_exactly = False  # the state is only the position: each call attends within itself
+
     def __init__(self, config: ModelConfig):
         super().__init__(config, lambda _: TransformerBlock(config))
 

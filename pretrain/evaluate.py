@@ -27,6 +27,7 @@ import math
 import resource
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,30 @@ from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, loa
 
 class EvalError(RuntimeError):
     """Input that cannot be evaluated; the message names the path or option."""
+
+
+class ContextWarning(UserWarning):
+    """A context longer than the model was trained or certified for: its numbers are extrapolation."""
+
+
+SOE_KINDS = ("vort", "pl")
+"""The VORT-family kinds whose power-law kernel is a sum of exponentials certified up to soe_horizon."""
+
+
+def context_warnings(model: CausalLM, context: int, chunk: int) -> list[str]:
+    """Why results at `context` tokens may not mean what they seem (empty when nothing is exceeded)."""
+    cfg = model.config
+    found = []
+    if cfg.kind in SOE_KINDS and context > cfg.vort.soe_horizon:
+        found.append(
+            f"context {context} exceeds the SOE kernel's certified horizon (model.vort.soe_horizon="
+            f"{cfg.vort.soe_horizon}): lags beyond it have no error bound"
+        )
+    if context > cfg.max_seq_len:
+        found.append(f"context {context} exceeds model.max_seq_len={cfg.max_seq_len}, the length it was built for")
+    if not model.streams_exactly and context > chunk:
+        found.append(f"context {context} exceeds --chunk {chunk}: a {cfg.kind} model sees at most one chunk of it")
+    return found
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -328,11 +353,19 @@ def evaluate(
             limit = by_tokens if limit is None else min(limit, by_tokens)
         result = evaluate_context(model, text, context, chunk, limit, dev)
         add_text_units(result, text, tok)
+        result["warnings"] = context_warnings(model, context, chunk)
+        for message in result["warnings"]:
+            warnings.warn(message, ContextWarning, stacklevel=2)
         report["contexts"][str(context)] = result
     if tasks:
         with fsspec.open(data[0], "rb") as f:
             haystack = f.read()
         report["tasks"] = run_tasks(model, tasks, tok, task_len, task_examples, chunk, dev, haystack)
+        task_warnings = context_warnings(model, task_len, chunk)
+        for result in report["tasks"].values():
+            result["warnings"] = task_warnings
+        for message in task_warnings:
+            warnings.warn(f"--task-len: {message}", ContextWarning, stacklevel=2)
     report["peak_rss_mb"] = peak_rss_mb()
     return report
 

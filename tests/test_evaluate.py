@@ -94,9 +94,24 @@ def test_cli_report_plot_and_tasks(exports: dict[str, Path], text_file: Path, tm
 
 
 def test_transformer_baseline_streams(exports: dict[str, Path], text_file: Path) -> None:
-    """The baseline keeps no memory across chunks, but streaming evaluation still runs and is finite."""
-    report = ev.evaluate(exports["transformer"], [str(text_file)], [512], chunk=128, max_windows=1)
+    """The baseline keeps no memory across chunks, but streaming evaluation still runs and is
+    finite, with a warning that it saw one chunk at a time."""
+    with pytest.warns(ev.ContextWarning, match="at most one chunk"):
+        report = ev.evaluate(exports["transformer"], [str(text_file)], [512], chunk=128, max_windows=1)
     assert math.isfinite(report["contexts"]["512"]["bits_per_byte"])
+    assert len(report["contexts"]["512"]["warnings"]) == 1
+
+
+def test_contexts_beyond_what_the_model_was_built_for_are_flagged(exports: dict[str, Path], text_file: Path) -> None:
+    """vort-tiny certifies its kernel to soe_horizon=256 and has max_seq_len=512: a context of 256
+    is clean, 384 passes the horizon, 1024 both; the JSON says so beside the numbers."""
+    with pytest.warns(ev.ContextWarning) as caught:
+        report = ev.evaluate(exports["vort"], [str(text_file)], [256, 384, 1024], chunk=128, max_windows=1)
+    contexts = report["contexts"]
+    assert contexts["256"]["warnings"] == []
+    assert len(contexts["384"]["warnings"]) == 1 and "soe_horizon=256" in contexts["384"]["warnings"][0]
+    assert len(contexts["1024"]["warnings"]) == 2 and "max_seq_len=512" in contexts["1024"]["warnings"][1]
+    assert [str(w.message) for w in caught] == contexts["384"]["warnings"] + contexts["1024"]["warnings"]
 
 
 def test_bad_input_names_the_path(

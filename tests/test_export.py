@@ -64,12 +64,13 @@ STANDALONE = """
 import sys
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
 with torch.no_grad():
     logits = model(load_file(sys.argv[2])["ids"]).logits
-assert not {"model", "kernels", "pretrain"} & set(sys.modules), "the project's own packages were imported"
+assert AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True).encode("é!") == [0xC3, 0xA9, 0x21]
+assert not {"model", "kernels", "pretrain", "data_pipeline"} & set(sys.modules), "the project's packages were imported"
 save_file({"logits": logits.contiguous()}, sys.argv[3])
 """
 

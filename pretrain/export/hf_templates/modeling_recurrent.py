@@ -1,13 +1,18 @@
 """transformers wrapper of an exported recurrent-pretrain model (copied into every export).
 
 The network itself is the project's CausalLM, built by the project's own code which travels in the
-export as flat `rlm_*.py` modules (see pretrain/export.py, `write_code`). Parameter names are the
+export as flat `rlm_*.py` modules (see pretrain/export/remote_code.py). Parameter names are the
 CausalLM's own (`embed.weight`, `blocks.0....`), so model.safetensors is shared with the project's
 loader: the wrapper registers the CausalLM's submodules as its own instead of nesting it.
 
 forward(input_ids, state=None, labels=None) returns logits, the recurrent state after the last
 token (pass it back to continue a long text in pieces) and, with labels, the mean next-token loss
 in the transformers convention (labels are the input ids; the shift happens here).
+
+generate() works greedy or sampling, with the recurrent state as its cache: the prompt goes
+through once, then each step feeds one token and the state, so time and memory per generated
+token do not depend on the prompt's length. A model whose state does not carry the whole context
+(the Transformer baseline keeps no KV cache) is given the whole sequence at every step instead.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_recurrent import RecurrentLMConfig
-from .rlm_model import build_model
+from .rlm_model import IGNORE_INDEX, build_model
 from .rlm_model_config import ModelConfig, PMNetConfig, VortConfig
 from .rlm_sources import CARRIED_SOURCES
 
@@ -42,13 +47,14 @@ class RecurrentLMOutput(ModelOutput):
     state: Any = None
 
 
-class RecurrentLMForCausalLM(PreTrainedModel):
+class RecurrentLMForCausalLM(PreTrainedModel, GenerationMixin):
     """An exported VORT / PMNet / baseline language model behind transformers' interface."""
 
     config_class = RecurrentLMConfig
     base_model_prefix = ""
     main_input_name = "input_ids"
     carried_sources = CARRIED_SOURCES
+    _is_stateful = True  # generation cannot rewind the state: no assisted decoding
 
     def __init__(self, config: RecurrentLMConfig) -> None:
         super().__init__(config)
@@ -123,8 +129,44 @@ class RecurrentLMForCausalLM(PreTrainedModel):
         loss = None
         if labels is not None:
             shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-            loss = F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
         output = RecurrentLMOutput(loss=loss, logits=logits, state=new_state)
         if return_dict is False:
             return output.to_tuple()
         return output
+
+    # ------------------------------------------------------------------------- generation
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """No KV cache: the recurrent state, kept in the generation kwargs as `state`, is the cache."""
+        return False
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' generate(), greedy or sampling. Beam search is refused: it would have to
+        reorder the recurrent state between beams, which this wrapper does not do."""
+        config = kwargs.get("generation_config") or self.generation_config
+        if (kwargs.get("num_beams") or config.num_beams or 1) > 1:
+            raise ValueError("beam search is not supported by the recurrent state cache; use greedy or sampling")
+        return super().generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.Tensor,
+        state: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        **_: Any,
+    ) -> dict[str, Any]:
+        """The whole prompt first; afterwards only the newest token, with the state after the rest."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("generate() with padding is not supported: pass one prompt, or prompts of equal length")
+        if state is None or not self._lm.streams_exactly:
+            return {"input_ids": input_ids}
+        return {"input_ids": input_ids[:, -1:], "state": state}
+
+    def _update_model_kwargs_for_generation(
+        self, outputs: RecurrentLMOutput, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        model_kwargs["state"] = outputs.state
+        return model_kwargs
