@@ -15,13 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_pipeline.build import build_shards
-from experiments.runner import REPO, Experiment, Family, Run
+from experiments.runner import DemoTextExperiment, Family, Run, figure, held_out_bits, save_figure
 from model import CausalLM
 from model.entity_labels import capitalised_word_mask
 
-DEMO = REPO / "data" / "demo"
-HELD_OUT = DEMO / "valid" / "northangerabbey.txt"
 FUNCTION_WORDS = frozenset({
     "a", "an", "the", "and", "or", "but", "of", "to", "in", "on", "at", "by", "for", "with", "from", "as",
     "is", "was", "be", "been", "are", "were", "it", "its", "he", "she", "his", "her", "they", "them",
@@ -51,19 +48,6 @@ def bimodality_coefficient(x: np.ndarray) -> float:
     return float((skew**2 + 1) / kurt)
 
 
-def histogram_modes(x: np.ndarray) -> int:
-    """Local maxima of the smoothed 40-bin histogram that hold at least 5% of the mass around them."""
-    counts, _ = np.histogram(x, bins=BINS)
-    smooth = np.convolve(counts, np.ones(3) / 3, mode="same")
-    total = smooth.sum()
-    peaks = [
-        i for i in range(len(smooth))
-        if smooth[i] > 0 and smooth[i] >= smooth[max(0, i - 1)] and smooth[i] > smooth[min(len(smooth) - 1, i + 1)]
-        and smooth[max(0, i - 2) : i + 3].sum() >= 0.05 * total
-    ]
-    return len(peaks)
-
-
 @torch.inference_mode()
 def routed_orders(model: CausalLM, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Per byte: alpha per head [layers, heads, N] and the entity-probe score [layers, N]."""
@@ -78,21 +62,11 @@ def routed_orders(model: CausalLM, ids: np.ndarray, seq_len: int) -> tuple[np.nd
     return torch.cat(alphas, -1).numpy(), torch.cat(entities, -1).numpy()
 
 
-class OrderDistribution(Experiment):
+class OrderDistribution(DemoTextExperiment):
     held_out_bytes: int = 65536
 
-    def prepare(self, out: Path, quick: bool) -> None:
-        shards = out / "shards" / "demo-train"
-        if not (shards / "manifest.json").is_file():
-            build_shards([str(DEMO / "train")], str(shards), tokenizer="bytes", shard_tokens=262144)
-
-    def run_config(self, family: Family, seed: int, out: Path, quick: bool) -> Any:
-        shards = out / "shards" / "demo-train"
-        extended = Family(family.name, (f"data.train=[{{path: {shards}}}]", *family.overrides))
-        return super().run_config(extended, seed, out, quick)
-
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
-        text = HELD_OUT.read_bytes()[: 4096 if quick else self.held_out_bytes]
+        text = self.held_out.read_bytes()[: 4096 if quick else self.held_out_bytes]
         seq_len = run.config.data.seq_len
         n = len(text) // seq_len * seq_len
         ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64)
@@ -109,28 +83,26 @@ class OrderDistribution(Experiment):
             metrics[f"{tag}/alpha_function"] = float(a[function].mean())
             metrics[f"{tag}/alpha_other"] = float(a[other].mean())
             metrics[f"{tag}/bimodality"] = bimodality_coefficient(a)
-            metrics[f"{tag}/modes"] = float(histogram_modes(a))
             gaps = per_head[layer][:, entity].mean(-1) - per_head[layer][:, function].mean(-1)
             metrics[f"{tag}/largest_head_gap"] = float(gaps[np.abs(gaps).argmax()])
             scores = entity_score[layer]
             metrics[f"{tag}/entity_probe_gap"] = float(scores[entity].mean() - scores[~entity].mean())
-            metrics[f"{tag}/hist"] = {
-                name: np.histogram(a[mask], bins=BINS)[0].tolist()
+            hists = {
+                name: np.histogram(a[mask], bins=BINS)[0]
                 for name, mask in (("entity", entity), ("function", function), ("other", other))
             }
+            for name, counts in hists.items():
+                metrics[f"{tag}/alpha_peak_{name}"] = float((BINS[:-1] + BINS[1:])[counts.argmax()] / 2)
+            metrics[f"{tag}/hist"] = {name: counts.tolist() for name, counts in hists.items()}
+        metrics.update(held_out_bits(model, self.held_out_windows(seq_len, len(text)), far=seq_len // 2))
         metrics["entity_bytes"] = float(entity.sum())
         metrics["function_bytes"] = float(function.sum())
         return metrics
 
     def plot(self, results: dict[str, Any], path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         runs = [r for r in results["runs"] if r["seed"] == 0]
         layers = sorted({k.split("/")[0] for r in runs for k in r["metrics"] if k.endswith("/hist")})
-        fig, axes = plt.subplots(len(runs), len(layers), figsize=(5 * len(layers), 3.2 * len(runs)), squeeze=False)
+        fig, axes = figure(len(runs), len(layers), (5 * len(layers), 3.2 * len(runs)))
         mids = (BINS[:-1] + BINS[1:]) / 2
         for row, record in zip(axes, runs):
             for ax, layer in zip(row, layers):
@@ -142,10 +114,7 @@ class OrderDistribution(Experiment):
                 ax.set_ylabel("share of bytes")
                 ax.grid(True, alpha=0.3)
                 ax.legend(fontsize=8)
-        fig.suptitle(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, results, path)
 
 
 EXPERIMENTS = [

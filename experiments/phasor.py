@@ -11,7 +11,19 @@ from typing import Any
 import numpy as np
 
 from data_pipeline import synthetic
-from experiments.runner import Experiment, Family, Run, bar_plot, bucket_accuracy, eval_task, predictions
+from experiments.runner import (
+    DemoTextExperiment,
+    Experiment,
+    Family,
+    Run,
+    bar_plot,
+    bucket_accuracy,
+    eval_task,
+    figure,
+    held_out_bits,
+    predictions,
+    save_figure,
+)
 from model import CausalLM, build_model
 
 PMNET = Family("pmnet")
@@ -29,6 +41,14 @@ PRINTABLE = 95  # the copy task's segment bytes are uniform over printable ASCII
 def receptive_field(run: Run) -> int:
     """Bytes back that stacked sliding windows reach: n_layers x (window - 1)."""
     return run.config.model.n_layers * (run.config.model.pmnet.window - 1)
+
+
+def frozen_at_inference(model: CausalLM) -> CausalLM:
+    """The same weights with memory updates switched off at inference (update_memory_eval=false)."""
+    config = dataclasses.replace(model.config, pmnet=dataclasses.replace(model.config.pmnet, update_memory_eval=False))
+    frozen = build_model(config)
+    frozen.load_state_dict(model.state_dict())
+    return frozen.eval()
 
 
 def copy_accuracy(model: CausalLM, run: Run, quick: bool, n: int = 256) -> dict[str, float]:
@@ -63,7 +83,7 @@ class CopyBeyondWindow(Experiment):
     def plot(self, results: dict[str, Any], path: Path) -> None:
         keys = _bucket_keys(results, "lookback_") + _bucket_keys(results, "token_lookback_")
         labels = [k.replace("token_lookback_", "bytes: ").replace("lookback_", "exact: ") for k in keys]
-        bar_plot(results, keys, labels, path, "copy accuracy by look-back (mean, spread)")
+        bar_plot(results, keys, labels, path, "copy accuracy by look-back", ("byte chance", 1 / PRINTABLE))
 
 
 class MemoryAblation(Experiment):
@@ -71,11 +91,7 @@ class MemoryAblation(Experiment):
 
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
         scores = copy_accuracy(model, run, quick)
-        frozen_config = dataclasses.replace(
-            model.config, pmnet=dataclasses.replace(model.config.pmnet, update_memory_eval=False)
-        )
-        frozen = build_model(frozen_config)
-        frozen.load_state_dict(model.state_dict())
+        frozen = frozen_at_inference(model)
         scores.update({f"no_eval_updates/{k}": v for k, v in copy_accuracy(frozen, run, quick).items()})
         return scores
 
@@ -84,7 +100,28 @@ class MemoryAblation(Experiment):
         beyond = [k for k in _bucket_keys(results, "token_lookback_") if k.startswith("token_lookback_>")]
         keys += [*beyond, *("no_eval_updates/" + k for k in beyond)]
         labels = [k.replace("no_eval_updates/", "no inference\nupdates: ") for k in keys]
-        bar_plot(results, keys, labels, path, "exact copy accuracy (mean, spread)")
+        bar_plot(results, keys, labels, path, "copy accuracy (mean, spread)", ("byte chance", 1 / PRINTABLE))
+
+
+class TextAblation(DemoTextExperiment):
+    """Held-out bits per byte of PMNet trained with and without memory updates, each scored with
+    and without updates at inference."""
+
+    held_out_bytes: int = 65536
+
+    def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
+        windows = self.held_out_windows(run.config.data.seq_len, 4096 if quick else self.held_out_bytes)
+        far = 2 * receptive_field(run)
+        scores = held_out_bits(model, windows, far)
+        if run.config.model.pmnet.memory_every:
+            frozen = frozen_at_inference(model)
+            scores.update({f"no_eval_updates/{k}": v for k, v in held_out_bits(frozen, windows, far).items()})
+        return scores
+
+    def plot(self, results: dict[str, Any], path: Path) -> None:
+        keys = sorted({k for m in results["summary"].values() for k in m if "bits_per_byte" in k})
+        labels = [k.replace("no_eval_updates/", "no eval updates\n").replace("bits_per_byte", "bpb") for k in keys]
+        bar_plot(results, keys, labels, path, "held-out bits per byte (mean, spread)")
 
 
 class GradientWakeUp(Experiment):
@@ -112,12 +149,8 @@ class GradientWakeUp(Experiment):
         }
 
     def plot(self, results: dict[str, Any], path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, grid = figure(1, 2, (11, 4))
+        axes = grid[0]
         colours = dict(zip(results["families"], ("tab:blue", "tab:red", "tab:green")))
         for record in results["runs"]:
             curve = record["metrics"]["curve"]
@@ -131,10 +164,7 @@ class GradientWakeUp(Experiment):
             ax.set_title(title, fontsize=10)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-        fig.suptitle(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, results, path)
 
 
 EXPERIMENTS = [
@@ -152,6 +182,16 @@ EXPERIMENTS = [
         config="copy.yaml",
         families=(PMNET, FROZEN_TRAIN, SWA),
         quick_overrides=QUICK,
+        paper={"remove memory updates (train or inference)": "performance drops"},
+    ),
+    TextAblation(
+        name="ablation-text",
+        title="PMNet with memory updates removed in training or at inference: held-out bits per byte",
+        config="text.yaml",
+        families=(PMNET, FROZEN_TRAIN, SWA),
+        seeds=1,
+        seed_overrides=("run.seed={seed}",),
+        quick_overrides=("train.steps=2",),
         paper={"remove memory updates (train or inference)": "performance drops"},
     ),
     GradientWakeUp(

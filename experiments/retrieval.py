@@ -54,7 +54,9 @@ class LagRetrieval(Experiment):
             {k for m in results["summary"].values() for k in m if k.startswith("lag_") and "_n_" not in k},
             key=_bucket_start,
         )
-        bar_plot(results, keys, [k.removeprefix("lag_") for k in keys], path, "exact accuracy (mean, spread)")
+        chance = next(iter(results["summary"].values()))["chance"]["mean"]
+        labels = [k.removeprefix("lag_") for k in keys]
+        bar_plot(results, keys, labels, path, "exact accuracy by lag (mean, spread)", ("chance", chance))
 
 
 def _bucket_start(key: str) -> float:

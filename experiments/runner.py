@@ -164,6 +164,32 @@ class Experiment:
         return results
 
 
+class DemoTextExperiment(Experiment):
+    """An experiment whose runs train on the demo books (byte shards built under <out>/shards) and
+    are scored on the demo's held-out novel."""
+
+    held_out = REPO / "data" / "demo" / "valid" / "northangerabbey.txt"
+
+    def prepare(self, out: Path, quick: bool) -> None:
+        from data_pipeline.build import build_shards
+
+        shards = out / "shards" / "demo-train"
+        if not (shards / "manifest.json").is_file():
+            build_shards([str(REPO / "data" / "demo" / "train")], str(shards), tokenizer="bytes", shard_tokens=262144)
+
+    def run_config(self, family: Family, seed: int, out: Path, quick: bool) -> tuple[Path, RunConfig]:
+        shards = out / "shards" / "demo-train"
+        extended = Family(family.name, (f"data.train=[{{path: {shards}}}]", *family.overrides))
+        return super().run_config(extended, seed, out, quick)
+
+    def held_out_windows(self, seq_len: int, n_bytes: int) -> np.ndarray:
+        """The first `n_bytes` of the held-out novel as [windows, seq_len + 1] byte ids (inputs and
+        the next byte), consecutive windows."""
+        data = np.frombuffer(self.held_out.read_bytes()[: n_bytes + 1], dtype=np.uint8).astype(np.int64)
+        n = (data.size - 1) // seq_len
+        return np.stack([data[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
+
+
 def tokens_trained(cfg: RunConfig) -> int:
     return cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
 
@@ -243,6 +269,19 @@ def exact_hits(model: CausalLM, examples: Sequence[synthetic.Example]) -> np.nda
     return np.asarray([synthetic.accuracy([e], [p])["exact"] for e, p in zip(examples, predictions(model, examples))])
 
 
+@torch.inference_mode()
+def held_out_bits(model: CausalLM, windows: np.ndarray, far: int) -> dict[str, float]:
+    """Bits per byte over the windows [n, T + 1], overall and at positions >= `far` only."""
+    model.eval()
+    nll = []
+    for start in range(0, len(windows), 16):
+        batch = torch.from_numpy(windows[start : start + 16])
+        logits = model(batch[:, :-1]).logits
+        nll.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none"))
+    bits = torch.cat(nll).double() / math.log(2)
+    return {"bits_per_byte": float(bits.mean()), f"bits_per_byte_from_{far}": float(bits[:, far:].mean())}
+
+
 def bucket_accuracy(hits: np.ndarray, values: np.ndarray, edges: Sequence[float], prefix: str) -> dict[str, float]:
     """Mean of `hits` for `values` in each half-open bucket (edges[i], edges[i+1]]; NaN-free: empty
     buckets are left out, and `<prefix>_n_<bucket>` records how many examples each holds."""
@@ -256,27 +295,50 @@ def bucket_accuracy(hits: np.ndarray, values: np.ndarray, edges: Sequence[float]
     return out
 
 
-def bar_plot(results: dict[str, Any], keys: Sequence[str], labels: Sequence[str], path: Path, ylabel: str) -> None:
-    """Grouped bars (one group per key, one bar per family), error bars = spread over seeds."""
+def figure(rows: int, cols: int, size: tuple[float, float]) -> tuple[Any, np.ndarray]:
+    """A matplotlib figure (headless backend) and its axes as a [rows, cols] array."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(rows, cols, figsize=size, squeeze=False)
+
+
+def save_figure(fig: Any, results: dict[str, Any], path: Path) -> None:
+    """Title the figure after the experiment (marking quick runs), write the PNG, free it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bar_plot(
+    results: dict[str, Any],
+    keys: Sequence[str],
+    labels: Sequence[str],
+    path: Path,
+    ylabel: str,
+    chance: tuple[str, float] | None = None,
+) -> None:
+    """Grouped bars (one group per key, one bar per family), error bars = spread over seeds; an
+    optional dashed line at a chance level (label, value)."""
     summary = results["summary"]
     families = list(summary)
     width = 0.8 / max(1, len(families))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(keys) + 2), 4))
+    fig, axes = figure(1, 1, (max(6, 1.6 * len(keys) + 2), 4))
+    ax = axes[0, 0]
     for i, family in enumerate(families):
         means = [summary[family].get(k, {}).get("mean", np.nan) for k in keys]
         stds = [summary[family].get(k, {}).get("std", 0.0) for k in keys]
         xs = np.arange(len(keys)) + (i - (len(families) - 1) / 2) * width
         ax.bar(xs, means, width, yerr=stds, capsize=3, label=family)
+    if chance is not None:
+        ax.axhline(chance[1], color="black", linestyle="--", linewidth=0.8, label=chance[0])
     ax.set_xticks(np.arange(len(keys)), labels)
     ax.set_ylabel(ylabel)
-    ax.set_title(results["title"] + (" (quick)" if results["quick"] else ""), fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, results, path)
