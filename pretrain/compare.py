@@ -51,8 +51,9 @@ def plot(reports: dict[str, dict[str, Any]], path: str, title: str, train_len: i
         ax.set_xlabel(xlabel)
         ax.set_ylabel("bits per token")
         ax.grid(True, alpha=0.3)
-    low = min(line.get_ydata().min() for line in right.get_lines())
-    right.set_ylim(low - 0.2, low + 2.5)  # the first few positions of one window are noisy and far off
+    values = sorted(y for line in right.get_lines() for y in line.get_ydata())
+    low = values[len(values) // 20]  # the first few positions of one window are noisy and far off
+    right.set_ylim(low - 0.3, low + 2.5)
     left.legend(fontsize=8)
     right.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
