@@ -1,8 +1,9 @@
 """Entry point: `deepspeed launch/pretrain.py --config configs/x.yaml [key=value ...]`.
 
-Also runs under `torchrun ... engine.kind=fsdp` and as a plain `python launch/pretrain.py` in one
-process. Bad configuration or data stops here, before any compute, with a message naming the key
-or file. Exit codes: 0 done, 2 bad input, 3 preempted (saved; requeue), 4 diverged.
+Also runs under `torchrun ... engine.kind=fsdp`, as one `srun` task per GPU (ranks from SLURM's
+variables; launch/slurm/) and as a plain `python launch/pretrain.py` in one process. Bad
+configuration or data stops here, before any compute, with a message naming the key or file.
+Exit codes: 0 done, 2 bad input, 3 preempted (saved; requeue), 4 diverged (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.config import ConfigError, load_config
+from pretrain.distributed import adopt_slurm_environment
 from pretrain.log import setup_logging
 
 EXIT_BAD_INPUT = 2
@@ -34,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--resume", default=None, help="auto (newest valid checkpoint), none, or a checkpoint directory; "
         "default: checkpoint.resume from the config"
     )
+    parser.add_argument(
+        "--preempted-marker", default=None, metavar="FILE",
+        help="after a preemption save (exit code 3), rank 0 writes FILE: the batch script requeues on it",
+    )
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 model.n_layers=4")
     return parser.parse_args(argv)
@@ -41,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    adopt_slurm_environment()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     log = setup_logging()
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.trainer import DataError, train
 
     try:
-        return train(cfg, resume=args.resume)
+        return train(cfg, resume=args.resume, preempted_marker=args.preempted_marker)
     except (DataError, ConfigError) as err:
         log.error("%s", err)
         return EXIT_BAD_INPUT

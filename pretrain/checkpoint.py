@@ -20,8 +20,8 @@ there is raised in the training loop at the next `poll()`). A directory without 
 whose files disagree with it, is never loaded: auto-resume reports it and falls back to the
 previous checkpoint.
 
-Loading never unpickles code: safetensors, JSON, and torch.load(weights_only=True) (DeepSpeed's
-files with its three plain data classes allow-listed).
+Loading never unpickles code: safetensors and JSON here; the engine payloads are
+pretrain/engine_checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -35,15 +35,19 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from fsspec.core import url_to_fs
-from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import load_file, save_file
 
+from pretrain import distributed
 from pretrain.log import get_logger
+
+if TYPE_CHECKING:
+    from pretrain.engines import Engine
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -53,53 +57,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: missing, incomplete or corrupt."""
 
 
-# ----------------------------------------------------------------------------- engine payloads
-
-
-def save_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Single-process payload: model.safetensors and a tensors-only optimizer file."""
-    os.makedirs(path, exist_ok=True)
-    save_model(model, os.path.join(path, "model.safetensors"))
-    torch.save(optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
-
-
-def load_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    from safetensors.torch import load_model
-
-    load_model(model, os.path.join(path, "model.safetensors"), strict=True)
-    state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(state)
-
-
-def save_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """FSDP2 payload through torch.distributed.checkpoint: sharded, and reshardable on load."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-
-
-def load_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
 def deepspeed_safe_globals() -> list[Any]:
-    """The non-tensor classes DeepSpeed pickles into its checkpoint files (loss scaler, ZeRO stage
-    enum, fragment addresses, ...): plain data holders, allow-listed so weights_only=True works."""
-    import argparse
+    """pretrain.engine_checkpoint's allow-list, reachable here for pretrain/export.py until it
+    reads weights through engine_checkpoint.read_engine_weights."""
+    from pretrain.engine_checkpoint import deepspeed_safe_globals as allow_list
 
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [argparse.Namespace, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    return allow_list()
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -208,19 +171,6 @@ def fetch(url: str, into: Path) -> Path:
     return target
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def committed_steps(root: str) -> list[str]:
     """Names of the step directories under `root` (path or fsspec URL) that are not `.tmp`,
     newest first. A listed directory may still fail verification."""
@@ -253,7 +203,7 @@ class Checkpointer:
     # -- saving
 
     def save(
-        self, step: int, engine: Any, trainer_state: dict[str, Any], config_yaml: str,
+        self, step: int, engine: Engine, trainer_state: dict[str, Any], config_yaml: str,
         rank_writer: Callable[[Path, int], None] | None = None,
     ) -> None:
         """Collective: write this step's checkpoint; commit it now or in the background.
@@ -261,11 +211,11 @@ class Checkpointer:
         states of train.carry_state)."""
         self.wait()
         stage = self.staging / (step_dir_name(step) + ".tmp")
-        rank = _rank()
+        rank = distributed.rank()
         if rank == 0:
             shutil.rmtree(stage, ignore_errors=True)
             (stage / "rng").mkdir(parents=True)
-        _barrier()
+        distributed.barrier()
         engine.save(str(stage / "engine"))
         plain, tensors = rng_state()
         _fsync_write(stage / "rng" / f"rank_{rank}.json", json.dumps(plain))
@@ -273,10 +223,10 @@ class Checkpointer:
         if rank_writer is not None:
             rank_writer(stage, rank)
         if rank == 0:
-            state = {**trainer_state, "world_size": _world()}
+            state = {**trainer_state, "world_size": distributed.world_size()}
             _fsync_write(stage / "trainer_state.json", json.dumps(state, indent=1, sort_keys=True))
             _fsync_write(stage / "config.yaml", config_yaml)
-        _barrier()
+        distributed.barrier()
         if rank != 0:
             return
         if self.async_save:
@@ -372,7 +322,7 @@ class Checkpointer:
         verify_local(local)
         return local
 
-    def resume(self, mode: str, engine: Any) -> dict[str, Any] | None:
+    def resume(self, mode: str, engine: Engine) -> dict[str, Any] | None:
         """Restore according to `mode`: "none", "auto" (the newest checkpoint that verifies;
         corrupt or partial ones are reported and skipped) or an explicit checkpoint path/URL.
 
@@ -381,14 +331,14 @@ class Checkpointer:
         """
         if mode == "none":
             return None
-        choice = [str(self._choose(mode) or "")] if _rank() == 0 else [None]
+        choice = [str(self._choose(mode) or "")] if distributed.rank() == 0 else [None]
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0)
         if not choice[0]:
             return None
         directory = Path(choice[0])
-        engine.load(str(directory / "engine"))
-        rank = _rank()
+        engine.load(str(directory / "engine"), self.staging / "scratch")
+        rank = distributed.rank()
         plain = directory / "rng" / f"rank_{rank}.json"
         if plain.is_file():  # a rank that did not exist when saving keeps its fresh seed
             tensors = load_file(str(directory / "rng" / f"rank_{rank}.safetensors"))

@@ -5,8 +5,9 @@ Every engine offers the same operations to the trainer:
     averaged over the global batch, clipping, and the optimizer update (skipped when the loss or
     gradients are not finite on any rank); returns a StepInfo.
   - `eval_loss(input_ids, labels)`: the loss without gradients (sharded engines gather weights).
-  - `save(path)` / `load(path)`: the engine-native checkpoint of model and optimizer (the files
-    around it, trainer state and RNG, are pretrain/checkpoint.py's).
+  - `save(path)` / `load(path, scratch)`: the engine-native checkpoint of model and optimizer
+    (formats in pretrain/engine_checkpoint.py; the files around it, trainer state and RNG, are
+    pretrain/checkpoint.py's).
 The trainer never branches on the engine kind.
 """
 
@@ -16,7 +17,8 @@ import datetime
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,15 +26,16 @@ from torch import nn
 
 from model import CausalLM
 from pretrain.carry import detach_state
-from pretrain.checkpoint import (
-    deepspeed_safe_globals,
+from pretrain.config import ConfigError, RunConfig
+from pretrain.distributed import all_reduce_sum, init_process_group
+from pretrain.engine_checkpoint import (
     load_dcp_state,
+    load_deepspeed,
     load_torch_state,
     save_dcp_state,
+    save_deepspeed,
     save_torch_state,
 )
-from pretrain.config import ConfigError, RunConfig
-from pretrain.metrics import all_reduce_sum
 from pretrain.optim import param_groups
 
 
@@ -76,6 +79,25 @@ class StepInfo:
     states: list[Any] = field(default_factory=list)
 
 
+class Engine(Protocol):
+    """What the trainer and the checkpointer use of an engine (see the module docstring)."""
+
+    @property
+    def model(self) -> CausalLM:
+        """The bare CausalLM (sharded under FSDP2 and ZeRO-3)."""
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo: ...
+
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def save(self, path: str) -> None:
+        """Collective: write model and optimizer state under `path` (a directory every rank sees)."""
+
+    def load(self, path: str, scratch: Path) -> None:
+        """Collective: restore what `save` wrote, possibly at another world size; `scratch` is an
+        empty directory every rank sees, for a conversion on the way."""
+
+
 def init_distributed(cfg: RunConfig) -> tuple[int, int]:
     """Join the process group the launcher set up (gloo on CPU, NCCL on CUDA); (rank, world)."""
     launched = "MASTER_ADDR" in os.environ and "RANK" in os.environ  # deepspeed / torchrun / SLURM wrapper
@@ -86,14 +108,13 @@ def init_distributed(cfg: RunConfig) -> tuple[int, int]:
                           RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=cfg.engine.dist_timeout_s)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_process_group(backend, timeout)
     if cfg.engine.kind == "deepspeed":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
-    else:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # adopts the group
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -187,7 +208,7 @@ class SingleEngine(_TorchOptimizerEngine):
     def save(self, path: str) -> None:
         save_torch_state(path, self.model, self.optimizer)
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, scratch: Path) -> None:
         load_torch_state(path, self.model, self.optimizer)
 
 
@@ -212,8 +233,8 @@ class FSDPEngine(_TorchOptimizerEngine):
     def save(self, path: str) -> None:
         save_dcp_state(path, self.module, self.optimizer)
 
-    def load(self, path: str) -> None:
-        load_dcp_state(path, self.module, self.optimizer)
+    def load(self, path: str, scratch: Path) -> None:
+        load_dcp_state(path, self.module, self.optimizer)  # DCP reshards by itself
 
 
 class DeepSpeedEngine:
@@ -268,23 +289,10 @@ class DeepSpeedEngine:
         return float(torch.stack(grads).sum().sqrt()) if grads else 0.0
 
     def save(self, path: str) -> None:
-        self.engine.save_checkpoint(path, tag="ds")
+        save_deepspeed(self.engine, path, self.cfg.engine.zero_stage)
 
-    def load(self, path: str) -> None:
-        """DeepSpeed reads its files with full pickle; ours go through weights_only=True with the
-        plain data classes its files hold allow-listed."""
-        checkpoint_engine = self.engine.checkpoint_engine
-        unsafe_load = checkpoint_engine.load
-        checkpoint_engine.load = lambda file, map_location=None: torch.load(
-            file, map_location=map_location, weights_only=True
-        )
-        try:
-            with torch.serialization.safe_globals(deepspeed_safe_globals()):
-                loaded, _ = self.engine.load_checkpoint(path, tag="ds", load_module_strict=True)
-        finally:
-            checkpoint_engine.load = unsafe_load
-        if loaded is None:
-            raise FileNotFoundError(f"{path}: no DeepSpeed checkpoint found")
+    def load(self, path: str, scratch: Path) -> None:
+        load_deepspeed(self.engine, path, self.cfg.engine.zero_stage, scratch)
 
 
 def deepspeed_config(cfg: RunConfig, gas: int, world: int) -> dict[str, Any]:
@@ -305,7 +313,7 @@ def deepspeed_config(cfg: RunConfig, gas: int, world: int) -> dict[str, Any]:
     }
 
 
-def build_engine(cfg: RunConfig, model: CausalLM, world: int):
+def build_engine(cfg: RunConfig, model: CausalLM, world: int) -> Engine:
     """The engine named by `engine.kind` around `model` (already on its device)."""
     gas = grad_accumulation_steps(cfg, world)
     model.activation_checkpointing = cfg.train.activation_checkpointing

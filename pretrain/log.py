@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
-
-def current_rank() -> int:
-    """This process's global rank from the launcher's environment (0 when not distributed)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+from pretrain.distributed import rank as current_rank
 
 
 def setup_logging(level: str | int = "INFO", all_ranks: bool = False) -> logging.Logger:

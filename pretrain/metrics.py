@@ -15,7 +15,6 @@ from typing import Any
 
 import psutil
 import torch
-import torch.distributed as dist
 
 from pretrain.log import get_logger
 
@@ -94,18 +93,3 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
 
-
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum of each value over ranks (identity in one process)."""
-    if not dist.is_initialized():
-        return list(values)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
-
-
-def all_reduce_mean(values: list[float]) -> list[float]:
-    """Mean of each value over ranks (identity in one process)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return [v / world for v in all_reduce_sum(values)]

@@ -6,7 +6,9 @@ pretrain/engines.py and everything on disk behind pretrain/checkpoint.py.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import signal
 import time
@@ -26,9 +28,10 @@ from model import CausalLM, build_model
 from pretrain import carry
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
-from pretrain.engines import build_engine, device_for_rank, grad_accumulation_steps, init_distributed
+from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
+from pretrain.engines import Engine, build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.log import get_logger
-from pretrain.metrics import MetricsLogger, all_reduce_mean, all_reduce_sum, measure_peak_flops, memory_stats
+from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
 
 EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
@@ -142,7 +145,7 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
     return StreamLoader(stream, num_workers=cfg.data.num_workers)
 
 
-def heldout_bits_per_token(cfg: RunConfig, engine: Any, rank: int, world: int) -> dict[str, float]:
+def heldout_bits_per_token(cfg: RunConfig, engine: Engine, rank: int, world: int) -> dict[str, float]:
     """Held-out loss at each configured context length, as bits per token (= per byte for byte
     models); every rank evaluates its share of the sequences and the sums are reduced."""
     results: dict[str, float] = {}
@@ -163,7 +166,7 @@ def heldout_bits_per_token(cfg: RunConfig, engine: Any, rank: int, world: int) -
     return results
 
 
-def evaluate_tasks(cfg: RunConfig, engine: Any, device: torch.device) -> dict[str, float]:
+def evaluate_tasks(cfg: RunConfig, engine: Engine, device: torch.device) -> dict[str, float]:
     """Synthetic long-context tasks (pretrain.evaluate's, streamed with the carried state) on rank
     0. Needs whole weights on every rank: single process or DeepSpeed ZeRO stage <= 2."""
     from data_pipeline.tokenizer import load_tokenizer
@@ -204,8 +207,10 @@ def _any_rank(flag: bool) -> bool:
     return all_reduce_sum([1.0 if flag else 0.0])[0] > 0
 
 
-def train(cfg: RunConfig, resume: str | None = None) -> int:
-    """Run (or continue) the configured training; returns the process exit code."""
+def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | None = None) -> int:
+    """Run (or continue) the configured training; returns the process exit code. After a
+    preemption save has committed, rank 0 writes `preempted_marker` (when given): the file a
+    batch script checks to requeue the job."""
     log = get_logger()
     started = time.time()
     check_data(cfg)
@@ -332,8 +337,22 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     if exit_code == 0:
         save()
     checkpointer.wait()
+    if exit_code == EXIT_PREEMPTED and preempted_marker and rank == 0:
+        write_preempted_marker(Path(preempted_marker), state.step, checkpointer.last_committed, stop.signal)
     metrics.close()
+    # No rank leaves before rank 0 has committed: a launcher that kills the job when its first
+    # rank exits (srun --kill-on-bad-exit) would otherwise interrupt the commit.
+    barrier()
     return exit_code
+
+
+def write_preempted_marker(path: Path, step: int, checkpoint: str | None, signum: int | None) -> None:
+    """Atomically write the JSON note that asks the batch script to requeue this job."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reason = signal.Signals(signum).name if signum else "max_runtime"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "checkpoint": checkpoint, "reason": reason}) + "\n")
+    os.replace(tmp, path)
 
 
 def _projected_past(started: float, steps_done: int, cfg: RunConfig) -> bool:

@@ -47,7 +47,8 @@ def carry_reference(
     tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, str]
 ) -> tuple[list[str], list[float]]:
     run_dir = tmp_path_factory.mktemp("single-carry")
-    common = ["--config", TINY, f"data.train=[{{path: {demo_shards['train']}}}]", "data.valid=[]", *CARRY]
+    common = ["--config", str(REPO / "configs" / "tiny-vort.yaml"), f"data.train=[{{path: {demo_shards['train']}}}]",
+              "data.valid=[]", *CARRY]
     run_training("python", 1, [*common, f"run.dir={run_dir}"])
     return common, losses(run_dir)
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, load_model, save_file
 
 from model import build_model
 from pretrain import export as ex
-from pretrain.checkpoint import deepspeed_safe_globals
 from pretrain.config import config_from_dict
+from pretrain.engine_checkpoint import deepspeed_safe_globals
 from tests.launchers import run_training
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 logs a loss sequence bitwise identical to an uninterrupted run of the same config.
 
 Run it for any engine: `pytest tests/test_resume.py -m "slow or not slow" -k deepspeed`. Each case
-trains the tiny config for 12 steps with a checkpoint every 3, once straight through and once
+trains a tiny config (Transformer, VORT or PMNet) for 12 steps with a checkpoint every 3, once straight through and once
 killed (the whole process group, mid-step or mid-save, wherever it happens to be) and resumed.
 """
 
@@ -19,22 +19,30 @@ import pytest
 
 from tests.launchers import REPO, kill_tree, launch_command, run_training
 
-TINY = str(REPO / "configs" / "tiny.yaml")
 STEPS = 12
+CONFIGS = {
+    "transformer": REPO / "configs" / "tiny.yaml",
+    "vort": REPO / "configs" / "tiny-vort.yaml",
+    "pmnet": REPO / "configs" / "tiny-pmnet.yaml",
+}
 
-# a small VORT whose state is carried across windows (train.carry_state): the carried states and
-# the lanes' position must come back exactly too
-CARRY = ["model.kind=vort", "model.vort.n_features=16", "model.vort.n_banks=4", "model.vort.soe_horizon=256",
-         "model.vort.chunk_size=16", "model.vort.probe_rank=8", "model.vort.probe_classes=32", "train.carry_state=true"]
+DEEPSPEED = ["engine.kind=deepspeed", "engine.zero_stage=2"]
+CARRY = ["train.carry_state=true"]
 CASES = {
-    "single": ("python", 1, ["engine.kind=single"]),
-    "deepspeed-2": ("deepspeed", 2, ["engine.kind=deepspeed", "engine.zero_stage=2"]),
-    "deepspeed-1": ("deepspeed", 1, ["engine.kind=deepspeed", "engine.zero_stage=2"]),
-    "fsdp-2": ("torchrun", 2, ["engine.kind=fsdp"]),
-    "fsdp-1": ("torchrun", 1, ["engine.kind=fsdp"]),
-    "single-carry": ("python", 1, ["engine.kind=single", *CARRY]),
-    "deepspeed-2-carry": ("deepspeed", 2, ["engine.kind=deepspeed", "engine.zero_stage=2", *CARRY]),
-    "fsdp-2-carry": ("torchrun", 2, ["engine.kind=fsdp", *CARRY]),
+    "single": ("python", 1, ["engine.kind=single"], "transformer"),
+    "deepspeed-2": ("deepspeed", 2, DEEPSPEED, "transformer"),
+    "deepspeed-1": ("deepspeed", 1, DEEPSPEED, "transformer"),
+    "fsdp-2": ("torchrun", 2, ["engine.kind=fsdp"], "transformer"),
+    "fsdp-1": ("torchrun", 1, ["engine.kind=fsdp"], "transformer"),
+    "deepspeed-2-vort": ("deepspeed", 2, DEEPSPEED, "vort"),
+    "fsdp-2-vort": ("torchrun", 2, ["engine.kind=fsdp"], "vort"),
+    "deepspeed-2-pmnet": ("deepspeed", 2, DEEPSPEED, "pmnet"),
+    "fsdp-2-pmnet": ("torchrun", 2, ["engine.kind=fsdp"], "pmnet"),
+    # the state carried across windows (train.carry_state): the carried states and the lanes'
+    # position must come back exactly too
+    "single-carry": ("python", 1, ["engine.kind=single", *CARRY], "vort"),
+    "deepspeed-2-carry": ("deepspeed", 2, [*DEEPSPEED, *CARRY], "vort"),
+    "fsdp-2-carry": ("torchrun", 2, ["engine.kind=fsdp", *CARRY], "vort"),
 }
 FAST = {"single", "deepspeed-2", "single-carry"}
 
@@ -55,12 +63,13 @@ def step_losses(run_dir: Path) -> dict[int, list[float]]:
     return seen
 
 
-def config_args(shards: dict[str, str], run_dir: Path, extra: list[str]) -> list[str]:
-    """The tiny config made heavy enough (~0.1 s a step on a CPU) for the kill to land mid-run."""
+def config_args(shards: dict[str, str], run_dir: Path, extra: list[str], model: str = "transformer") -> list[str]:
+    """The tiny config of `model` made heavy enough (~0.1 s a step on a CPU) for the kill to land
+    mid-run."""
     return [
-        "--config", TINY, f"data.train=[{{path: {shards['train']}}}]", "data.valid=[]", f"run.dir={run_dir}",
-        f"train.steps={STEPS}", "checkpoint.every=3", "checkpoint.keep_last=2", "model.d_model=128",
-        "model.max_seq_len=256", "data.seq_len=256", "train.global_batch=16", *extra,
+        "--config", str(CONFIGS[model]), f"data.train=[{{path: {shards['train']}}}]", "data.valid=[]",
+        f"run.dir={run_dir}", f"train.steps={STEPS}", "checkpoint.every=3", "checkpoint.keep_last=2",
+        "model.d_model=128", "model.max_seq_len=256", "data.seq_len=256", "train.global_batch=16", *extra,
     ]
 
 
@@ -93,15 +102,15 @@ def kill_at_step(launcher: str, ranks: int, args: list[str], run_dir: Path, step
     "case", [pytest.param(c, marks=() if c in FAST else pytest.mark.slow) for c in CASES]
 )
 def test_sigkill_and_resume_is_bitwise_identical(case: str, demo_shards, tmp_path: Path) -> None:
-    launcher, ranks, extra = CASES[case]
+    launcher, ranks, extra, model = CASES[case]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run_training(launcher, ranks, config_args(demo_shards, straight, extra))
+    run_training(launcher, ranks, config_args(demo_shards, straight, extra, model))
     expected = {step: values[0] for step, values in step_losses(straight).items()}
     assert sorted(expected) == list(range(1, STEPS + 1))
 
     kill_step = random.Random(case).randint(4, STEPS - 2)
-    reached = kill_at_step(launcher, ranks, config_args(demo_shards, killed, extra), killed, kill_step)
-    run_training(launcher, ranks, [*config_args(demo_shards, killed, extra), "--resume", "auto"])
+    reached = kill_at_step(launcher, ranks, config_args(demo_shards, killed, extra, model), killed, kill_step)
+    run_training(launcher, ranks, [*config_args(demo_shards, killed, extra, model), "--resume", "auto"])
 
     got = step_losses(killed)
     assert sorted(got) == list(range(1, STEPS + 1))

@@ -1,0 +1,93 @@
+"""Process-group helpers shared by the trainer, the checkpointer and the metrics: who am I, how
+many are we, wait for everyone, sum over everyone. Each works unchanged in a single process.
+
+Also the bridge from SLURM's task variables to the ones torch.distributed reads, so that
+`srun python launch/pretrain.py` (one task per GPU) needs no launcher in between.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+
+def rank() -> int:
+    """This process's global rank: from the process group once it exists, from the launcher's
+    environment before that (logging is set up first), 0 when not distributed."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def world_size() -> int:
+    """Number of ranks in the default group (1 when not distributed)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum of each value over ranks (identity in one process), in float64."""
+    if not dist.is_initialized():
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def all_reduce_mean(values: list[float]) -> list[float]:
+    """Mean of each value over ranks (identity in one process)."""
+    return [v / world_size() for v in all_reduce_sum(values)]
+
+
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join the default process group from the launcher's environment (env://).
+
+    Under torchrun the group's keys are prefixed with the restart attempt: after `--max-restarts`
+    restarts the workers, the store still holds the dead workers' addresses, and a new rank
+    reading one before its peer has replaced it would connect to nothing (gloo's connectFullMesh
+    then fails, and with it the restart).
+    """
+    store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world, timeout=timeout)
+
+
+def _tasks_on_first_node(tasks_per_node: str) -> int:
+    """SLURM writes tasks per node as e.g. "8(x2),4"; every node of our templates runs the same
+    number, so the first entry is this node's."""
+    match = re.match(r"\d+", tasks_per_node)
+    if match is None:
+        raise ValueError(f"SLURM_TASKS_PER_NODE={tasks_per_node!r}: expected a count such as '8(x2)'")
+    return int(match.group())
+
+
+def adopt_slurm_environment() -> bool:
+    """Under `srun` (one task per GPU, no torchrun or deepspeed launcher), set RANK, WORLD_SIZE,
+    LOCAL_RANK and LOCAL_WORLD_SIZE from SLURM's task variables; MASTER_ADDR and MASTER_PORT come
+    from the batch script. Does nothing when a launcher has set RANK already or outside a SLURM
+    job step. Returns True when the variables were taken from SLURM."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_STEP_ID" not in os.environ:
+        return False
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        raise RuntimeError(
+            f"running as SLURM task {os.environ['SLURM_PROCID']} of {os.environ['SLURM_NTASKS']} but "
+            f"{' and '.join(missing)} is not set: export both in the batch script (launch/slurm/job.sh does)"
+        )
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "1"))
+    os.environ["LOCAL_WORLD_SIZE"] = str(_tasks_on_first_node(per_node))
+    return True

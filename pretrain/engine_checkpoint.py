@@ -1,0 +1,264 @@
+"""The on-disk payload of each engine: writer, reader, and a weights-only reader for export.
+
+A checkpoint's `engine/` directory (pretrain/checkpoint.py owns the files around it) holds:
+  single      model.safetensors + optimizer.pt (tensors only)
+  fsdp        a torch.distributed.checkpoint with "model" and "optim" entries (reshards on load)
+  deepspeed   DeepSpeed's checkpoint under the tag "ds" + format.json (ZeRO stage and the
+              data-parallel size that wrote it); loaded at another size or stage, it is first
+              converted to DeepSpeed's universal format in a scratch directory, then loaded from there
+              (ZeRO-1/2, stage changes between them included; ZeRO-3 resumes at its own size only)
+Every engine wraps the CausalLM as `.model` (engines.TrainModule), so the weights carry the
+`model.` prefix; `read_engine_weights` returns them without it, on CPU, for pretrain/export.py.
+
+Nothing here unpickles code: DeepSpeed's own loaders are run with torch.load forced to
+weights_only=True and the plain data classes its files hold allow-listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_model
+
+from pretrain import distributed
+from pretrain.checkpoint import CheckpointError
+from pretrain.log import get_logger
+
+MODEL_PREFIX = "model."  # the CausalLM's attribute name in engines.TrainModule, plus the dot
+SINGLE_WEIGHTS = "model.safetensors"
+SINGLE_OPTIMIZER = "optimizer.pt"
+DEEPSPEED_TAG = "ds"
+DEEPSPEED_FORMAT = "format.json"
+
+
+def strip_model_prefix(state: dict[str, torch.Tensor], source: Path | str) -> dict[str, torch.Tensor]:
+    """The CausalLM's own names for an engine state dict; raises naming `source` on a stray key."""
+    odd = [k for k in state if not k.startswith(MODEL_PREFIX)]
+    if odd:
+        raise CheckpointError(f"{source}: parameter {odd[0]!r} is not under the engine's {MODEL_PREFIX!r} prefix")
+    return {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+def save_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The CausalLM's weights as safetensors and a tensors-only optimizer file."""
+    os.makedirs(path, exist_ok=True)
+    save_model(model, os.path.join(path, SINGLE_WEIGHTS))
+    torch.save(optimizer.state_dict(), os.path.join(path, SINGLE_OPTIMIZER))
+
+
+def load_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    load_model(model, os.path.join(path, SINGLE_WEIGHTS), strict=True)
+    state = torch.load(os.path.join(path, SINGLE_OPTIMIZER), map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state)
+
+
+def read_torch_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
+    path = engine_dir / SINGLE_WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (engine.kind=single writes the weights there)")
+    return load_file(str(path))  # saved from the bare CausalLM: no prefix
+
+
+# ----------------------------------------------------------------------------- FSDP2 (DCP)
+
+
+def save_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Sharded through torch.distributed.checkpoint, and reshardable on load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def load_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def read_dcp_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
+    """The "model" tensors of a DCP checkpoint, read without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(str(engine_dir)).read_metadata()
+    except Exception as err:  # a missing or unreadable .metadata file
+        raise CheckpointError(f"{engine_dir}: not a torch.distributed.checkpoint directory: {err}") from err
+    wanted = {}
+    prefix = "model." + MODEL_PREFIX  # the DCP entry "model", then TrainModule's attribute
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+            wanted[key[len(prefix) :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if not wanted:
+        raise CheckpointError(f"{engine_dir}: the checkpoint holds no 'model' tensors")
+    try:
+        with warnings.catch_warnings():  # torch warns that no process group is initialised: that is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": {MODEL_PREFIX + k: v for k, v in wanted.items()}}, checkpoint_id=str(engine_dir),
+                     no_dist=True)
+    except Exception as err:
+        raise CheckpointError(f"{engine_dir}: cannot read the model tensors: {err}") from err
+    return wanted
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+
+
+def deepspeed_safe_globals() -> list[Any]:
+    """The non-tensor classes DeepSpeed pickles into its checkpoint files (loss scaler, ZeRO stage
+    enum, fragment addresses, ...): plain data holders, allow-listed so weights_only=True works."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [argparse.Namespace, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def deepspeed_weights_only() -> Iterator[None]:
+    """Within the block, every torch.load (DeepSpeed's loaders and converters ask for
+    weights_only=False) runs with weights_only=True and DeepSpeed's data classes allow-listed.
+    torch.load is swapped on the torch module itself because DeepSpeed calls it from a dozen
+    modules; the block is entered only while loading, when no other thread loads anything."""
+    unsafe_load = torch.load
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        return unsafe_load(f, *args, **kwargs)
+
+    torch.load = load
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            yield
+    finally:
+        torch.load = unsafe_load
+
+
+def save_deepspeed(engine: Any, path: str, zero_stage: int) -> None:
+    """Collective. DeepSpeed's checkpoint, with the (empty) universal-checkpoint info its converter
+    looks for, and format.json recording what is needed to decide how to load it."""
+    engine.save_checkpoint(path, tag=DEEPSPEED_TAG, client_state={"universal_checkpoint_info": {}})
+    if distributed.rank() == 0:
+        layout = {"zero_stage": zero_stage, "data_parallel_size": distributed.world_size()}
+        Path(path, DEEPSPEED_FORMAT).write_text(json.dumps(layout))
+
+
+def _needs_universal(path: Path, zero_stage: int, world: int) -> bool:
+    """Whether the checkpoint at `path` was written at another data-parallel size or ZeRO stage
+    (raises for a change DeepSpeed cannot load exactly). One without format.json (written before it
+    existed) is taken to match, and DeepSpeed names the mismatch if it does not. Stage 0 keeps no
+    partitions: it loads at any size as it is."""
+    layout_file = path / DEEPSPEED_FORMAT
+    if not layout_file.is_file():
+        return False
+    saved = json.loads(layout_file.read_text())
+    if saved["zero_stage"] == zero_stage == 0:
+        return False
+    if saved["zero_stage"] != zero_stage and not {saved["zero_stage"], zero_stage} <= {1, 2}:
+        raise CheckpointError(
+            f"{path}: written by DeepSpeed ZeRO-{saved['zero_stage']}, this run is ZeRO-{zero_stage}: a checkpoint "
+            "changes stage only between ZeRO-1 and ZeRO-2 (stage 0 keeps no partitions, and DeepSpeed's universal "
+            f"checkpoints of ZeRO-3 load only into ZeRO-3); set engine.zero_stage={saved['zero_stage']}"
+        )
+    if zero_stage == 3 and saved["data_parallel_size"] != world:
+        raise CheckpointError(
+            f"{path}: a ZeRO-3 checkpoint of {saved['data_parallel_size']} data-parallel ranks cannot resume on "
+            f"{world}: DeepSpeed's universal checkpoint restores ZeRO-3 weights but not the optimizer state "
+            f"exactly (the first update after the move differs); resume on {saved['data_parallel_size']} ranks"
+        )
+    return saved["zero_stage"] != zero_stage or saved["data_parallel_size"] != world
+
+
+def to_universal(path: Path, out: Path) -> None:
+    """Convert the DeepSpeed checkpoint under `path` into the universal format in `out/ds`
+    (DeepSpeed's ds_to_universal, run in this process, serially, weights-only)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    args = argparse.Namespace(
+        input_folder=str(path / DEEPSPEED_TAG), output_folder=str(out / DEEPSPEED_TAG), num_extract_workers=1,
+        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+    )
+    with deepspeed_weights_only(), contextlib.redirect_stdout(sys.stderr):
+        ds_to_universal.main(args)
+
+
+def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> None:
+    """Collective. Load `path` into the DeepSpeed `engine` as saved when the data-parallel size
+    and ZeRO stage are those of this run; otherwise rank 0 converts it to the universal format
+    under `scratch` (a directory every rank sees) and every rank loads its own partition of that."""
+    source = Path(path)
+    universal = _needs_universal(source, zero_stage, distributed.world_size())
+    load_dir = scratch if universal else source
+    if universal:
+        get_logger().info("%s: another ZeRO stage or data-parallel size: loading through a universal checkpoint", path)
+        if distributed.rank() == 0:
+            to_universal(source, scratch)
+        distributed.barrier()
+    # DeepSpeed reads this flag only while loading, so it is set for this one load.
+    engine._config.load_universal_checkpoint = universal
+    try:
+        with deepspeed_weights_only():
+            loaded, _ = engine.load_checkpoint(str(load_dir), tag=DEEPSPEED_TAG, load_module_strict=True)
+    finally:
+        engine._config.load_universal_checkpoint = False
+    if loaded is None:
+        raise CheckpointError(f"{path}: no DeepSpeed checkpoint found")
+    if universal:
+        distributed.barrier()
+        if distributed.rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def read_deepspeed_weights(engine_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
+    """ZeRO 1-3: the fp32 master weights merged from the optimizer partitions by DeepSpeed's own
+    zero_to_fp32. Stage 0 has no partitions: the module weights in mp_rank_00_model_states.pt."""
+    tag_dir = engine_dir / DEEPSPEED_TAG
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"{tag_dir}: missing (engine.kind=deepspeed saves with tag {DEEPSPEED_TAG!r})")
+    try:
+        with deepspeed_weights_only(), contextlib.redirect_stdout(sys.stderr):
+            if zero_stage == 0:
+                state = dict(torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu")["module"])
+            else:
+                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+                state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=DEEPSPEED_TAG)
+    except Exception as err:  # DeepSpeed and torch.load raise many types; all mean "unusable checkpoint"
+        raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO-{zero_stage} checkpoint: {err}") from err
+    return strip_model_prefix(state, tag_dir)
+
+
+# ----------------------------------------------------------------------------- for export
+
+
+def read_engine_weights(engine_dir: Path, kind: str, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The CausalLM's weights (its own parameter names, CPU) from the `engine/` directory of a
+    checkpoint written by engine `kind`; raises CheckpointError naming the path."""
+    if kind == "single":
+        return read_torch_weights(engine_dir)
+    if kind == "deepspeed":
+        return read_deepspeed_weights(engine_dir, zero_stage)
+    if kind == "fsdp":
+        return read_dcp_weights(engine_dir)
+    raise CheckpointError(f"{engine_dir}: unknown engine kind {kind!r} (expected single, deepspeed or fsdp)")
