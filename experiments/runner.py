@@ -104,13 +104,15 @@ class Experiment:
         from pretrain.trainer import train
 
         run_dir, cfg = self.run_config(family, seed, out, quick)
-        saved = run_dir / "config.yaml"
-        if saved.is_file() and yaml.safe_load(saved.read_text()) != config_to_dict(cfg):
+        wanted = config_to_dict(cfg)
+        step = finished_step(run_dir)
+        saved = [run_dir / "config.yaml"] + ([resolve_checkpoint(run_dir) / "config.yaml"] if step is not None else [])
+        if any(p.is_file() and yaml.safe_load(p.read_text()) != wanted for p in saved) or (step or 0) > cfg.train.steps:
             raise ExperimentError(
                 f"{run_dir} holds a run of another configuration (configs/experiments/{self.config} or the "
                 "family changed since); delete it or choose another --out"
             )
-        if finished_step(run_dir) != cfg.train.steps:
+        if step != cfg.train.steps:
             code = train(cfg)
             if code != 0:
                 raise ExperimentError(f"{run_dir}: training exited with code {code}")

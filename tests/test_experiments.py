@@ -66,6 +66,10 @@ def test_a_changed_config_is_not_mixed_with_an_old_run(tmp_path: Path) -> None:
     experiment.train(Family("swa", ("model.pmnet.memory_every=0",)), 0, tmp_path, quick=True)
     with pytest.raises(ExperimentError, match="another configuration"):
         experiment.train(Family("swa", ("model.pmnet.memory_every=0", "train.lr=1e-3")), 0, tmp_path, quick=True)
+    run_dir = experiment.run_config(Family("swa"), 0, tmp_path, quick=True)[0]
+    (run_dir / "config.yaml").unlink()  # a checkpoint left by another configuration is caught as well
+    with pytest.raises(ExperimentError, match="another configuration"):
+        experiment.train(Family("swa", ("model.pmnet.memory_every=0", "train.lr=1e-3")), 0, tmp_path, quick=True)
 
 
 @pytest.mark.parametrize("name", sorted(EXPERIMENTS))

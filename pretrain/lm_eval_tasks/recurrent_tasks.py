@@ -34,8 +34,11 @@ ZIPF_ALPHABET = 94
 def _settings(metadata: dict[str, Any]) -> tuple[int, int, int]:
     length, examples = int(metadata.get("length", 2048)), int(metadata.get("examples", 16))
     seed = int(metadata.get("seed", 0))
-    if length < 64 or examples < 1:
-        raise ValueError(f"metadata: length must be at least 64 and examples at least 1, got {length}, {examples}")
+    if length < synthetic.MIN_TASK_LEN or examples < 1:
+        raise ValueError(
+            f"metadata: length must be at least {synthetic.MIN_TASK_LEN} and examples at least 1, "
+            f"got {length}, {examples}"
+        )
     return length, examples, seed
 
 
@@ -60,7 +63,7 @@ def _read(path: str | Path, what: str) -> bytes:
 def copy_docs(**metadata: Any) -> dict[str, datasets.Dataset]:
     """Copy-paste: STX, a printable segment (up to length/8 bytes), filler, ETX; answer: the segment."""
     length, examples, seed = _settings(metadata)
-    task = synthetic.CopyPaste(max_copy=length // 8, max_lookback=length - length // 8 - 1, seed=seed)
+    task = synthetic.make_task("copy", length, seed=seed)
     rows = []
     for i in range(examples):
         e = task.example(i)
@@ -72,7 +75,7 @@ def needle_docs(**metadata: Any) -> dict[str, datasets.Dataset]:
     """A six-digit number planted in a window of real text, asked for at the end; answer: the number."""
     length, examples, seed = _settings(metadata)
     haystack = _read(metadata.get("haystack", DEFAULT_TEXT), "haystack")
-    task = synthetic.NeedleHaystack(length, haystack, seed=seed)
+    task = synthetic.make_task("needle", length, haystack=haystack, seed=seed)
     rows = []
     for i in range(examples):
         e = task.example(i)
@@ -86,7 +89,7 @@ def needle_docs(**metadata: Any) -> dict[str, datasets.Dataset]:
 def zipf_docs(**metadata: Any) -> dict[str, datasets.Dataset]:
     """Key-value records in noise, one queried at a Zipf-distributed lag; answer: the key's value."""
     length, examples, seed = _settings(metadata)
-    task = synthetic.ZipfRetrieval(length, vocab_size=ZIPF_ALPHABET, seed=seed)
+    task = synthetic.make_task("zipf", length, vocab_size=ZIPF_ALPHABET, seed=seed)
     rows = []
     for i in range(examples):
         e = task.example(i)
