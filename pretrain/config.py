@@ -109,6 +109,7 @@ class TrainSection:
     max_skipped_steps: int = 10
     activation_checkpointing: bool = False
     compile: bool = False
+    carry_state: bool = False  # truncated BPTT: each batch row continues its text (pretrain/carry.py)
     log_every: int = 10
     max_runtime: float | None = None
 

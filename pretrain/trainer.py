@@ -25,6 +25,7 @@ from data_pipeline.stream import PackedStream, StreamLoader
 from data_pipeline.synthetic import TaskBatches, make_task
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
+from pretrain import carry
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
 from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
@@ -213,6 +214,7 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     log = get_logger()
     started = time.time()
     check_data(cfg)
+    carry.check_config(cfg)
     rank, world = init_distributed(cfg)
     gas = grad_accumulation_steps(cfg, world)
     run_dir = Path(cfg.run.dir)
@@ -231,7 +233,9 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     n_params = model.num_parameters()  # before sharding engines partition the weights
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     seed_everything(cfg.run.seed + 1000 * rank)  # per-rank streams from here on
-    loader = make_loader(cfg, rank, world)
+    # under train.carry_state, each batch row continues its text and the model's state with it
+    carrier = carry.make_carrier(cfg, model, rank, world, device) if cfg.train.carry_state else None
+    loader = carrier if carrier is not None else make_loader(cfg, rank, world)
     engine = build_engine(cfg, model, world)
 
     state = TrainerState()
@@ -240,6 +244,8 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     if restored is not None:
         state = TrainerState(**restored["trainer"])
         loader.load_state_dict(restored["data"])
+        if carrier is not None:
+            carrier.load(Path(restored["path"]))
         log.info("resumed from %s at step %d", restored["path"], state.step)
 
     metrics = MetricsLogger(run_dir, config_to_dict(cfg), rank == 0, cfg.log.wandb, cfg.log.wandb_project)
@@ -251,22 +257,27 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
         f"{gas} micro-batch(es) of {cfg.train.micro_batch} per rank per step"
     )
     stop = StopFlag()
-    batches = _batches(loader)
+    batches = _batches(loader) if carrier is None else None
 
     def save() -> None:
         trainer_state = {"trainer": vars(state), "data": loader.state_dict()}
-        checkpointer.save(state.step, engine, trainer_state, config_yaml)
+        checkpointer.save(state.step, engine, trainer_state, config_yaml, carrier.save if carrier else None)
         metrics.console(f"checkpoint of step {state.step} written (async={cfg.checkpoint.async_save})")
 
     exit_code = 0
     window_start, window_tokens = time.time(), 0
     while state.step < cfg.train.steps:
         lr = lr_at(state.step, cfg.train)
-        micro_batches = []
-        for _ in range(gas):
-            batch = next(batches)
-            micro_batches.append((batch["input_ids"].to(device), batch["labels"].to(device)))
+        if carrier is not None:
+            micro_batches = carrier.next_step()
+        else:
+            micro_batches = []
+            for _ in range(gas):
+                batch = next(batches)
+                micro_batches.append((batch["input_ids"].to(device), batch["labels"].to(device)))
         info = engine.train_step(micro_batches, lr)
+        if carrier is not None:
+            carrier.update(info.states)
         checkpointer.poll()
         loss_value = all_reduce_mean([info.loss])[0]
         state.step += 1
