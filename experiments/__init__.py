@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from experiments import orders, phasor, retrieval
+from experiments import extrapolation, orders, phasor, retrieval
 from experiments.runner import Experiment
 
 EXPERIMENTS: dict[str, Experiment] = {
-    e.name: e for e in (*retrieval.EXPERIMENTS, *phasor.EXPERIMENTS, *orders.EXPERIMENTS)
+    e.name: e
+    for e in (*retrieval.EXPERIMENTS, *phasor.EXPERIMENTS, *orders.EXPERIMENTS, *extrapolation.EXPERIMENTS)
 }
 
 __all__ = ["EXPERIMENTS", "Experiment"]

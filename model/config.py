@@ -16,8 +16,9 @@ class VortConfig:
     """The VORT family (kinds vort, pl, exp, m5): feature map, router, SOE banks, scan.
 
     docs/vort.md explains each choice. The kernel baselines use only the fields that concern
-    them (pl: `pl_alpha`; exp: nothing kernel-specific; m5: `m5_timescales`). `entity_aux_weight`
-    (vort only) adds the weak-label entity loss of model/entity_labels.py to training.
+    them (pl: `pl_alpha`; exp: nothing kernel-specific; m5: `m5_timescales`). `temper` (tokens)
+    tempers the vort and pl kernels: w_n(alpha) exp(-n / temper). `entity_aux_weight` (vort only)
+    adds the weak-label entity loss of model/entity_labels.py to training.
     """
 
     n_features: int = 64
@@ -29,6 +30,7 @@ class VortConfig:
     n_banks: int = 8
     soe_horizon: int = 524288
     soe_eps: float = 1e-3
+    temper: int | None = None
     pl_alpha: float = 0.5
     m5_timescales: list[float] = dataclasses.field(default_factory=lambda: [4.0, 32.0, 256.0, 2048.0, 16384.0])
     probe_rank: int = 32
@@ -52,6 +54,8 @@ class VortConfig:
             raise ValueError(f"pl_alpha: must be in [delta={self.delta}, 1], got {self.pl_alpha}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+        if self.temper is not None and self.temper < 1:
+            raise ValueError(f"temper: must be a number of tokens >= 1 or null (no tempering), got {self.temper}")
         if not 0 < self.soe_eps < 1:
             raise ValueError(f"soe_eps: must be in (0, 1), got {self.soe_eps}")
         if self.eps <= 0:

@@ -54,6 +54,19 @@ def certified_kernel(banks: tuple[float, ...], horizon: int, eps: float) -> soe.
     return soe.build_kernel(np.asarray(banks, dtype=np.float64), horizon, eps, cache=True).kernel
 
 
+def tempered(log_lambda: torch.Tensor, cfg: VortConfig) -> torch.Tensor:
+    """The decays of the tempered kernel w_n(alpha) exp(-n / temper) (unchanged without `temper`).
+
+    The same factor on every term multiplies the whole kernel, so the certificate's relative error
+    holds for the tempered target too. Tempering bounds the kernel's mass for every order (order 1
+    is otherwise a running sum that never decays): a few timescales into a long context, the
+    normalised read stops drifting towards an average over the whole history (docs/vort.md).
+    """
+    if cfg.temper is None:
+        return log_lambda
+    return log_lambda - 1.0 / cfg.temper
+
+
 def bank_orders(cfg: VortConfig) -> tuple[float, ...]:
     """The K bank orders on [delta, 1], spaced so each interval has about the same blend error."""
     return _bank_orders(cfg.n_banks, cfg.delta, cfg.soe_horizon)
@@ -176,7 +189,7 @@ class VariableOrderMemory(Fp32Tables):
         cfg = config.vort
         self.n_heads, self.n_bins = config.n_heads, cfg.alpha_bins
         log_lambda, coef, banks = certified_kernel(bank_orders(cfg), cfg.soe_horizon, cfg.soe_eps).as_tensors()
-        self.register_buffer("log_lambda", log_lambda)
+        self.register_buffer("log_lambda", tempered(log_lambda, cfg))
         self.register_buffer("bank_coef", coef)
         self.register_buffer("banks", banks)
         self.router = OrderRouter(config.d_model, config.n_heads, cfg)
@@ -223,7 +236,7 @@ class FixedOrderMemory(Fp32Tables):
         cfg = config.vort
         self.n_heads = config.n_heads
         log_lambda, coef, _ = certified_kernel((cfg.pl_alpha,), cfg.soe_horizon, cfg.soe_eps).as_tensors()
-        self.register_buffer("log_lambda", log_lambda)
+        self.register_buffer("log_lambda", tempered(log_lambda, cfg))
         self.register_buffer("coef", coef[0].clone())
 
     @property

@@ -5,6 +5,7 @@ Layout of `<root>/step_00000100/` (root: a local path or any fsspec URL):
                           torch files, a DeepSpeed checkpoint, or a torch.distributed.checkpoint)
   trainer_state.json      step, tokens seen, skipped steps, world size, the data loader's state
   rng/rank_<r>.json|.safetensors   every rank's python, numpy and torch (CPU, CUDA) RNG states
+  carry/rank_<r>.safetensors      with train.carry_state: the recurrent states each rank carries
   config.yaml             the resolved run config
   manifest.json           sha256 and size of every file above; written last: the commit marker
 
@@ -32,6 +33,7 @@ import random
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -192,8 +194,13 @@ class Checkpointer:
 
     # -- saving
 
-    def save(self, step: int, engine: Engine, trainer_state: dict[str, Any], config_yaml: str) -> None:
-        """Collective: write this step's checkpoint; commit it now or in the background."""
+    def save(
+        self, step: int, engine: Engine, trainer_state: dict[str, Any], config_yaml: str,
+        rank_writer: Callable[[Path, int], None] | None = None,
+    ) -> None:
+        """Collective: write this step's checkpoint; commit it now or in the background.
+        `rank_writer(directory, rank)`, when given, adds each rank's own files (the carried
+        states of train.carry_state)."""
         self.wait()
         stage = self.staging / (step_dir_name(step) + ".tmp")
         rank = distributed.rank()
@@ -205,6 +212,8 @@ class Checkpointer:
         plain, tensors = rng_state()
         _fsync_write(stage / "rng" / f"rank_{rank}.json", json.dumps(plain))
         save_file(tensors, str(stage / "rng" / f"rank_{rank}.safetensors"))
+        if rank_writer is not None:
+            rank_writer(stage, rank)
         if rank == 0:
             state = {**trainer_state, "world_size": distributed.world_size()}
             _fsync_write(stage / "trainer_state.json", json.dumps(state, indent=1, sort_keys=True))

@@ -109,6 +109,7 @@ class TrainSection:
     max_skipped_steps: int = 10
     activation_checkpointing: bool = False
     compile: bool = False
+    carry_state: bool = False  # truncated BPTT: each batch row continues its text (pretrain/carry.py)
     log_every: int = 10
     max_runtime: float | None = None
 
@@ -281,6 +282,9 @@ def sequence_parallel_problem(cfg: RunConfig) -> str | None:
     if model.kind == "vort" and model.vort.entity_aux_weight > 0:
         return ("model.vort.entity_aux_weight > 0 is not supported with sequence parallelism (its word-boundary "
                 "labels look across the piece border); set it to 0 or use sequence_parallel: 1")
+    if cfg.train.carry_state:
+        return ("train.carry_state=true is not supported with sequence parallelism yet (the last rank's state "
+                "would have to reach the first rank of the next window); use one of the two")
     if cfg.train.compile:
         return "train.compile=true is not supported with sequence parallelism (the scans exchange states between ranks)"
     return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model import CausalLM, SequenceParallel
+from pretrain.carry import detach_state
 from pretrain.config import ConfigError, RunConfig
 from pretrain.distributed import all_reduce_sum, init_process_group
 from pretrain.engine_checkpoint import (
@@ -51,24 +52,39 @@ class TrainModule(nn.Module):
         self.model = model
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The loss; given a carried state (train.carry_state), also the state after the window,
+        detached: the gradient of this window stops at its start (truncated BPTT)."""
         if self.training and self.sequence_parallel is not None:
             return sequence_parallel_loss(self.model, input_ids, labels, self.sequence_parallel)
-        loss, _ = self.model.loss(input_ids, labels)
-        return loss
+        loss, new_state = self.model.loss(input_ids, labels, state)
+        if state is None:
+            return loss
+        return loss, detach_state(new_state)
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+# (input_ids, labels), or (input_ids, labels, carried state) under train.carry_state
+Batch = tuple[Any, ...]
+
+
+def _forward(module: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
+    """(loss, state after the window or None) of one micro-batch."""
+    out = module(*batch)
+    return out if isinstance(out, tuple) else (out, None)
 
 
 @dataclass
 class StepInfo:
-    """One optimizer step: this rank's mean micro-batch loss, the global gradient norm, and
-    whether the update was applied (False when it was skipped as non-finite)."""
+    """One optimizer step: this rank's mean micro-batch loss, the global gradient norm, whether
+    the update was applied (False when it was skipped as non-finite), and each micro-batch's
+    state after its window when states are carried."""
 
     loss: float
     grad_norm: float
     applied: bool
+    states: list[Any] = field(default_factory=list)
 
 
 class Engine(Protocol):
@@ -171,12 +187,13 @@ class _TorchOptimizerEngine:
         return _eval_loss(self.module, input_ids, labels)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo:
-        losses = []
-        for i, (input_ids, labels) in enumerate(micro_batches):
+        losses, states = [], []
+        for i, batch in enumerate(micro_batches):
             self._set_sync(i == len(micro_batches) - 1)
-            loss = self.module(input_ids, labels)
+            loss, state = _forward(self.module, batch)
             (loss / len(micro_batches)).backward()
             losses.append(loss.detach())
+            states.append(state)
         local_loss = torch.stack(losses).mean()
         finite = _all_finite(local_loss)
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -191,7 +208,7 @@ class _TorchOptimizerEngine:
                 group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepInfo(float(local_loss), norm_value, applied)
+        return StepInfo(float(local_loss), norm_value, applied, states)
 
 
 class SingleEngine(_TorchOptimizerEngine):
@@ -251,10 +268,11 @@ class DeepSpeedEngine:
         the accumulation boundary is the one that updates (and ZeRO's overflow check may skip)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        losses, own_norm = [], None
-        for input_ids, labels in micro_batches:
-            loss = self.engine(input_ids, labels)
+        losses, states, own_norm = [], [], None
+        for batch in micro_batches:
+            loss, state = _forward(self.engine, batch)
             losses.append(loss.detach())
+            states.append(state)
             if not torch.isfinite(loss.detach()).all():
                 # Poison the gradients so that the step is dropped: by ZeRO's overflow check at
                 # stages 1-3, by the check below at stage 0.
@@ -269,7 +287,7 @@ class DeepSpeedEngine:
         norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         norm_value = float(norm) if norm is not None else math.nan
         applied = bool(self.engine.was_step_applied()) and math.isfinite(norm_value)
-        return StepInfo(float(torch.stack(losses).mean()), norm_value, applied)
+        return StepInfo(float(torch.stack(losses).mean()), norm_value, applied, states)
 
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _eval_loss(self.engine, input_ids, labels)

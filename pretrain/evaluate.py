@@ -1,7 +1,8 @@
 """Streaming evaluation of an exported model on raw text, at context lengths up to 512k and beyond.
 
     python -m pretrain.evaluate --model <export dir> --data <text files> --context 4096,65536,524288 \\
-        [--chunk 2048] [--json out.json] [--plot out.png] [--tasks copy,needle,zipf]
+        [--chunk 2048] [--max-tokens 65536] [--soe-horizon N] [--temper N] [--json out.json] [--plot out.png] \\
+        [--tasks copy,needle,zipf]
 
 The text files are tokenised with the export's tokenizer (each file is a document followed by
 EOS) and cut into consecutive, non-overlapping windows of each context length. A window is fed to
@@ -19,6 +20,7 @@ long-context tasks of data_pipeline.synthetic, also run in streaming mode.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 
 from data_pipeline import synthetic
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
-from model import CausalLM
+from model import CausalLM, build_model
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
 
 
@@ -182,6 +184,30 @@ def evaluate_context(
     return result
 
 
+SOE_TABLES = ("log_lambda", "bank_coef", "banks", "coef")  # buffer names of the certified kernel tables
+
+
+def rebuild_kernel(model: CausalLM, **kernel: Any) -> CausalLM:
+    """The same weights with the SOE tables rebuilt from other kernel settings (`soe_horizon`,
+    `temper`).
+
+    The tables (decays, bank coefficients, bank orders) are fixed buffers derived from the
+    `model.vort` settings, not learned, so a VORT-family model can be scored with kernels certified
+    further than in training, or tempered. Bank orders move with the horizon; the router's
+    continuous order alpha is mapped onto the new banks.
+    """
+    if model.config.kind not in ("vort", "pl"):
+        raise EvalError(f"--soe-horizon/--temper: model.kind={model.config.kind!r} has no certified SOE kernel")
+    config = dataclasses.replace(model.config, vort=dataclasses.replace(model.config.vort, **kernel))
+    rebuilt = build_model(config)
+    tables = {name for name, _ in rebuilt.named_buffers() if name.rsplit(".", 1)[-1] in SOE_TABLES}
+    weights = {k: v for k, v in model.state_dict().items() if k not in tables}
+    missing, unexpected = rebuilt.load_state_dict(weights, strict=False)
+    if set(missing) != tables or unexpected:
+        raise EvalError(f"rebuilding the kernel: unexpected state keys (missing {missing}, unexpected {unexpected})")
+    return rebuilt.to(next(model.parameters()).device).eval()
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size so far, in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -272,11 +298,21 @@ def evaluate(
     task_examples: int = 8,
     max_windows: int | None = None,
     device: str = "cpu",
+    max_tokens: int | None = None,
+    soe_horizon: int | None = None,
+    temper: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate an export directory; returns the JSON-able report (see module docstring)."""
+    """Evaluate an export directory; returns the JSON-able report (see module docstring).
+
+    `max_windows` caps the windows of every context; `max_tokens` caps each context at
+    max(1, max_tokens // context) windows, so that all contexts score about the same tokens.
+    `soe_horizon` and `temper` rebuild a VORT-family model's SOE tables (see `rebuild_kernel`).
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise EvalError(f"{model_dir}: no such export directory")
+    if max_tokens is not None and max_tokens < 1:
+        raise EvalError(f"--max-tokens must be positive, got {max_tokens}")
     if chunk < 1 or not contexts or min(contexts) < 1:
         raise EvalError(f"--chunk and --context must be positive (chunk={chunk}, contexts={list(contexts)})")
     unknown = sorted(set(tasks) - set(synthetic.TASKS))
@@ -291,6 +327,9 @@ def evaluate(
         model = load_exported(model_dir, device)
     except ExportError as err:
         raise EvalError(str(err)) from err
+    kernel = {k: v for k, v in (("soe_horizon", soe_horizon), ("temper", temper)) if v is not None}
+    if kernel:
+        model = rebuild_kernel(model, **kernel)
     tok = load_export_tokenizer(model_dir)
     text = read_text(data, tok)
     dev = torch.device(device)
@@ -303,10 +342,16 @@ def evaluate(
         "text_tokens": int(text.ids.size),
         "text_bytes": text.n_bytes,
         "chunk": chunk,
+        "soe_horizon": model.config.vort.soe_horizon,
+        "temper": model.config.vort.temper,
         "contexts": {},
     }
     for context in contexts:
-        result = evaluate_context(model, text, context, chunk, max_windows, dev)
+        limit = max_windows
+        if max_tokens is not None:
+            by_tokens = max(1, max_tokens // context)
+            limit = by_tokens if limit is None else min(limit, by_tokens)
+        result = evaluate_context(model, text, context, chunk, limit, dev)
         add_text_units(result, text, tok)
         result["warnings"] = context_warnings(model, context, chunk)
         for message in result["warnings"]:
@@ -339,6 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", type=_contexts, default=[4096], help="comma-separated context lengths")
     parser.add_argument("--chunk", type=int, default=2048, help="tokens per forward call (the state carries the rest)")
     parser.add_argument("--max-windows", type=int, default=None, help="at most this many windows per context")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="at most max(1, this // context) windows per context (equal token budgets)")
+    parser.add_argument("--soe-horizon", type=int, default=None,
+                        help="VORT family: score with SOE tables certified to this many lags (weights unchanged)")
+    parser.add_argument("--temper", type=int, default=None,
+                        help="VORT family: score with the kernel tempered by exp(-lag/N) (weights unchanged)")
     parser.add_argument(
         "--tasks", type=lambda v: [t for t in v.split(",") if t], default=[], help=",".join(sorted(synthetic.TASKS))
     )
@@ -359,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.task_examples,
             args.max_windows,
             args.device,
+            args.max_tokens,
+            args.soe_horizon,
+            args.temper,
         )
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -25,6 +25,7 @@ from data_pipeline.stream import PackedStream, StreamLoader
 from data_pipeline.synthetic import TaskBatches, make_task
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import CausalLM, build_model
+from pretrain import carry
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
 from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
@@ -214,6 +215,7 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     log = get_logger()
     started = time.time()
     check_data(cfg)
+    carry.check_config(cfg)
     rank, world = init_distributed(cfg)
     dims = dims_for(cfg, world)
     gas = grad_accumulation_steps(cfg, dims.data_parallel)
@@ -234,7 +236,10 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     seed_everything(cfg.run.seed + 1000 * rank)  # per-rank streams from here on
     sequence_parallel = dims.build(rank, cfg.data.seq_len)
-    loader = make_loader(cfg, dims.dp_rank(rank), dims.data_parallel)  # a sequence group reads the same samples
+    # under train.carry_state, each batch row continues its text and the model's state with it
+    carrier = carry.make_carrier(cfg, model, rank, world, device) if cfg.train.carry_state else None
+    # a sequence group reads the same samples: the loader runs at the data-parallel rank and size
+    loader = carrier if carrier is not None else make_loader(cfg, dims.dp_rank(rank), dims.data_parallel)
     engine = build_engine(cfg, model, world, sequence_parallel)
 
     state = TrainerState()
@@ -243,6 +248,8 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     if restored is not None:
         state = TrainerState(**restored["trainer"])
         loader.load_state_dict(restored["data"])
+        if carrier is not None:
+            carrier.load(Path(restored["path"]))
         log.info("resumed from %s at step %d", restored["path"], state.step)
 
     metrics = MetricsLogger(run_dir, config_to_dict(cfg), rank == 0, cfg.log.wandb, cfg.log.wandb_project)
@@ -255,23 +262,28 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
         f"{gas} micro-batch(es) of {cfg.train.micro_batch} per data-parallel rank per step"
     )
     stop = StopFlag()
-    batches = _batches(loader)
+    batches = _batches(loader) if carrier is None else None
 
     def save() -> None:
         trainer_state = {"trainer": vars(state), "data": loader.state_dict()}
-        checkpointer.save(state.step, engine, trainer_state, config_yaml)
+        checkpointer.save(state.step, engine, trainer_state, config_yaml, carrier.save if carrier else None)
         metrics.console(f"checkpoint of step {state.step} written (async={cfg.checkpoint.async_save})")
 
     exit_code = 0
     window_start, window_tokens = time.time(), 0
     while state.step < cfg.train.steps:
         lr = lr_at(state.step, cfg.train)
-        micro_batches = []
-        for _ in range(gas):
-            batch = next(batches)
-            pieces = (local_slice(batch[key], sequence_parallel).to(device) for key in ("input_ids", "labels"))
-            micro_batches.append(tuple(pieces))
+        if carrier is not None:
+            micro_batches = carrier.next_step()
+        else:
+            micro_batches = []
+            for _ in range(gas):
+                batch = next(batches)
+                pieces = (local_slice(batch[key], sequence_parallel).to(device) for key in ("input_ids", "labels"))
+                micro_batches.append(tuple(pieces))
         info = engine.train_step(micro_batches, lr)
+        if carrier is not None:
+            carrier.update(info.states)
         checkpointer.poll()
         loss_value = all_reduce_mean([info.loss])[0]
         state.step += 1

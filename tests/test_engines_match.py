@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.launchers import losses, run_training
+from tests.test_resume import CARRY
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -34,6 +35,29 @@ def reference(tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, s
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_two_rank_engine_matches_single_process(name: str, reference, tmp_path: Path) -> None:
     common, expected = reference
+    launcher, overrides = ENGINES[name]
+    run_training(launcher, 2, [*common, f"run.dir={tmp_path}", *overrides])
+    got = losses(tmp_path)
+    assert len(got) == len(expected) == 20
+    assert got == pytest.approx(expected, rel=1e-4), (name, got, expected)
+
+
+@pytest.fixture(scope="module")
+def carry_reference(
+    tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, str]
+) -> tuple[list[str], list[float]]:
+    run_dir = tmp_path_factory.mktemp("single-carry")
+    common = ["--config", str(REPO / "configs" / "tiny-vort.yaml"), f"data.train=[{{path: {demo_shards['train']}}}]",
+              "data.valid=[]", *CARRY]
+    run_training("python", 1, [*common, f"run.dir={run_dir}"])
+    return common, losses(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp2"])
+def test_two_rank_engine_carrying_state_matches_single_process(name: str, carry_reference, tmp_path: Path) -> None:
+    """train.carry_state: each rank carries its own lanes; the curve is the single process's."""
+    common, expected = carry_reference
     launcher, overrides = ENGINES[name]
     run_training(launcher, 2, [*common, f"run.dir={tmp_path}", *overrides])
     got = losses(tmp_path)

@@ -27,6 +27,7 @@ CONFIGS = {
 }
 
 DEEPSPEED = ["engine.kind=deepspeed", "engine.zero_stage=2"]
+CARRY = ["train.carry_state=true"]
 CASES = {
     "single": ("python", 1, ["engine.kind=single"], "transformer"),
     "deepspeed-2": ("deepspeed", 2, DEEPSPEED, "transformer"),
@@ -37,8 +38,13 @@ CASES = {
     "fsdp-2-vort": ("torchrun", 2, ["engine.kind=fsdp"], "vort"),
     "deepspeed-2-pmnet": ("deepspeed", 2, DEEPSPEED, "pmnet"),
     "fsdp-2-pmnet": ("torchrun", 2, ["engine.kind=fsdp"], "pmnet"),
+    # the state carried across windows (train.carry_state): the carried states and the lanes'
+    # position must come back exactly too
+    "single-carry": ("python", 1, ["engine.kind=single", *CARRY], "vort"),
+    "deepspeed-2-carry": ("deepspeed", 2, [*DEEPSPEED, *CARRY], "vort"),
+    "fsdp-2-carry": ("torchrun", 2, ["engine.kind=fsdp", *CARRY], "vort"),
 }
-FAST = {"single", "deepspeed-2"}
+FAST = {"single", "deepspeed-2", "single-carry"}
 
 
 def step_losses(run_dir: Path) -> dict[int, list[float]]:

@@ -172,6 +172,24 @@ def test_vort_layer_matches_direct_power_law_attention(router_bias: float | None
         assert rel_err(y, expected) < 1e-10
 
 
+@pytest.mark.parametrize("kind", ["vort", "pl"])
+def test_temper_multiplies_the_kernel_by_an_exponential(kind: str) -> None:
+    """model.vort.temper=tau: the layer equals the GL-weighted formula times exp(-lag/tau)."""
+    layer = reference_copy(make_layer(kind, rotary=False, temper=16, pl_alpha=1.0))
+    x = torch.randn(2, 40, 32, dtype=torch.float64)
+    lag = (torch.arange(40)[:, None] - torch.arange(40)[None, :]).double()
+    taper = torch.exp(-lag.clamp(min=0) / 16)
+    if kind == "vort":
+        alpha = layer.memory.router(x)[0].detach()
+        weights = gl_kernel_matrix(alpha, layer.memory.banks.double().numpy()) * taper
+    else:
+        weights = torch.ones(40, 40, dtype=torch.float64).tril() * taper
+    y, _ = layer(x)
+    assert rel_err(y, causal_direct(layer, x, weights)) < 2e-3
+    untempered = reference_copy(make_layer(kind, rotary=False, pl_alpha=1.0))
+    assert rel_err(untempered(x)[0], y) > 1e-2
+
+
 def test_low_order_contracts_towards_current_token() -> None:
     """As alpha -> delta the kernel concentrates on lag 0: the read is closer to v_t than at alpha = 1."""
     layer = reference_copy(make_layer("vort", rotary=False, delta=0.05))

@@ -1,0 +1,136 @@
+"""Continuing streams for training with a carried recurrent state (`train.carry_state`).
+
+The shuffled loader of data_pipeline/stream.py hands out windows in a random order, so a window
+never follows the one before it in the same batch row. Truncated backpropagation through time
+needs the opposite: row i of every step must continue the text of row i of the previous step.
+
+Layout. The epoch's token stream (the shard order of `PackedStream` with windows left unshuffled:
+documents stay whole and in order, separated by EOS) is cut into N consecutive windows of
+`seq_len` tokens. With R lanes (one per row of the global batch) each lane owns K = N // R
+consecutive windows: lane i reads windows i*K, i*K + 1, ..., i*K + K - 1 of the epoch, one per
+optimizer step; the N - R*K windows left over at the epoch's end are skipped. After K steps
+every lane moves to the next epoch (its shards in a new order), so every lane starts over
+together: those steps are flagged `reset` and the trainer starts the state from zero.
+
+Documents inside a lane follow each other with their EOS between them, and the state is *not*
+reset there: the model sees EOS and learns to discount what came before it, as it already does
+when several documents are packed into one window. A lane starts at an arbitrary place inside a
+document.
+
+Ranks and micro-batches. Global row (lane) r * R/world + m * micro_batch + b is row b of
+micro-batch m on rank r; the layout depends only on R = global_batch, so a run resumes at any
+world size (the trainer saves the carried state per lane). The resumable state is the number of
+steps consumed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from data_pipeline.stream import PackedStream
+
+STATE_VERSION = 1
+
+
+class LaneError(ValueError):
+    """A layout that cannot be built or resumed; the message names the setting."""
+
+
+class LaneStream:
+    """Per optimizer step, this rank's micro-batches of consecutive windows, one lane per row.
+
+    Args:
+        source: the training shard set (directory or URL holding manifest.json).
+        seq_len: tokens per window.
+        lanes: rows of the global batch (R).
+        micro_batch: rows per micro-batch; R must split over ranks into whole micro-batches.
+        seed: seeds the shard order of each epoch.
+        rank, world_size: this data-parallel rank and the number of ranks.
+        expected_tokenizer: as in `PackedStream` (a mismatch raises TokenizerMismatchError).
+    """
+
+    def __init__(
+        self,
+        source: str,
+        seq_len: int,
+        lanes: int,
+        micro_batch: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        expected_tokenizer: str | dict[str, Any] | None = None,
+    ) -> None:
+        if lanes % (world_size * micro_batch):
+            raise LaneError(
+                f"lanes={lanes} (the global batch) is not a multiple of world_size * micro_batch = "
+                f"{world_size} * {micro_batch}"
+            )
+        self.stream = PackedStream(
+            [(source, 1.0)], seq_len=seq_len, seed=seed, rank=0, world_size=1, shuffle_buffer=1,
+            shuffle=True, expected_tokenizer=expected_tokenizer,
+        )
+        self.seq_len, self.lanes, self.micro_batch, self.seed = seq_len, lanes, micro_batch, seed
+        self.rank, self.world_size = rank, world_size
+        windows = self.stream.samples_per_epoch()[0]
+        self.steps_per_epoch = windows // lanes
+        if self.steps_per_epoch < 1:
+            raise LaneError(
+                f"data.train: {source!r} holds {windows} windows of {seq_len} tokens, fewer than the "
+                f"{lanes} lanes of the global batch; lower train.global_batch or data.seq_len"
+            )
+        self.windows_per_epoch = windows
+        self.step = 0
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.lanes // self.world_size
+
+    def lane_ids(self, micro: int) -> list[int]:
+        """Global lane numbers of the rows of this rank's micro-batch `micro`."""
+        first = self.rank * self.rows_per_rank + micro * self.micro_batch
+        return list(range(first, first + self.micro_batch))
+
+    def window_of(self, lane: int, step: int) -> int:
+        """Global window number (PackedStream sample) that `lane` reads at `step`."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return epoch * self.windows_per_epoch + lane * self.steps_per_epoch + k
+
+    def next_step(self) -> list[dict[str, Any]]:
+        """This rank's micro-batches for the next optimizer step: dicts with `input_ids` and
+        `labels` [micro_batch, seq_len], `lanes` (global lane numbers) and `reset` (True when every
+        lane starts a new stretch of text, so the carried state must start from zero)."""
+        batches = []
+        for micro in range(self.rows_per_rank // self.micro_batch):
+            lanes = self.lane_ids(micro)
+            samples = [self.stream.get(self.window_of(lane, self.step)) for lane in lanes]
+            batches.append({
+                "input_ids": torch.stack([s["input_ids"] for s in samples]),
+                "labels": torch.stack([s["labels"] for s in samples]),
+                "lanes": lanes,
+                "reset": self.step % self.steps_per_epoch == 0,
+            })
+        self.step += 1
+        return batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """Steps consumed, plus the settings that define the layout (checked on resume)."""
+        return {
+            "version": STATE_VERSION, "step": self.step, "lanes": self.lanes, "seq_len": self.seq_len,
+            "seed": self.seed, "source": self.stream.state_dict()["mixture"]["sources"][0],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the steps `state` says were consumed; the layout must be the same."""
+        if state.get("version") != STATE_VERSION:
+            raise LaneError(f"unsupported lane stream state version {state.get('version')!r}")
+        mine = self.state_dict()
+        for key in ("lanes", "seq_len", "seed", "source"):
+            if state.get(key) != mine[key]:
+                what = "train.global_batch" if key == "lanes" else ("data.train" if key == "source" else key)
+                raise LaneError(
+                    f"cannot resume the carried streams exactly: the checkpoint has {key}={state.get(key)!r}, "
+                    f"this run {mine[key]!r} ({what} must not change under train.carry_state)"
+                )
+        self.step = int(state["step"])
