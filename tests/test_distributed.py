@@ -18,7 +18,10 @@ SET = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 @pytest.fixture
 def slurm_task(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in SET:
-        monkeypatch.delenv(name, raising=False)
+        # setenv first so that monkeypatch restores the variable's absence after the test, also
+        # when adopt_slurm_environment (not monkeypatch) has set it meanwhile
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for name, value in SLURM_TASK.items():
         monkeypatch.setenv(name, value)
     return monkeypatch
