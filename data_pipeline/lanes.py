@@ -1,26 +1,11 @@
 """Continuing streams for training with a carried recurrent state (`train.carry_state`).
 
-The shuffled loader of data_pipeline/stream.py hands out windows in a random order, so a window
-never follows the one before it in the same batch row. Truncated backpropagation through time
-needs the opposite: row i of every step must continue the text of row i of the previous step.
-
-Layout. The epoch's token stream (the shard order of `PackedStream` with windows left unshuffled:
-documents stay whole and in order, separated by EOS) is cut into N consecutive windows of
-`seq_len` tokens. With R lanes (one per row of the global batch) each lane owns K = N // R
-consecutive windows: lane i reads windows i*K, i*K + 1, ..., i*K + K - 1 of the epoch, one per
-optimizer step; the N - R*K windows left over at the epoch's end are skipped. After K steps
-every lane moves to the next epoch (its shards in a new order), so every lane starts over
-together: those steps are flagged `reset` and the trainer starts the state from zero.
-
-Documents inside a lane follow each other with their EOS between them, and the state is *not*
-reset there: the model sees EOS and learns to discount what came before it, as it already does
-when several documents are packed into one window. A lane starts at an arbitrary place inside a
-document.
-
-Ranks and micro-batches. Global row (lane) r * R/world + m * micro_batch + b is row b of
-micro-batch m on rank r; the layout depends only on R = global_batch, so a run resumes at any
-world size (the trainer saves the carried state per lane). The resumable state is the number of
-steps consumed.
+The shuffled loader of data_pipeline/stream.py never puts a window after the one that precedes it
+in the text, but truncated backpropagation through time needs row i of every step to continue row
+i of the step before. Here each row of the global batch is a lane: a run of consecutive windows of
+the epoch's unshuffled token stream, read one window per optimizer step. The layout depends only on
+the global batch, so a run resumes at any world size. docs/training.md, "Carrying the state across
+windows", gives the layout and why the state is not reset at document boundaries.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Sequence parallelism for the scans: a sequence split into consecutive pieces, one per rank.
 
-Rank r of the process group holds tokens [T_0 + ... + T_{r-1}, T_0 + ... + T_r) of every sequence
-(any lengths T_r, rank order = sequence order). Both scans are linear in their state, so a rank's
-entering state is a combination of the other ranks' local states (LASP-2's scheme):
-
-1. each rank scans its piece from a zero state (outputs and local final state);
-2. one all-gather of the local final states (SOE [B, H, S, F, D] + [B, H, S, F], phasor
-   [B, n_slots, M]; the sequence length does not enter);
-3. rank r combines the states of ranks < r (SOE: each decayed by lambda^(tokens between);
-   phasor: summed mod 2*pi) with the initial state, and corrects its local outputs for that entering
-   state in a read-only pass: for SOE the entering state reaches query t as lambda^(t+1) q_t^T G_in,
-   one [c, S*F] @ [S*F, D] product per chunk of c tokens; for the phasor it adds the entering phase
-   of the slot each token reads.
-
-The result equals one scan over the whole sequence, forward and backward: gradients reach earlier
-ranks through the all-gather, whose backward sums each state's gradients over the ranks that used it
-(one all-reduce). ``initial_state`` (the state before rank 0's piece) must be the same on every rank;
-as for a replicated parameter, each rank's gradient for it holds that rank's share, and their sum
-over the group is the whole gradient. The returned final state is the state after this rank's piece
-(the sequence's final state is the last rank's).
-
-Operations whose dependence on earlier tokens is not linear (PMNet's routing reads the memory state)
-instead pass tensors between neighbouring ranks: :func:`exchange_with_neighbours` (a halo, both
-directions at once), :func:`receive_from_previous` and :func:`send_to_next` (a relay). Their
-backward passes send the gradients the other way.
+Both scans are linear in their state, so each rank scans its piece from zero, one all-gather shares
+the pieces' final states, and each rank folds the states of earlier ranks into its outputs: the
+result equals one scan over the whole sequence, forward and backward, with communication that does
+not grow with the length. Operations that depend on earlier tokens non-linearly (PMNet's routing)
+use the neighbour exchanges at the end instead. docs/kernels.md, "Sequence parallelism", gives the
+algorithm and the gradient conventions; docs/sequence_parallel.md how the models use it.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The hierarchical unit-phasor memory of PMNet: tree routing, phase writes, demodulated reads.
 
-The memory is a tree of `depth` levels below a root, `branching` children per node; slot ids are
-laid out level by level (root 0, then level 1, ...). Every slot holds a phase vector in
-[0, 2*pi)^memory_dim (fp32, wrapped) and a learnable anchor. A token walks one root-to-leaf path:
-at each level it scores the current node's children by cosine similarity between its query phasor
-and the child's key — the child's state as a unit phasor plus its anchor — and takes the best one.
-It reads every slot on its path (phase before its own write, demodulated by its query phase) and
-adds its increment to each of them. The scan itself is `kernels.phasor_scan`.
-
-Routing sees the memory state at the start of the token's segment (a fixed chunk of absolute
-positions, `segment_len`), so routes within a segment are computed in parallel; reads are
-token-exact through the scan. Writes carry the 1/sqrt(s) gradient normalisation for collisions,
-s counted over the call's whole sequence (the paper's definition, the default) or per segment;
-scope "none" drops the normalisation (the ablation of the gradient wake-up experiment).
-docs/pmnet.md gives the reasons.
-
-Sequence parallelism: routing depends on the memory state, so a piece's writes cannot be computed
-before the state entering it is known, and the LASP-2 combine of the plain scan does not apply. The
-ranks relay the state instead: rank r waits for rank r-1's final phases, runs its piece and sends its
-own on (backward: the gradients go the other way). Pieces are whole segments, so no segment straddles
-two ranks; with sequence-scope collisions the writer counts are summed over the ranks.
+Each token walks one root-to-leaf path of a tree of phase slots, reads every slot on it and adds its
+write to each; the scan itself is `kernels.phasor_scan`. Routing sees the memory as it stood at the
+start of the token's segment, so a segment's routes are computed in parallel while reads stay
+token-exact; writes carry the 1/sqrt(s) collision normalisation. docs/pmnet.md ("Memory" and its
+decisions) explains the choices; docs/sequence_parallel.md ("Models") why this memory is relayed
+between ranks rather than combined like the plain scan.
 """
 
 from __future__ import annotations

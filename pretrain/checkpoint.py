@@ -1,27 +1,10 @@
 """Checkpoints: one directory per step holding everything needed to continue exactly.
 
-Layout of `<root>/step_00000100/` (root: a local path or any fsspec URL):
-  engine/                 model + optimizer, written by the engine (safetensors + weights-only
-                          torch files, a DeepSpeed checkpoint, or a torch.distributed.checkpoint)
-  trainer_state.json      step, tokens seen, skipped steps, world size, the data loader's state
-  rng/rank_<r>.json|.safetensors   every rank's python, numpy and torch (CPU, CUDA) RNG states
-  carry/rank_<r>.safetensors      with train.carry_state: the recurrent states each rank carries
-  config.yaml             the resolved run config
-  manifest.json           sha256 and size of every file above; written last: the commit marker
-
-How a save commits (crash-safe at every point):
-  1. every rank writes its part into a local staging directory `<staging>/step_X` (collective);
-  2. rank 0 hashes the files, writes them under `<root>/step_X.tmp/` (skipped when the root is
-     the local staging area itself), writes manifest.json, renames the directory to `step_X`,
-     then replaces `<root>/latest` (write to a temporary name, fsync, rename);
-  3. old checkpoints beyond `keep_last` are deleted, except milestones.
-Step 2 and 3 run in a background thread when `async_save` is on (at most one in flight; an error
-there is raised in the training loop at the next `poll()`). A directory without a manifest, or
-whose files disagree with it, is never loaded: auto-resume reports it and falls back to the
-previous checkpoint.
-
-Loading never unpickles code: safetensors and JSON here; the engine payloads are
-pretrain/engine_checkpoint.py's.
+A checkpoint is written to a local staging area, copied under a temporary name to any fsspec root,
+and committed by its manifest and a rename, so a crash at any point leaves the previous one usable;
+a directory that does not match its manifest is never loaded. Loading never unpickles code (JSON and
+safetensors here; engine payloads are pretrain/engine_checkpoint.py's). docs/training.md,
+"Checkpoints", gives the layout, the commit order and retention.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Why a VORT-family model scores worse on long contexts than on short ones: what its memory holds.
 
-    python -m pretrain.memory_probe --model <export dir> --data book.txt --context 65536 \\
+    python -m pretrain.memory_probe --model <export dir> --data book.txt --context 65536 \
         [--chunk 1024] [--train-len 256] [--json probe.json] [--plot probe.png]
 
-Streams one window of `--context` tokens through the model `--chunk` tokens at a time (as
-pretrain.evaluate does) and records, after every chunk:
-
-- bits per token of the chunk;
-- per layer, the normaliser state b [B, H, S, F] of the SOE scan: its total mass (sum over terms
-  and features, mean over heads), the share of that mass held by terms whose timescale
-  -1/log(lambda_s) exceeds `--train-len` (memory that never had time to fill during training:
-  it keeps growing with the position and, once it dominates, the normalised read averages over
-  a history far longer than any seen in training), and the share held by the lambda = 1 term
-  (order 1: a running sum that never decays, unless model.vort.temper is set);
-- per layer (vort), the mean routed order alpha and the share of tokens at the top bank.
-
-The kernel table (no model needed) shows, per bank order, the share of the kernel's mass that
-falls within the last `--train-len` lags at each context, for the exact power law and for the
-certified SOE kernel, and the SOE kernel's relative error at lags beyond its certified horizon.
+Streams one long window through the model chunk by chunk and records, per chunk, the loss and how
+the SOE normaliser's mass is spread over timescales; a kernel table shows the same for the kernels
+alone. docs/vort.md, "Long contexts", says what each quantity means and why it explains the drift.
 """
 
 from __future__ import annotations
