@@ -1,19 +1,11 @@
-"""Benchmarks for the data pipeline (results go into docs/data.md).
+"""Benchmarks for the data pipeline; the results and the commands that produced them are in docs/data.md.
 
 ``python -m benchmarks.data_loader throughput --input <corpus files/globs> --workdir <dir>``
-    Builds byte-level shards and sentencepiece shards (training a tokenizer first) from the
-    corpus, then measures tokens/s of one ``PackedStream`` in one process (= one data-loader
-    worker) from a cold start: read through fsspec + sha256 verify + decode + pack + shuffle +
-    tensor conversion, over several epochs so every shard is read more than once. Reports wall
-    tokens/s and tokens per CPU-second of the process (the latter is what one worker sustains on
-    an uncontended core; the wall number drops when the machine is shared).
+    tokens/s of one data-loader worker, from raw text through shards to training tensors.
 
 ``python -m benchmarks.data_loader scale --shards 10000 --shard-tokens 1880000 --workdir <dir>``
-    Writes one real shard and links it under ``--shards`` names (hard links: the files are real
-    and pass verification, but take the disk space of one), plus a manifest describing
-    ``shards * shard_tokens`` tokens; then, in a fresh process, measures the start-up time
-    (manifest load + stream construction + resume deep into the run + first sample) and the peak
-    RSS, next to the same for a 100-shard manifest for comparison.
+    start-up time and peak memory for a very large manifest, against a small one, to show that
+    neither grows with the size of the dataset. docs/data.md, "Measurements", says how each is set up.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Shard files and the manifest: format, deterministic writing, verified reading.
 
-A shard is a webdataset-style POSIX tar holding one sample whose key is the shard's name:
-
-- ``<key>.tokens.npy``  the content tokens of all its documents back to back (no EOS), in the
-  manifest's dtype (uint8 for byte-level, uint16/uint32 for sentencepiece);
-- ``<key>.lengths.npy`` the documents' token counts (uint32 or uint64), in order.
-
-Both are plain ``.npy`` (read with ``allow_pickle=False`` semantics: the header is parsed and the
-data taken with ``np.frombuffer``, no copy). The tar data offsets are 512-aligned and npy headers
-pad to 64 bytes, so the arrays are aligned in the shard buffer. Tar headers are fixed (mtime 0,
-uid/gid 0, empty owner names, mode 0444) so the same content gives byte-identical shards.
-
-The manifest (``manifest.json`` beside the shards) lists every shard with its path relative to the
-manifest, token and document counts, byte size and sha256, plus the tokenizer identity, the
-dtype, totals, build parameters and build statistics. Its ``fingerprint`` (sha256 of tokenizer
-identity + shard hashes) names the dataset's content independently of where it is stored.
+A shard is a tar holding one webdataset sample (the documents' tokens and their lengths as plain
+npy arrays), written so the same content always gives the same bytes; the manifest beside the
+shards records every shard's counts and sha256 and a fingerprint that names the dataset by content
+rather than location. docs/data.md, "Shards and manifest", gives the format and why it is built so.
 """
 
 from __future__ import annotations

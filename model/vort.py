@@ -1,20 +1,10 @@
 """VORT (Variable-Order Retention Transformer) and its kernel baselines pl, exp and m5.
 
-Every family here is the same stack (pre-norm, memory mixer, SwiGLU MLP; see model/blocks.py); they
-differ only in the kernel that weights a past token in the mixer's keyed linear-attention read:
-
-    o_t = sum_{j<=t} w_{t-j}(j) phi(q_t).phi(k_j) v_j / (sum_{j<=t} w_{t-j}(j) phi(q_t).phi(k_j) + eps)
-
-- vort: w_n(j) is the Grünwald–Letnikov power-law weight of the order alpha_j that a router gives
-  token j, in SOE form over nodes shared by every order (model/soe/), with alpha_j quantised to K
-  banks by linear interpolation between the two neighbouring banks;
-- pl: the same SOE kernel with one fixed order;
-- exp: one exponential per head with a learned decay (RetNet-like);
-- m5: five exponentials with fixed decays and learned positive weights per head.
-
-A kernel is a write coefficient per (token, term) and a log-decay per (head, term), which is exactly
-what `kernels.soe_scan` takes; the state per head is S x F x D whatever the number of banks.
-docs/vort.md gives the design decisions and the parameter/FLOP table.
+All four are the same stack (model/blocks.py) with the same keyed linear-attention read; they differ
+only in how a past token is weighted by its lag: VORT by a power law whose order a router picks per
+token, the baselines by one fixed power law, one learned exponential, or five fixed ones. Every such
+kernel reduces to the arguments of `kernels.soe_scan`, so all of them share one scan. docs/vort.md
+gives the kernels, the design decisions and the parameter/FLOP table.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Streaming evaluation of an exported model on raw text, at context lengths up to 512k and beyond.
 
-    python -m pretrain.evaluate --model <export dir> --data <text files> --context 4096,65536,524288 \\
-        [--chunk 2048] [--max-tokens 65536] [--soe-horizon N] [--temper N] [--json out.json] [--plot out.png] \\
+    python -m pretrain.evaluate --model <export dir> --data <text files> --context 4096,65536,524288 \
+        [--chunk 2048] [--max-tokens 65536] [--soe-horizon N] [--temper N] [--json out.json] [--plot out.png] \
         [--tasks copy,needle,zipf]
 
-The text files are tokenised with the export's tokenizer (each file is a document followed by
-EOS) and cut into consecutive, non-overlapping windows of each context length. A window is fed to
-the model `--chunk` tokens at a time, starting from `init_state` and passing on the state each
-call returns, so memory stays flat however long the context: the recurrent families (VORT, PMNet)
-carry their whole memory in that state; the Transformer baseline carries only its position and
-therefore sees at most one chunk of context.
-
-Reported per context: bits per token (= bits per byte for byte-level models; plus bits per
-character for tokenized ones), the same per position bucket (log-spaced, for the loss-vs-position
-curve), throughput and the process's peak RSS. With --tasks, argmax accuracy on the synthetic
-long-context tasks of data_pipeline.synthetic, also run in streaming mode.
+A window is fed in chunks with the model's state passed along, so memory stays flat however long
+the context. docs/export_eval.md, "Evaluation", says what is scored and reported.
 """
 
 from __future__ import annotations

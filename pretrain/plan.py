@@ -2,18 +2,9 @@
 
     python -m pretrain.plan --config configs/vort-125m-128k.yaml [--world 8] [--gpu-mem 80GiB] [--measure]
 
-Parameters, gradients and AdamW state follow the engine: DeepSpeed ZeRO stage 0 keeps everything
-whole, stage 1 partitions the optimizer state over the W ranks, stage 2 also the gradients, stage 3
-and FSDP2 also the parameters (plus one gathered block at a time). bf16 adds an fp32 master copy.
-
-Activations are measured, not modelled: one fp32 forward+backward on this CPU at ``--probe-tokens``
-(2048) and twice that many tokens (each in a fresh process), with and without activation
-checkpointing; the peak's growth per token, times micro_batch x seq_len/N, is a rank's activation
-memory (both families are linear in length; bf16 halves it). Scan states and the sequence-parallel
-buffers (the SOE all-gather of N states per layer, PMNet's halo and relayed phases) are computed from
-the shapes. ``--measure`` runs one
-forward+backward at the planned per-rank length on this CPU and prints the measured peak next to the
-prediction (fp32 on the CPU, whatever the config's precision).
+Weights and optimizer state are computed from the engine's sharding, activations measured on this
+CPU and scaled to the rank's length, scan states and sequence-parallel buffers computed from their
+shapes. docs/sequence_parallel.md, "Memory plan", explains the method and its limits.
 """
 
 from __future__ import annotations

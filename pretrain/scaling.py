@@ -1,21 +1,8 @@
 """Scaling-law fits of a results table: the parametric L(N, D) and the isoFLOP minima.
 
-Parametric fit (Hoffmann et al. 2022, approach 3, as replicated by Besiroglu et al. 2024):
-
-    L(N, D) = E + A / N^alpha + B / D^beta
-    log L   = LSE(a - alpha log N, b - beta log D, e)      with A = exp(a), B = exp(b), E = exp(e)
-
-fitted by minimising the Huber loss (delta = 1e-3) of the log-loss residuals with L-BFGS-B from a
-grid of starting values, keeping the best optimum. The grid is the paper's 4,500 points; the
-objective is evaluated at all of them at once and L-BFGS-B runs from the best `starts` of them
-(100 by default; `starts=None` runs from every one, about a minute per family here). Confidence
-intervals are bootstrap percentiles: the points are resampled with replacement and refitted from
-the best few distinct optima of the full fit.
-
-IsoFLOP fit (approach 2): for each compute budget, a parabola of loss against log N (and against
-log D) locates the compute-optimal N*(C) and D*(C); power laws N* ~ C^a, D* ~ C^b are then fitted
-through those minima by least squares in log-log space, with bootstrap intervals from resampling
-the runs within each budget.
+The parametric fit is approach 3 of Hoffmann et al. (2022) as replicated by Besiroglu et al.
+(2024); the isoFLOP fit is their approach 2. Both come with bootstrap intervals. docs/scaling.md,
+"Collect and fit", gives the formulas, the optimiser settings and how the intervals are drawn.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Triton kernels for the SOE scan (the CUDA path; also runs under TRITON_INTERPRET=1 on CPU tensors).
 
-One program per (batch, head, SOE term s, block of value columns). It walks the chunks in order and
-keeps its term's state G_s [F, BD] in registers, in fp32:
-  o'_chunk += (Q K^T * coef_j lam_s^(i-j)) V' + (Q * lam_s^(i+1)) G_s
-  G_s <- lam_s^c G_s + (K * lam_s^(c-1-j) coef)^T V'
-The S terms of one head add into the same outputs, so outputs are accumulated with fp32 atomic adds.
-v' = [v, 1] carries the normaliser z and b through the same products.
-
-Backward, two kernels, no stored states: a forward-order one rebuilds G_s and produces the query
-gradients, all intra-chunk gradients and the reader half of the decay gradient; a reverse-order one
-carries dG_s (seeded by the final-state gradient) and produces the cross-chunk key / value / coef
-gradients, the writer half of the decay gradient and the initial-state gradient. The decay gradient
-uses the same (reader position - writer position) split as kernels/soe/chunk.py.
-
-bf16 inputs are multiplied in bf16 (tensor cores) with fp32 accumulation and fp32 states; fp32 inputs
-are multiplied in IEEE fp32 (no TF32), so they meet the same 1e-4 tolerance as on the CPU.
+The same chunked algorithm as kernels/soe/chunk.py, forward and backward, with each SOE term's state
+kept in registers by its own program and the terms' outputs summed by atomic adds. docs/kernels.md,
+"SOE scan: the chunked algorithm", gives the formulas, the program layout and the precision rules.
 """
 
 from __future__ import annotations

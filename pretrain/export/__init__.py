@@ -2,18 +2,9 @@
 
     python -m pretrain.export --checkpoint <step dir | checkpoints dir | run dir> --out <dir>
 
-The checkpoint's manifest is verified first, the weights consolidated whatever engine wrote them
-(`consolidate`), and the directory written as:
-
-  model.safetensors       fp32 weights; tied head/embedding stored once, as safetensors' save_model does
-  config.json             transformers-style: model_type, architectures, auto_map, our model config
-                          nested under "lm_config", vocabulary and special ids, provenance
-  recurrent_tokenizer.json  kind, vocab size, special ids, sha256 (a name HF tokenizers will not misread);
-                          plus tokenizer.model (a copy of the sentencepiece model) for tokenized runs
-  tokenizer_config.json   for transformers' AutoTokenizer (trust_remote_code)
-  README.md               a short model card
-  configuration_recurrent.py, modeling_recurrent.py, tokenization_recurrent.py, rlm_*.py
-                          the code transformers runs under trust_remote_code (`remote_code`)
+The checkpoint is verified, its weights consolidated whatever engine wrote them, and written with
+the tokenizer files, a model card and the code transformers needs to load it by itself.
+docs/export_eval.md, "Export", lists the files and how the code travels.
 """
 
 from pretrain.export.cli import main
