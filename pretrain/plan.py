@@ -13,12 +13,9 @@ import argparse
 import multiprocessing
 import re
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 
 from model import CausalLM, build_model
@@ -99,6 +96,15 @@ def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int =
     return plans[0], plans[1]
 
 
+def _resident_kib(field: str) -> int:
+    """VmRSS (now) or VmHWM (high-water mark) of this process, in KiB, from Linux's /proc."""
+    with open("/proc/self/status") as status:
+        match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field}: the activation probe needs Linux")
+    return int(match.group(1))
+
+
 def _measure_in_child(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, out: Any) -> None:
     torch.manual_seed(0)
     model = build_model(cfg.model)
@@ -107,28 +113,17 @@ def _measure_in_child(cfg: RunConfig, checkpointing: bool, tokens: int, batch: i
     model.loss(warm[:, :-1], warm[:, 1:])[0].backward()
     model.zero_grad(set_to_none=True)
     ids = torch.randint(0, cfg.model.vocab_size, (batch, tokens + 1))
-    process = psutil.Process()
-    before = peak = process.memory_info().rss
-    done = threading.Event()
-
-    def sample() -> None:  # the resident size, polled: the process's lifetime peak may predate this step
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, process.memory_info().rss)
-            time.sleep(0.0005)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets the high-water mark to the current resident size: build and warm-up drop out
+    before = _resident_kib("VmRSS")
     loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
     loss.backward()
-    done.set()
-    sampler.join()
-    out.put(peak - before)
+    out.put((_resident_kib("VmHWM") - before) * 1024)
 
 
 def measure(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int) -> float:
-    """Peak resident growth (bytes) of one fp32 forward+backward of batch x tokens on this CPU (weights
-    and gradients included), in a fresh process (a process's peak never goes down)."""
+    """Peak resident growth (bytes) of one fp32 forward+backward of batch x tokens on this CPU (gradients
+    included), read exactly from the kernel's high-water mark in a fresh process."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     child = context.Process(target=_measure_in_child, args=(cfg, checkpointing, tokens, batch, out))

@@ -118,15 +118,10 @@ def single_run(family: str, shards: dict[str, str], run_dir: Path) -> tuple[list
     return _SINGLE[family]
 
 
-FAST_CASES = {("vort", "zero2")}  # one end-to-end case in the fast suite; the others run in `make test-long`
-
-
 CASES = [(family, engine) for family in ("vort", "pmnet") for engine in ENGINES]
 
 
-@pytest.mark.parametrize(("family", "engine"), [
-    pytest.param(*case, marks=() if case in FAST_CASES else pytest.mark.slow) for case in CASES
-])
+@pytest.mark.parametrize(("family", "engine"), CASES)
 def test_two_rank_sequence_parallel_equals_one_process(family: str, engine: str, demo_shards, tmp_path: Path) -> None:
     expected, expected_params = single_run(family, demo_shards, tmp_path / "single")
     launcher, overrides = ENGINES[engine]
