@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 # The label the loss skips is the model interface's contract; data producers follow it (model/ never
 # imports data_pipeline/, so the dependency points one way).
+from data_pipeline.order import seeded_rng
 from model.interface import IGNORE_INDEX
 
 _TASK_TAGS = {"zipf": 11, "entity": 12, "copy": 13, "needle": 14}
@@ -45,7 +46,7 @@ class Example:
 
 
 def _rng(seed: int, task: str, index: int) -> np.random.Generator:
-    return np.random.default_rng([seed, _TASK_TAGS[task], index])
+    return seeded_rng(seed, _TASK_TAGS[task], index)
 
 
 def _example(tokens: np.ndarray, answer_start: int, meta: dict[str, Any]) -> Example:
