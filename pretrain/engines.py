@@ -122,6 +122,11 @@ def init_distributed(cfg: RunConfig) -> tuple[int, int]:
     if cfg.engine.kind == "deepspeed":
         import deepspeed
 
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU backend would JIT-compile a shared-memory all-reduce op, used only for
+            # inference, that leaves a 66 MB /dev/shm file per rank behind on every run and hangs
+            # every later run on a stale build lock if a compile is killed. Training never calls it.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # adopts the group
     return dist.get_rank(), dist.get_world_size()
 

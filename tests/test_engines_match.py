@@ -6,6 +6,8 @@ all-reduce)."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -36,10 +38,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, s
 def test_two_rank_engine_matches_single_process(name: str, reference, tmp_path: Path) -> None:
     common, expected = reference
     launcher, overrides = ENGINES[name]
+    started = time.time() - 1
     run_training(launcher, 2, [*common, f"run.dir={tmp_path}", *overrides])
     got = losses(tmp_path)
     assert len(got) == len(expected) == 20
     assert got == pytest.approx(expected, rel=1e-4), (name, got, expected)
+    # DeepSpeed's CPU backend makes a 66 MB /dev/shm buffer per rank; the run must not leave it behind
+    leaked = [p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")
+              if p.stat().st_mtime >= started]
+    assert not leaked, leaked
 
 
 @pytest.fixture(scope="module")
