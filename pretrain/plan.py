@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -105,7 +106,7 @@ def _resident_kib(field: str) -> int:
     return int(match.group(1))
 
 
-def _measure_in_child(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, out: Any) -> None:
+def _measure_in_child(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, out: Connection) -> None:
     torch.manual_seed(0)
     model = build_model(cfg.model)
     model.activation_checkpointing = checkpointing
@@ -118,17 +119,38 @@ def _measure_in_child(cfg: RunConfig, checkpointing: bool, tokens: int, batch: i
     before = _resident_kib("VmRSS")
     loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
     loss.backward()
-    out.put((_resident_kib("VmHWM") - before) * 1024)
+    out.send((_resident_kib("VmHWM") - before) * 1024)
+
+
+# In the probe, every allocation from 64 KiB up gets pages of its own and returns them when freed, so the
+# resident size follows the live tensors (as a GPU allocator's count does) instead of what glibc's heap
+# happens to reuse: without it the same probe twice gave per-token slopes 1.5x apart.
+PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10), "THP_MEM_ALLOC_ENABLE": "0"}
 
 
 def measure(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int) -> float:
     """Peak resident growth (bytes) of one fp32 forward+backward of batch x tokens on this CPU (gradients
     included), read exactly from the kernel's high-water mark in a fresh process."""
     context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    child = context.Process(target=_measure_in_child, args=(cfg, checkpointing, tokens, batch, out))
-    child.start()
-    result = out.get()
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_measure_in_child, args=(cfg, checkpointing, tokens, batch, send))
+    saved = {key: os.environ.get(key) for key in PROBE_ENV}
+    os.environ.update(PROBE_ENV)  # the spawned interpreter's glibc reads these at its start
+    try:
+        child.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:  # the child died before sending: its traceback is on stderr
+        child.join()
+        raise RuntimeError(f"the memory probe of {batch} x {tokens} tokens (activation checkpointing "
+                           f"{checkpointing}) exited with code {child.exitcode} before reporting") from None
     child.join()
     return float(result)
 
