@@ -49,5 +49,9 @@ def decay(log_power: torch.Tensor) -> torch.Tensor:
     Such factors are far below the working precision, and left in they make subnormal numbers in the
     products, which run tens of times slower on x86 CPUs.
     """
-    cutoff = -40.0 if log_power.dtype != torch.float64 else -300.0
-    return torch.exp(log_power).masked_fill(log_power < cutoff, 0.0)
+    return torch.exp(log_power).masked_fill(log_power < decay_cutoff(log_power.dtype), 0.0)
+
+
+def decay_cutoff(dtype: torch.dtype) -> float:
+    """The log power below which :func:`decay` returns exactly 0 in ``dtype``."""
+    return -300.0 if dtype == torch.float64 else -40.0

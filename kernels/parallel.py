@@ -10,10 +10,12 @@ algorithm and the gradient conventions; docs/sequence_parallel.md how the models
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
-from kernels._common import decay, wrap_angle
+from kernels._common import decay, decay_cutoff, wrap_angle
 from kernels.phasor import phasor_scan
 from kernels.soe import soe_scan
 
@@ -45,22 +47,28 @@ def _piece_lengths(seq_len: int, group: dist.ProcessGroup | None, device: torch.
 class _SoeStateCorrection(torch.autograd.Function):
     """(o, z) contributions of an entering state: o_t = sum_s lam_s^(t+1) q_t^T G_s, z_t likewise with b.
 
-    Computed chunk by chunk without keeping the [c, S*F] scaled queries: backward rebuilds them.
+    Computed chunk by chunk without keeping the [c, S*F] scaled queries: backward rebuilds them. A term
+    whose decay is exactly 0 over a whole chunk (:func:`kernels._common.decay` flushes factors below its
+    cutoff) is left out of that chunk's products: deep into a piece only the slow terms still read the
+    entering state, which is about half the work at VORT's decays and 16k-token pieces.
     """
 
     @staticmethod
     def forward(ctx, q, log_lam, g_in, b_in, chunk):
         dtype = g_in.dtype
-        B, T, H, F_ = q.shape
-        S, D = log_lam.shape[-1], g_in.shape[-1]
-        g = g_in.reshape(B, H, S * F_, D)
-        b = b_in.reshape(B, H, S * F_, 1)
+        B, T, H, _ = q.shape
+        D = g_in.shape[-1]
         o = q.new_empty(B, T, H, D, dtype=dtype)
         z = q.new_empty(B, T, H, dtype=dtype)
-        for start in range(0, T, chunk):
-            qd = _scaled_queries(q, log_lam, start, min(T, start + chunk), dtype)  # [B, H, c, S*F]
-            o[:, start : start + chunk] = (qd @ g).transpose(1, 2)
-            z[:, start : start + chunk] = (qd @ b).squeeze(-1).transpose(1, 2)
+        for start, stop, terms in _chunks_with_live_terms(log_lam, T, chunk, dtype):
+            if terms is None:  # no term reaches this chunk or any later one
+                o[:, start:] = 0
+                z[:, start:] = 0
+                break
+            g, b = g_in[:, :, terms].flatten(2, 3), b_in[:, :, terms].flatten(2, 3)[..., None]
+            qd = _scaled_queries(q, log_lam[:, terms], start, stop, dtype)  # [B, H, c, A*F]
+            o[:, start:stop] = (qd @ g).transpose(1, 2)
+            z[:, start:stop] = (qd @ b).squeeze(-1).transpose(1, 2)
         ctx.save_for_backward(q, log_lam, g_in, b_in)
         ctx.chunk = chunk
         return o, z
@@ -70,29 +78,41 @@ class _SoeStateCorrection(torch.autograd.Function):
         q, log_lam, g_in, b_in = ctx.saved_tensors
         dtype = g_in.dtype
         B, T, H, F_ = q.shape
-        S, D = log_lam.shape[-1], g_in.shape[-1]
-        g = g_in.reshape(B, H, S * F_, D)
-        b = b_in.reshape(B, H, S * F_, 1)
-        d_q = torch.empty(B, T, H, F_, dtype=dtype, device=q.device)
-        d_g, d_b = torch.zeros_like(g), torch.zeros_like(b)
-        d_log_lam = torch.zeros(H, S, dtype=dtype, device=q.device)
-        for start in range(0, T, ctx.chunk):
-            stop = min(T, start + ctx.chunk)
-            c = stop - start
-            scale = _entering_decay(log_lam, start, stop, dtype)  # [H, c, S]
+        d_q = torch.zeros(B, T, H, F_, dtype=dtype, device=q.device)
+        d_g, d_b = torch.zeros_like(g_in), torch.zeros_like(b_in)
+        d_log_lam = torch.zeros(log_lam.shape, dtype=dtype, device=q.device)
+        for start, stop, terms in _chunks_with_live_terms(log_lam, T, ctx.chunk, dtype):
+            if terms is None:
+                break
+            g, b = g_in[:, :, terms].flatten(2, 3), b_in[:, :, terms].flatten(2, 3)[..., None]
+            c, n_live = stop - start, g.shape[2] // F_
+            scale = _entering_decay(log_lam[:, terms], start, stop, dtype)  # [H, c, A]
             qc = q[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, F]
-            qd = (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, c, S * F_)
+            qd = (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, c, n_live * F_)
             do = d_o[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, D]
             dz = d_z[:, start:stop].to(dtype).transpose(1, 2)[..., None]  # [B, H, c, 1]
-            d_g += qd.transpose(-1, -2) @ do
-            d_b += qd.transpose(-1, -2) @ dz
-            d_qd = (do @ g.transpose(-1, -2) + dz @ b.transpose(-1, -2)).view(B, H, c, S, F_)
+            d_g[:, :, terms] += (qd.transpose(-1, -2) @ do).unflatten(2, (n_live, F_))
+            d_b[:, :, terms] += (qd.transpose(-1, -2) @ dz).view(B, H, n_live, F_)
+            d_qd = (do @ g.transpose(-1, -2) + dz @ b.transpose(-1, -2)).view(B, H, c, n_live, F_)
             d_q[:, start:stop] = (d_qd * scale[None, ..., None]).sum(3).transpose(1, 2)
             # d scale[h, t, s] = sum_{b, f} q d_qd; scale = lam^(t+1), so d log_lam += (t+1) scale d scale
-            d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, S]
+            d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, A]
             steps = torch.arange(start + 1, stop + 1, dtype=dtype, device=q.device)[None, :, None]
-            d_log_lam += (d_scale * scale * steps).sum(1)
-        return d_q.to(q.dtype), d_log_lam.to(log_lam.dtype), d_g.view_as(g_in), d_b.view_as(b_in), None
+            d_log_lam[:, terms] += (d_scale * scale * steps).sum(1)
+        return d_q.to(q.dtype), d_log_lam.to(log_lam.dtype), d_g, d_b, None
+
+
+def _chunks_with_live_terms(
+    log_lam: torch.Tensor, seq_len: int, chunk: int, dtype: torch.dtype
+) -> Iterator[tuple[int, int, slice | torch.Tensor | None]]:
+    """(start, stop, terms) per chunk of a piece: the terms whose decay lam^(t+1) is non-zero somewhere in
+    the chunk for some head (a full slice while that is all of them; None once it is none of them)."""
+    cutoff = decay_cutoff(dtype)
+    every = slice(None)
+    for start in range(0, seq_len, chunk):
+        live = ((start + 1) * log_lam.to(dtype) >= cutoff).any(0)  # a chunk's first token decays least
+        terms = every if bool(live.all()) else live.nonzero()[:, 0] if bool(live.any()) else None
+        yield start, min(seq_len, start + chunk), terms
 
 
 def _entering_decay(log_lam: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:

@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kernels import phasor_scan, phasor_scan_sequence_parallel, soe_scan, soe_scan_sequence_parallel
+from kernels._common import decay
+from kernels.parallel import _SoeStateCorrection
 from kernels.testing import angle_err, phasor_inputs, rel_err, soe_inputs
 from tests.launchers import free_port
 
@@ -109,3 +111,30 @@ def test_phasor_pieces_equal_one_scan(ranks):
     assert angle_err(got[-1]["final"], final.detach()) < 1e-5
     assert rel_err(sum(r["d_delta"] for r in got), delta.grad) < 1e-4
     assert rel_err(sum(r["d_init"] for r in got), p_init.grad) < 1e-4
+
+
+@pytest.mark.parametrize("log_lam", [
+    [[-45.0, -3.0, -0.3, 0.0], [-50.0, -2.0, -0.5, -0.01]],  # one term dead from the start, one dies mid-piece
+    [[-45.0, -3.0, -1.5, -4.0], [-50.0, -2.0, -5.0, -1.5]],  # every term dead before the piece ends
+])
+def test_state_correction_leaves_out_only_terms_that_decayed_to_zero(log_lam: list[list[float]]) -> None:
+    """The entering state's correction skips, per chunk, the terms whose decay is already flushed to 0;
+    outputs and every gradient equal the dense sum over all terms and tokens."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, S, F, D = 2, 40, 2, 4, 3, 5
+    q = torch.randn(B, T, H, F, generator=gen).requires_grad_()
+    g_in = torch.randn(B, H, S, F, D, generator=gen).requires_grad_()
+    b_in = torch.randn(B, H, S, F, generator=gen).requires_grad_()
+    ll = torch.tensor(log_lam).requires_grad_()
+    w_o, w_z = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, generator=gen)
+    inputs = (q, ll, g_in, b_in)
+
+    o, z = _SoeStateCorrection.apply(q, ll, g_in, b_in, 8)
+    got = [o, z, *torch.autograd.grad((o * w_o).sum() + (z * w_z).sum(), inputs)]
+
+    scale = decay(torch.arange(1, T + 1.0)[None, :, None] * ll[:, None, :])  # [H, T, S]
+    o_ref = torch.einsum("bthf,hts,bhsfd->bthd", q, scale, g_in)
+    z_ref = torch.einsum("bthf,hts,bhsf->bth", q, scale, b_in)
+    want = [o_ref, z_ref, *torch.autograd.grad((o_ref * w_o).sum() + (z_ref * w_z).sum(), inputs)]
+    for name, a, b in zip(("o", "z", "dq", "dlog_lam", "dg", "db"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
