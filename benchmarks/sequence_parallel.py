@@ -7,7 +7,9 @@ length it prints, for rank 1 (which has an entering state): the forward+backward
 scan alone, of the whole sequence-parallel scan, of the correction pass alone and of the state
 all-gather (and its all-reduce backward) alone, the ratio sequence-parallel / local (target <= 1.3), and
 the bytes each rank sends per call. Times are the best of ``--repeats``. Shapes are VORT-125m's per
-layer (H 12, F 64, D 64, S from --terms) and PMNet's memory (4 levels, M 64).
+layer (H 12, F 64, D 64) and PMNet's memory (4 levels, M 64); the SOE terms are the decay bank of the
+VORT config given by --decays (how far into a piece each term still reads the entering state decides
+the correction's cost).
 """
 
 from __future__ import annotations
@@ -56,12 +58,22 @@ def _fwd_bwd(run: Callable[[], list[torch.Tensor]]) -> Callable[[], torch.Tensor
     return call
 
 
+def vort_decays(config: str, heads: int) -> torch.Tensor:
+    """The log decays [heads, S] that a VORT layer of this config passes to the scan."""
+    from model.vort import VariableOrderMemory
+    from pretrain.config import load_config
+
+    return VariableOrderMemory(load_config(config, []).model).log_lambda.float().expand(heads, -1).contiguous()
+
+
 def _soe_row(T: int, args: argparse.Namespace) -> dict:
-    x = soe_inputs(1, T, args.heads, args.feat, args.dim, args.terms, with_state=False, seed=0)
+    n_terms = args.log_lam.shape[-1]
+    x = soe_inputs(1, T, args.heads, args.feat, args.dim, n_terms, with_state=False, seed=0)
+    x["log_lam"] = args.log_lam
     leaves = {n: t.float().requires_grad_() for n, t in x.items()}
     q, k, v, coef, log_lam = (leaves[n] for n in ("q", "k", "v", "coef", "log_lam"))
-    g = torch.zeros(1, args.heads, args.terms, args.feat, args.dim, requires_grad=True)
-    b = torch.zeros(1, args.heads, args.terms, args.feat, requires_grad=True)
+    g = torch.zeros(1, args.heads, n_terms, args.feat, args.dim, requires_grad=True)
+    b = torch.zeros(1, args.heads, n_terms, args.feat, requires_grad=True)
     local = _fwd_bwd(lambda: list(soe_scan(q, k, v, coef, log_lam, None, False, args.chunk)[:2]))
     parallel = _fwd_bwd(lambda: list(soe_scan_sequence_parallel(q, k, v, coef, log_lam, None, None, False,
                                                                 args.chunk)[:2]))
@@ -111,10 +123,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--feat", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--terms", type=int, default=24)
+    parser.add_argument("--decays", default="configs/vort-125m-128k.yaml", help="VORT config whose decay bank to use")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    args.log_lam = vort_decays(args.decays, args.heads)
     from tests.launchers import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
