@@ -70,7 +70,7 @@ def _soe_row(T: int, args: argparse.Namespace) -> dict:
     n_terms = args.log_lam.shape[-1]
     x = soe_inputs(1, T, args.heads, args.feat, args.dim, n_terms, with_state=False, seed=0)
     x["log_lam"] = args.log_lam
-    leaves = {n: t.float().requires_grad_() for n, t in x.items()}
+    leaves = {n: t.float().requires_grad_(n != "log_lam") for n, t in x.items()}  # VORT's decays are buffers
     q, k, v, coef, log_lam = (leaves[n] for n in ("q", "k", "v", "coef", "log_lam"))
     g = torch.zeros(1, args.heads, n_terms, args.feat, args.dim, requires_grad=True)
     b = torch.zeros(1, args.heads, n_terms, args.feat, requires_grad=True)

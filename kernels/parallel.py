@@ -95,11 +95,14 @@ class _SoeStateCorrection(torch.autograd.Function):
             d_b[:, :, terms] += (qd.transpose(-1, -2) @ dz).view(B, H, n_live, F_)
             d_qd = (do @ g.transpose(-1, -2) + dz @ b.transpose(-1, -2)).view(B, H, c, n_live, F_)
             d_q[:, start:stop] = (d_qd * scale[None, ..., None]).sum(3).transpose(1, 2)
+            if not ctx.needs_input_grad[1]:  # VORT's decays are fixed buffers
+                continue
             # d scale[h, t, s] = sum_{b, f} q d_qd; scale = lam^(t+1), so d log_lam += (t+1) scale d scale
             d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, A]
             steps = torch.arange(start + 1, stop + 1, dtype=dtype, device=q.device)[None, :, None]
             d_log_lam[:, terms] += (d_scale * scale * steps).sum(1)
-        return d_q.to(q.dtype), d_log_lam.to(log_lam.dtype), d_g, d_b, None
+        d_log_lam = d_log_lam.to(log_lam.dtype) if ctx.needs_input_grad[1] else None
+        return d_q.to(q.dtype), d_log_lam, d_g, d_b, None
 
 
 def _chunks_with_live_terms(
