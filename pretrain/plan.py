@@ -24,6 +24,9 @@ from pretrain.config import ConfigError, RunConfig, load_config
 
 GIB = 2**30
 PROBE_TOKENS = 2048
+# DeepSpeed's default reduce_bucket_size (elements; our generated config keeps it). ZeRO 1-3 allocate one
+# gradient-reduction buffer of this many elements, in the weights' dtype, whatever the model's size.
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
 
 
 @dataclass
@@ -36,10 +39,12 @@ class Plan:
     activations: float
     states: float
     buffers: float
+    reduce_bucket: float
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.states + self.buffers
+        return (self.params + self.grads + self.optimizer + self.activations + self.states + self.buffers
+                + self.reduce_bucket)
 
 
 def parse_bytes(text: str) -> float:
@@ -86,6 +91,7 @@ def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int =
         params += sum(p.numel() for p in model.blocks[0].parameters()) * weight_bytes
     grads = n_params * weight_bytes / (world if stage >= 2 else 1)
     optimizer = n_params * (8 + master) / shard
+    bucket = DEEPSPEED_REDUCE_BUCKET * weight_bytes if cfg.engine.kind == "deepspeed" and stage >= 1 else 0.0
     tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.engine.sequence_parallel
     states, buffers = state_and_buffer_bytes(model, cfg)
     scale = 0.5 if bf16 else 1.0  # activations are measured in fp32 on the CPU
@@ -93,7 +99,7 @@ def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int =
     for checkpointing in (False, True):
         short, long = (measure(cfg, checkpointing, probe * k, batch=1) for k in (1, 2))
         per_token = max(long - short, 0.0) / probe
-        plans.append(Plan(params, grads, optimizer, per_token * tokens * scale, states, buffers))
+        plans.append(Plan(params, grads, optimizer, per_token * tokens * scale, states, buffers, bucket))
     return plans[0], plans[1]
 
 
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
           f"seq_len {cfg.data.seq_len} over {n} rank(s) = {cfg.data.seq_len // n} tokens per rank, "
           f"micro_batch {cfg.train.micro_batch}, {engine}, {cfg.engine.precision}, world {world}")
     print(f"{'GiB per rank':<28}{'no checkpointing':>18}{'checkpointing':>16}")
-    for field in ("params", "grads", "optimizer", "activations", "states", "buffers", "total"):
+    for field in ("params", "grads", "optimizer", "activations", "states", "buffers", "reduce_bucket", "total"):
         print(f"{field:<28}{getattr(plain, field) / GIB:>18.2f}{getattr(checkpointed, field) / GIB:>16.2f}")
     fits = ["fits" if p.total <= capacity else "does NOT fit" for p in (plain, checkpointed)]
     print(f"{'in ' + args.gpu_mem:<28}{fits[0]:>18}{fits[1]:>16}")

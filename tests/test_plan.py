@@ -44,11 +44,13 @@ def test_plan_command_shards_state_and_says_whether_it_fits(capsys: pytest.Captu
     torch.manual_seed(0)
     n_params = sum(p.numel() for p in build_model(load_config(SP_VORT, overrides).model).parameters())
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()
-            if line.split() and line.split()[0] in ("params", "grads", "optimizer", "activations")}
-    # ZeRO-1 over 4 ranks, fp32: every rank holds the weights and gradients, a quarter of AdamW's two moments
+            if line.split() and line.split()[0] in ("params", "optimizer", "activations", "reduce_bucket")}
+    # ZeRO-1 over 4 ranks, fp32: every rank holds the weights, a quarter of AdamW's two moments and
+    # DeepSpeed's whole gradient-reduction bucket
     assert rows["params"][0] == pytest.approx(n_params * 4 / 2**30, abs=0.006)
     assert rows["optimizer"][0] == pytest.approx(n_params * 8 / 4 / 2**30, abs=0.006)
     assert rows["activations"][0] > 0
+    assert rows["reduce_bucket"][0] == pytest.approx(plan.DEEPSPEED_REDUCE_BUCKET * 4 / 2**30, abs=0.006)
     assert out.splitlines()[-1].split()[-2:] == ["fits", "fits"]
     assert plan.main([*args, "--gpu-mem", "1MiB"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].count("does NOT fit") == 2
