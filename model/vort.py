@@ -27,6 +27,8 @@ from model.entity_labels import capitalised_word_mask
 from model.interface import SequenceParallel
 
 VORT_KINDS = ("vort", "pl", "exp", "m5")
+CERTIFIED_KINDS = ("vort", "pl")
+"""The VORT-family kinds whose power-law kernel is a sum of exponentials certified up to soe_horizon."""
 
 
 class VortState(NamedTuple):

@@ -17,6 +17,7 @@ from data_pipeline import synthetic
 from model.config import ModelConfig
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
 from model.config_loader import build_config, read_tree
+from model.vort import VORT_KINDS
 
 
 @dataclasses.dataclass
@@ -254,7 +255,7 @@ def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunCo
     return config
 
 
-SEQUENCE_PARALLEL_KINDS = ("vort", "pl", "exp", "m5", "pmnet")
+SEQUENCE_PARALLEL_KINDS = (*VORT_KINDS, "pmnet")
 
 
 def sequence_parallel_problem(cfg: RunConfig) -> str | None:

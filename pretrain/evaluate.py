@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from data_pipeline import synthetic
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from model import CausalLM, build_model
+from model.vort import CERTIFIED_KINDS
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
 
 
@@ -43,15 +44,11 @@ class ContextWarning(UserWarning):
     """A context longer than the model was trained or certified for: its numbers are extrapolation."""
 
 
-SOE_KINDS = ("vort", "pl")
-"""The VORT-family kinds whose power-law kernel is a sum of exponentials certified up to soe_horizon."""
-
-
 def context_warnings(model: CausalLM, context: int, chunk: int) -> list[str]:
     """Why results at `context` tokens may not mean what they seem (empty when nothing is exceeded)."""
     cfg = model.config
     found = []
-    if cfg.kind in SOE_KINDS and context > cfg.vort.soe_horizon:
+    if cfg.kind in CERTIFIED_KINDS and context > cfg.vort.soe_horizon:
         found.append(
             f"context {context} exceeds the SOE kernel's certified horizon (model.vort.soe_horizon="
             f"{cfg.vort.soe_horizon}): lags beyond it have no error bound"
@@ -187,7 +184,7 @@ def rebuild_kernel(model: CausalLM, **kernel: Any) -> CausalLM:
     further than in training, or tempered. Bank orders move with the horizon; the router's
     continuous order alpha is mapped onto the new banks.
     """
-    if model.config.kind not in ("vort", "pl"):
+    if model.config.kind not in CERTIFIED_KINDS:
         raise EvalError(f"--soe-horizon/--temper: model.kind={model.config.kind!r} has no certified SOE kernel")
     config = dataclasses.replace(model.config, vort=dataclasses.replace(model.config.vort, **kernel))
     rebuilt = build_model(config)

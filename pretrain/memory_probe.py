@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from model import CausalLM
 from model.soe import SOEKernel, gl_weights
-from model.vort import VORT_KINDS, bank_orders, certified_kernel
+from model.vort import CERTIFIED_KINDS, VORT_KINDS, bank_orders, certified_kernel
 from pretrain.evaluate import EvalError, load_export_tokenizer, read_text
 from pretrain.export import ExportError, load_exported
 
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     report: dict[str, Any] = {"model": args.model, "family": model.config.kind, "probe": result}
-    if model.config.kind in ("vort", "pl"):
+    if model.config.kind in CERTIFIED_KINDS:
         cfg = model.config.vort
         banks = bank_orders(cfg) if model.config.kind == "vort" else (cfg.pl_alpha,)
         kernel = certified_kernel(banks, cfg.soe_horizon, cfg.soe_eps)

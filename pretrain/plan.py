@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from model import CausalLM, build_model
+from model.vort import VORT_KINDS
 from pretrain.config import ConfigError, RunConfig, load_config
 
 GIB = 2**30
@@ -68,7 +69,7 @@ def state_and_buffer_bytes(model: CausalLM, cfg: RunConfig) -> tuple[float, floa
         if n > 1:
             halo = c.n_layers * 2 * batch * (pm.window - 1) * c.d_model * 4 * 2  # received + sent
             buffers = halo + memories * batch * pm.n_slots * pm.memory_dim * 4 * 2
-    elif c.kind in ("vort", "pl", "exp", "m5"):
+    elif c.kind in VORT_KINDS:
         mixer = model.blocks[0].mixer
         per_layer = batch * c.n_heads * mixer.memory.n_terms * mixer.n_features * (c.head_dim + 1) * 4
         states = c.n_layers * per_layer
