@@ -47,10 +47,11 @@ def _piece_lengths(seq_len: int, group: dist.ProcessGroup | None, device: torch.
 class _SoeStateCorrection(torch.autograd.Function):
     """(o, z) contributions of an entering state: o_t = sum_s lam_s^(t+1) q_t^T G_s, z_t likewise with b.
 
-    Computed chunk by chunk without keeping the [c, S*F] scaled queries: backward rebuilds them. A term
-    whose decay is exactly 0 over a whole chunk (:func:`kernels._common.decay` flushes factors below its
-    cutoff) is left out of that chunk's products: deep into a piece only the slow terms still read the
-    entering state, which is about half the work at VORT's decays and 16k-token pieces.
+    Computed chunk by chunk without keeping the [c, S*F] scaled queries: backward rebuilds them. b rides
+    along as column D+1 of G, so each chunk is one product forward and two backward. A term whose decay
+    is exactly 0 over a whole chunk (:func:`kernels._common.decay` flushes factors below its cutoff) is
+    left out of that chunk's products: deep into a piece only the slow terms still read the entering
+    state, which is about half the work at VORT's decays and 16k-token pieces.
     """
 
     @staticmethod
@@ -58,42 +59,38 @@ class _SoeStateCorrection(torch.autograd.Function):
         dtype = g_in.dtype
         B, T, H, _ = q.shape
         D = g_in.shape[-1]
-        o = q.new_empty(B, T, H, D, dtype=dtype)
-        z = q.new_empty(B, T, H, dtype=dtype)
+        out = q.new_zeros(B, T, H, D + 1, dtype=dtype)
+        live = _LiveState(torch.cat((g_in, b_in[..., None]), -1))
         for start, stop, terms in _chunks_with_live_terms(log_lam, T, chunk, dtype):
             if terms is None:  # no term reaches this chunk or any later one
-                o[:, start:] = 0
-                z[:, start:] = 0
                 break
-            g, b = g_in[:, :, terms].flatten(2, 3), b_in[:, :, terms].flatten(2, 3)[..., None]
             qd = _scaled_queries(q, log_lam[:, terms], start, stop, dtype)  # [B, H, c, A*F]
-            o[:, start:stop] = (qd @ g).transpose(1, 2)
-            z[:, start:stop] = (qd @ b).squeeze(-1).transpose(1, 2)
+            out[:, start:stop] = (qd @ live.rows(terms)).transpose(1, 2)
         ctx.save_for_backward(q, log_lam, g_in, b_in)
         ctx.chunk = chunk
-        return o, z
+        return out[..., :D].contiguous(), out[..., D].contiguous()
 
     @staticmethod
     def backward(ctx, d_o, d_z):
         q, log_lam, g_in, b_in = ctx.saved_tensors
         dtype = g_in.dtype
         B, T, H, F_ = q.shape
+        D = g_in.shape[-1]
+        d_out = torch.cat((d_o.to(dtype), d_z.to(dtype)[..., None]), -1).transpose(1, 2)  # [B, H, T, D+1]
         d_q = torch.zeros(B, T, H, F_, dtype=dtype, device=q.device)
-        d_g, d_b = torch.zeros_like(g_in), torch.zeros_like(b_in)
+        live = _LiveState(torch.cat((g_in, b_in[..., None]), -1))
         d_log_lam = torch.zeros(log_lam.shape, dtype=dtype, device=q.device)
         for start, stop, terms in _chunks_with_live_terms(log_lam, T, ctx.chunk, dtype):
             if terms is None:
                 break
-            g, b = g_in[:, :, terms].flatten(2, 3), b_in[:, :, terms].flatten(2, 3)[..., None]
-            c, n_live = stop - start, g.shape[2] // F_
+            state = live.rows(terms)  # [B, H, A*F, D+1]
+            c, n_live = stop - start, state.shape[2] // F_
             scale = _entering_decay(log_lam[:, terms], start, stop, dtype)  # [H, c, A]
             qc = q[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, F]
             qd = (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, c, n_live * F_)
-            do = d_o[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, D]
-            dz = d_z[:, start:stop].to(dtype).transpose(1, 2)[..., None]  # [B, H, c, 1]
-            d_g[:, :, terms] += (qd.transpose(-1, -2) @ do).unflatten(2, (n_live, F_))
-            d_b[:, :, terms] += (qd.transpose(-1, -2) @ dz).view(B, H, n_live, F_)
-            d_qd = (do @ g.transpose(-1, -2) + dz @ b.transpose(-1, -2)).view(B, H, c, n_live, F_)
+            dout = d_out[:, :, start:stop]
+            live.grad(terms).baddbmm_(qd.transpose(-1, -2).flatten(0, 1), dout.flatten(0, 1))
+            d_qd = (dout @ state.transpose(-1, -2)).view(B, H, c, n_live, F_)
             d_q[:, start:stop] = (d_qd * scale[None, ..., None]).sum(3).transpose(1, 2)
             if not ctx.needs_input_grad[1]:  # VORT's decays are fixed buffers
                 continue
@@ -101,8 +98,51 @@ class _SoeStateCorrection(torch.autograd.Function):
             d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, A]
             steps = torch.arange(start + 1, stop + 1, dtype=dtype, device=q.device)[None, :, None]
             d_log_lam[:, terms] += (d_scale * scale * steps).sum(1)
+        d_state = live.total_grad()
         d_log_lam = d_log_lam.to(log_lam.dtype) if ctx.needs_input_grad[1] else None
-        return d_q.to(q.dtype), d_log_lam, d_g, d_b, None
+        return d_q.to(q.dtype), d_log_lam, d_state[..., :D], d_state[..., D], None
+
+
+class _LiveState:
+    """The entering state [B, H, S, F, D+1] restricted to the live terms, as [B, H, A*F, D+1] rows, and its
+    gradient: both are rebuilt only when the set of live terms changes (it only shrinks along a piece)."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+        self.d_state = torch.zeros_like(state)
+        self._terms: slice | torch.Tensor | None = None
+        self._rows = self._d_rows = None
+
+    def _select(self, terms: slice | torch.Tensor) -> None:
+        if self._terms is not None and (terms is self._terms or (
+                isinstance(terms, torch.Tensor) and isinstance(self._terms, torch.Tensor)
+                and torch.equal(terms, self._terms))):
+            return
+        self._flush()
+        self._terms = terms
+        self._rows = self.state[:, :, terms].flatten(2, 3)
+        self._d_rows = None
+
+    def _flush(self) -> None:
+        if self._d_rows is not None:
+            B, H = self.state.shape[:2]
+            self.d_state[:, :, self._terms] += self._d_rows.view(B, H, -1, *self.state.shape[3:])
+
+    def rows(self, terms: slice | torch.Tensor) -> torch.Tensor:
+        self._select(terms)
+        return self._rows
+
+    def grad(self, terms: slice | torch.Tensor) -> torch.Tensor:
+        """The gradient of :meth:`rows` as [B*H, A*F, D+1], to accumulate into in place."""
+        self._select(terms)
+        if self._d_rows is None:
+            self._d_rows = torch.zeros_like(self._rows).flatten(0, 1)
+        return self._d_rows
+
+    def total_grad(self) -> torch.Tensor:
+        self._flush()
+        self._d_rows = None
+        return self.d_state
 
 
 def _chunks_with_live_terms(
