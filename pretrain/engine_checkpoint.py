@@ -6,7 +6,7 @@ A checkpoint's `engine/` directory (pretrain/checkpoint.py owns the files around
   deepspeed   DeepSpeed's checkpoint under the tag "ds" + format.json (ZeRO stage and the
               data-parallel size that wrote it); loaded at another size or stage, it is first
               converted to DeepSpeed's universal format in a scratch directory, then loaded from there
-              (ZeRO-1/2, stage changes between them included; ZeRO-3 resumes at its own size only)
+              (ZeRO 1-3 at another size; stage changes between ZeRO-1 and ZeRO-2)
 Every engine wraps the CausalLM as `.model` (engines.TrainModule), so the weights carry the
 `model.` prefix; `read_engine_weights` returns them without it, on CPU, for pretrain/export.py.
 
@@ -179,12 +179,6 @@ def _needs_universal(path: Path, zero_stage: int, world: int) -> bool:
             "changes stage only between ZeRO-1 and ZeRO-2 (stage 0 keeps no partitions, and DeepSpeed's universal "
             f"checkpoints of ZeRO-3 load only into ZeRO-3); set engine.zero_stage={saved['zero_stage']}"
         )
-    if zero_stage == 3 and saved["data_parallel_size"] != world:
-        raise CheckpointError(
-            f"{path}: a ZeRO-3 checkpoint of {saved['data_parallel_size']} data-parallel ranks cannot resume on "
-            f"{world}: DeepSpeed's universal checkpoint restores ZeRO-3 weights but not the optimizer state "
-            f"exactly (the first update after the move differs); resume on {saved['data_parallel_size']} ranks"
-        )
     return saved["zero_stage"] != zero_stage or saved["data_parallel_size"] != world
 
 
@@ -217,6 +211,7 @@ def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> No
         distributed.barrier()
     # DeepSpeed reads this flag only while loading, so it is set for this one load.
     engine._config.load_universal_checkpoint = universal
+    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
     try:
         with deepspeed_weights_only():
             loaded, _ = engine.load_checkpoint(str(load_dir), tag=DEEPSPEED_TAG, load_module_strict=True)
@@ -224,10 +219,29 @@ def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> No
         engine._config.load_universal_checkpoint = False
     if loaded is None:
         raise CheckpointError(f"{path}: no DeepSpeed checkpoint found")
+    if universal and zero_stage == 3:
+        _repair_zero3_universal_load(engine.optimizer, hyperparameters)
     if universal:
         distributed.barrier()
         if distributed.rank() == 0:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _repair_zero3_universal_load(optimizer: Any, hyperparameters: list[dict[str, Any]]) -> None:
+    """Undo two faults of DeepSpeed's (0.19.8) ZeRO-3 universal loader, which otherwise restores the
+    weights and AdamW moments exactly:
+
+    - it copies the first parameter group's hyperparameters into every group, so the no-decay group
+      (norms, biases, embeddings) got weight decay; the run's own, from its config, go back;
+    - it gives every flat fp32 group the *same* step tensor, which AdamW increments in place once per
+      group, so the bias correction ran ahead by one per extra group each step (the first update
+      after a move was 1.3e-3 off in loss, even when resuming at the same size through this path).
+    """
+    for group, values in zip(optimizer.param_groups, hyperparameters, strict=True):
+        group.update(values)
+    for flat in optimizer.fp32_partitioned_groups_flat:
+        state = optimizer.optimizer.state[flat]
+        state["step"] = state["step"].clone()
 
 
 def read_deepspeed_weights(engine_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:

@@ -1,11 +1,11 @@
 """Resharding: a checkpoint saved at one world size resumes at another, with model, optimizer
 and data order preserved, so the loss continues as an uninterrupted run at the new size would.
 
-FSDP2: torch.distributed.checkpoint reshards the model and optimizer. DeepSpeed ZeRO-1/2: a
+FSDP2: torch.distributed.checkpoint reshards the model and optimizer. DeepSpeed ZeRO 1-3: a
 checkpoint written at another data-parallel size or ZeRO stage is converted to DeepSpeed's
-universal format and loaded from there (pretrain/engine_checkpoint.py); the stage may change
-between ZeRO-1 and ZeRO-2 the same way. The data loader's state
-is a global sample count, valid at any world size. docs/cluster.md, "A changed allocation".
+universal format and loaded from there (pretrain/engine_checkpoint.py, which also repairs two
+faults of the ZeRO-3 universal loader); the stage may change between ZeRO-1 and ZeRO-2 the same way.
+The data loader's state is a global sample count, valid at any world size. docs/cluster.md, "A changed allocation".
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(save_ranks, resume_ranks,
     ("stage", "save_ranks", "resume_ranks"),
     [
         (2, 2, 1),
+        (3, 2, 1),
+        pytest.param(3, 1, 2, marks=pytest.mark.slow),
         pytest.param(1, 2, 1, marks=pytest.mark.slow),
         pytest.param(1, 1, 2, marks=pytest.mark.slow),
         pytest.param(2, 1, 2, marks=pytest.mark.slow),
