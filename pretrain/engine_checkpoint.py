@@ -241,7 +241,8 @@ def _repair_zero3_universal_load(optimizer: Any, hyperparameters: list[dict[str,
         group.update(values)
     for flat in optimizer.fp32_partitioned_groups_flat:
         state = optimizer.optimizer.state[flat]
-        state["step"] = state["step"].clone()
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def read_deepspeed_weights(engine_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
