@@ -60,25 +60,26 @@ class _SoeStateCorrection(torch.autograd.Function):
         B, T, H, _ = q.shape
         D = g_in.shape[-1]
         out = q.new_zeros(B, T, H, D + 1, dtype=dtype)
-        live = _LiveState(torch.cat((g_in, b_in[..., None]), -1))
+        state = torch.cat((g_in, b_in[..., None]), -1)  # [B, H, S, F, D+1]
+        live = _LiveState(state)
         for start, stop, terms in _chunks_with_live_terms(log_lam, T, chunk, dtype):
             if terms is None:  # no term reaches this chunk or any later one
                 break
             qd = _scaled_queries(q, log_lam[:, terms], start, stop, dtype)  # [B, H, c, A*F]
             out[:, start:stop] = (qd @ live.rows(terms)).transpose(1, 2)
-        ctx.save_for_backward(q, log_lam, g_in, b_in)
+        ctx.save_for_backward(q, log_lam, state)
         ctx.chunk = chunk
         return out[..., :D].contiguous(), out[..., D].contiguous()
 
     @staticmethod
     def backward(ctx, d_o, d_z):
-        q, log_lam, g_in, b_in = ctx.saved_tensors
-        dtype = g_in.dtype
+        q, log_lam, state_in = ctx.saved_tensors
+        dtype = state_in.dtype
         B, T, H, F_ = q.shape
-        D = g_in.shape[-1]
+        D = state_in.shape[-1] - 1
         d_out = torch.cat((d_o.to(dtype), d_z.to(dtype)[..., None]), -1).transpose(1, 2)  # [B, H, T, D+1]
         d_q = torch.zeros(B, T, H, F_, dtype=dtype, device=q.device)
-        live = _LiveState(torch.cat((g_in, b_in[..., None]), -1))
+        live = _LiveState(state_in)
         d_log_lam = torch.zeros(log_lam.shape, dtype=dtype, device=q.device)
         for start, stop, terms in _chunks_with_live_terms(log_lam, T, ctx.chunk, dtype):
             if terms is None:
@@ -114,9 +115,7 @@ class _LiveState:
         self._rows = self._d_rows = None
 
     def _select(self, terms: slice | torch.Tensor) -> None:
-        if self._terms is not None and (terms is self._terms or (
-                isinstance(terms, torch.Tensor) and isinstance(self._terms, torch.Tensor)
-                and torch.equal(terms, self._terms))):
+        if terms is self._terms:  # the chunk iterator hands out one object per live set
             return
         self._flush()
         self._terms = terms
@@ -149,12 +148,15 @@ def _chunks_with_live_terms(
     log_lam: torch.Tensor, seq_len: int, chunk: int, dtype: torch.dtype
 ) -> Iterator[tuple[int, int, slice | torch.Tensor | None]]:
     """(start, stop, terms) per chunk of a piece: the terms whose decay lam^(t+1) is non-zero somewhere in
-    the chunk for some head (a full slice while that is all of them; None once it is none of them)."""
+    the chunk for some head (a full slice while that is all of them; None once it is none of them). The
+    same object comes back for as long as the live set stays the same."""
     cutoff = decay_cutoff(dtype)
-    every = slice(None)
+    previous, terms = None, None
     for start in range(0, seq_len, chunk):
         live = ((start + 1) * log_lam.to(dtype) >= cutoff).any(0)  # a chunk's first token decays least
-        terms = every if bool(live.all()) else live.nonzero()[:, 0] if bool(live.any()) else None
+        if previous is None or not torch.equal(live, previous):
+            terms = slice(None) if bool(live.all()) else live.nonzero()[:, 0] if bool(live.any()) else None
+            previous = live
         yield start, min(seq_len, start + chunk), terms
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -82,15 +81,14 @@ def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, t
 
 
 @pytest.mark.slow
-def test_pmnet_pieces_equal_the_whole_at_16k_tokens() -> None:
+def test_pmnet_pieces_equal_the_whole_at_16k_tokens(tmp_path: Path) -> None:
     """The short test's check over 16k tokens, where positions, segment counters and relayed phases are
     large: PMNet's fp32 losses under sequence parallelism drift ~1e-3 from one process's after a few
     training steps at 64k (docs/sequence_parallel.md), and this separates a wrong term, which would show
     here at once, from rounding that flips near-tied routing decisions as the weights train."""
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_model_worker, args=(free_port(), "pmnet", False, out, 16384), nprocs=WORLD)
-        results = [json.loads((Path(out) / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    for result in results:
+    mp.spawn(_model_worker, args=(free_port(), "pmnet", False, str(tmp_path), 16384), nprocs=WORLD)
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["loss"] == pytest.approx(result["whole"], rel=1e-6)
         assert result["n_grads"] > 10 and result["grad_err"] < 1e-4, result
 
