@@ -5,7 +5,10 @@ Every family is trained on the demo plays and poems with the demo model's size a
 novel at contexts from 256 to 65,536 bytes, on the same first 65,536 bytes of the book at every
 context (so a longer context sees the same text with more of it in memory), streamed in chunks
 with the carried state as pretrain.evaluate does. The softmax Transformer carries no memory
-between chunks, so it is scored with one chunk per window, up to 4,096 bytes.
+between chunks, so it is scored with one chunk per window, up to 4,096 bytes. The recurrent
+families are also scored on the first 524,288 bytes of a second held-out novel, once as 512 windows
+of 1,024 bytes and once as a single 524,288-byte window: the same bytes, read with 1k or 512k of
+context.
 
 Experiment 8 trains the VORT variants that the memory probe (pretrain/memory_probe.py) points
 to: rotary positions off, the state carried across windows (train.carry_state), both, and rotary
@@ -35,6 +38,9 @@ DEMO = REPO / "data" / "demo"
 HELD_OUT = DEMO / "valid" / "northangerabbey.txt"
 CONTEXTS = (256, 1024, 4096, 16384, 65536)
 QUICK_CONTEXTS = (64, 256)
+LONG_HELD_OUT = DEMO / "long" / "prideprejudice.txt"
+LONG_CONTEXTS = (1024, 524288)
+QUICK_LONG_CONTEXTS = (64, 1024)
 TRANSFORMER_MAX = 4096  # whole-window attention; beyond it the window no longer fits one chunk
 CHUNK = 1024
 DEMO_SEED = 1234  # run.seed of configs/experiments/books.yaml (the demo's)
@@ -76,23 +82,17 @@ class BooksExperiment(Experiment):
         return super().run_config(extended, seed, out, quick)
 
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
-        contexts = QUICK_CONTEXTS if quick else CONTEXTS
-        max_tokens = max(contexts)
-        text = read_text([str(HELD_OUT)], byte_tokenizer())
         model.eval()
-        metrics: dict[str, Any] = {}
-        scored: dict[str, Any] = {}
-        for context in contexts:
-            if model.config.kind == "transformer":
-                if context > TRANSFORMER_MAX:
-                    continue
-                chunk = context
-            else:
-                chunk = min(context, CHUNK)
-            result = evaluate_context(model, text, context, chunk, max(1, max_tokens // context), torch.device("cpu"))
-            metrics[f"bpb@{context}"] = result["bits_per_token"]
-            scored[str(context)] = {"bits_per_token": result["bits_per_token"], "buckets": result["buckets"]}
+        text = read_text([str(HELD_OUT)], byte_tokenizer())
+        scored = score_contexts(model, text, QUICK_CONTEXTS if quick else CONTEXTS)
+        metrics: dict[str, Any] = {f"bpb@{c}": v["bits_per_token"] for c, v in scored.items()}
         metrics["contexts"] = scored  # pretrain.evaluate's report layout, for pretrain.compare
+        if model.config.kind != "transformer":
+            long_text = read_text([str(LONG_HELD_OUT)], byte_tokenizer())
+            long_scored = score_contexts(model, long_text, QUICK_LONG_CONTEXTS if quick else LONG_CONTEXTS)
+            metrics.update({f"long_bpb@{c}": v["bits_per_token"] for c, v in long_scored.items()})
+            metrics["long_contexts"] = long_scored
+        max_tokens = max(QUICK_CONTEXTS if quick else CONTEXTS)
         if model.config.kind in VORT_KINDS:
             report = probe(model, text.ids, max_tokens, min(max_tokens, CHUNK), run.config.data.seq_len)
             first, last = report["chunks"][0]["layers"], report["chunks"][-1]["layers"]
@@ -105,10 +105,35 @@ class BooksExperiment(Experiment):
         return metrics
 
     def plot(self, results: dict[str, Any], path: Path) -> None:
-        """Bits per byte against context, and against position in the longest context (seed 0)."""
-        reports = {r["family"]: {"contexts": r["metrics"]["contexts"]} for r in results["runs"] if r["seed"] == 0}
+        """Bits per byte against context, and against position in the longest context (seed 0);
+        the same for the second novel's long window in plot-long.png."""
+        runs = [r for r in results["runs"] if r["seed"] == 0]
         title = results["title"] + (" (quick)" if results["quick"] else "")
-        compare.plot(reports, str(path), title, None if results["quick"] else TRAIN_LEN)
+        train_len = None if results["quick"] else TRAIN_LEN
+        compare.plot({r["family"]: {"contexts": r["metrics"]["contexts"]} for r in runs}, str(path), title, train_len)
+        long = {r["family"]: {"contexts": r["metrics"]["long_contexts"]}
+                for r in runs if "long_contexts" in r["metrics"]}
+        if long:
+            compare.plot(long, str(path.with_name("plot-long.png")),
+                         f"{title}: {LONG_HELD_OUT.name}, the same bytes read with 1k or 512k of context", train_len)
+
+
+def score_contexts(model: CausalLM, text: Any, contexts: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+    """Bits per byte at each context over the same first max(contexts) tokens of `text`, streamed in
+    chunks of at most CHUNK with the carried state (a Transformer: one chunk per window, and no
+    context beyond TRANSFORMER_MAX)."""
+    scored: dict[str, dict[str, Any]] = {}
+    for context in contexts:
+        if model.config.kind == "transformer":
+            if context > TRANSFORMER_MAX:
+                continue
+            chunk = context
+        else:
+            chunk = min(context, CHUNK)
+        windows = max(1, max(contexts) // context)
+        result = evaluate_context(model, text, context, chunk, windows, torch.device("cpu"))
+        scored[str(context)] = {"bits_per_token": result["bits_per_token"], "buckets": result["buckets"]}
+    return scored
 
 
 BOOKS = BooksExperiment(
