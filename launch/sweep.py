@@ -48,6 +48,12 @@ def _run(args: argparse.Namespace) -> int:
 
     sweep = load_sweep(args.sweep)
     cells, _ = plan_sweep(sweep)
+    if args.only:
+        chosen = [c for c in cells if any(part in c.name for part in args.only)]
+        if not chosen:
+            raise SweepError(f"--only {' '.join(args.only)}: no cell of {args.sweep} has that in its name "
+                             f"(names look like {cells[0].name})")
+        cells = chosen
     if args.executor == "print":
         return print_commands(sweep, cells)
     if args.executor == "slurm":
@@ -100,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--executor", choices=["local", "slurm", "print"], default="local")
     run.add_argument("--parallel", type=int, default=1,
                      help="local cells at a time; the cores are divided between them")
+    run.add_argument("--only", nargs="+", metavar="PART",
+                     help="run only the cells whose name contains one of these (e.g. C2.40e+12, vort/)")
     collect = commands.add_parser("collect", help="gather finished cells into results.csv and results.jsonl")
     collect.add_argument("--sweep", required=True)
     collect.add_argument("--out", help="directory for the results (default: the sweep's out)")

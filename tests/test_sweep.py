@@ -188,6 +188,19 @@ def test_slurm_array_runs_each_unfinished_cell_and_requeues_on_preemption(
     assert requeued == [f"requeue 77_{i}" for i in range(len(todo))]
 
 
+def test_only_runs_the_named_cells(
+    tmp_path: Path, demo_shards: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_sweep(tmp_path, demo_shards)
+    cells, _ = plan_sweep(load_sweep(path))
+    assert sweep_main(["run", "--sweep", str(path), "--executor", "print", "--only", "vort/"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if "launch/pretrain.py" in line]
+    vort = [c for c in cells if c.family == "vort"]
+    assert len(printed) == len(vort) == 2 and all(f"run.dir={c.run_dir}" in line for c, line in zip(vort, printed))
+    assert sweep_main(["run", "--sweep", str(path), "--executor", "print", "--only", "C9.99e+99"]) == 2
+    assert "--only C9.99e+99: no cell" in capsys.readouterr().err
+
+
 def _wait_for(condition, proc: subprocess.Popen, timeout: float, what: str) -> None:
     deadline = time.time() + timeout
     while not condition():
