@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +77,18 @@ class EntityCopy(LagRetrieval):
         return (0.0, round(longest / 3), round(2 * longest / 3), math.inf)
 
 
+ZIPF = ZipfLag(
+    name="zipf",
+    title="Zipf-lag retrieval: exact accuracy by lag",
+    config="zipf.yaml",
+    families=(*KERNEL_FAMILIES, TRANSFORMER),
+    quick_overrides=QUICK,
+    paper={"accuracy at lag > 1000": {"pl": 0.794, "exp": 0.523, "m5": 0.618}},
+)
 EXPERIMENTS = [
-    ZipfLag(
-        name="zipf",
-        title="Zipf-lag retrieval: exact accuracy by lag",
-        config="zipf.yaml",
-        families=(*KERNEL_FAMILIES, TRANSFORMER),
-        quick_overrides=QUICK,
-        paper={"accuracy at lag > 1000": {"pl": 0.794, "exp": 0.523, "m5": 0.618}},
-    ),
+    ZIPF,
+    replace(ZIPF, name="zipf-10x", title="Zipf-lag retrieval with 10x the steps: exact accuracy by lag",
+            config="zipf-10x.yaml"),
     ZipfLag(
         name="zipf-budget",
         title="Zipf-lag retrieval at 256 tokens, 10x the steps: does it learn at all at this size?",

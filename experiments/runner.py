@@ -15,9 +15,12 @@ import datetime
 import itertools
 import json
 import math
+import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ from data_pipeline import synthetic
 from model import CausalLM
 from pretrain.config import RunConfig, config_to_dict, load_config
 from pretrain.export import consolidate, resolve_checkpoint
+from pretrain.sweep_run import core_slots
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "experiments"
@@ -118,33 +122,53 @@ class Experiment:
                 raise ExperimentError(f"{run_dir}: training exited with code {code}")
         return Run(family, seed, run_dir, cfg)
 
-    def run(self, out: Path, seeds: int | None = None, quick: bool = False, log: Any = print) -> dict[str, Any]:
-        """Train and evaluate every (family, seed), then write results.json, results.csv, plot.png."""
+    def train_all(self, pairs: Sequence[tuple[Family, int]], out: Path, quick: bool, parallel: int) -> list[Run]:
+        """`train` every (family, seed); with parallel > 1 in that many worker processes, each pinned
+        to its own share of the cores (runs are independent, and each is deterministic alone)."""
+        if parallel == 1:
+            return [self.train(family, seed, out, quick) for family, seed in pairs]
+        context = multiprocessing.get_context("spawn")
+        slots = context.Queue()
+        for cores in core_slots(parallel):
+            slots.put(cores)
+        with ProcessPoolExecutor(parallel, mp_context=context, initializer=_claim_cores, initargs=(slots,)) as pool:
+            futures = [pool.submit(self.train, family, seed, out, quick) for family, seed in pairs]
+            return [future.result() for future in futures]
+
+    def run(self, out: Path, seeds: int | None = None, quick: bool = False, log: Any = print,
+            parallel: int = 1) -> dict[str, Any]:
+        """Train (`parallel` runs at a time) and evaluate every (family, seed), then write
+        results.json, results.csv, plot.png."""
+        if parallel < 1:
+            raise ExperimentError(f"--parallel: expected a number >= 1, got {parallel}")
         seeds = 1 if quick and seeds is None else (seeds or self.seeds)
         self.prepare(out, quick)
+        started = time.time()
+        pairs = [(family, seed) for family in self.families for seed in range(seeds)]
+        runs = self.train_all(pairs, out, quick, parallel)
+        log(f"[{self.name}] {len(runs)} runs trained in {time.time() - started:.0f}s")
         records = []
-        for family in self.families:
-            for seed in range(seeds):
-                started = time.time()
-                run = self.train(family, seed, out, quick)
-                cached = run.dir / f"eval-{self.name}{'-quick' if quick else ''}.json"
-                if cached.is_file():
-                    record = json.loads(cached.read_text())
-                else:
-                    model = consolidate(resolve_checkpoint(run.dir), run.config)
-                    record = {
-                        "family": family.name,
-                        "seed": seed,
-                        "parameters": model.num_parameters(),
-                        "train_tokens": tokens_trained(run.config),
-                        "metrics": self.evaluate(model, run, quick),
-                    }
-                    cached.write_text(json.dumps(record, indent=1) + "\n")
-                record["metrics"]["train_loss_end"] = final_train_loss(run.dir)
-                records.append(record)
-                shown = {k: v for k, v in record["metrics"].items() if isinstance(v, float) and "_n_" not in k}
-                log(f"[{self.name}] {family.name} seed {seed}: {time.time() - started:.0f}s "
-                    + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
+        for run in runs:
+            family, seed = run.family, run.seed
+            started = time.time()
+            cached = run.dir / f"eval-{self.name}{'-quick' if quick else ''}.json"
+            if cached.is_file():
+                record = json.loads(cached.read_text())
+            else:
+                model = consolidate(resolve_checkpoint(run.dir), run.config)
+                record = {
+                    "family": family.name,
+                    "seed": seed,
+                    "parameters": model.num_parameters(),
+                    "train_tokens": tokens_trained(run.config),
+                    "metrics": self.evaluate(model, run, quick),
+                }
+                cached.write_text(json.dumps(record, indent=1) + "\n")
+            record["metrics"]["train_loss_end"] = final_train_loss(run.dir)
+            records.append(record)
+            shown = {k: v for k, v in record["metrics"].items() if isinstance(v, float) and "_n_" not in k}
+            log(f"[{self.name}] {family.name} seed {seed} (evaluated in {time.time() - started:.0f}s): "
+                + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
         results = {
             "experiment": self.name,
             "title": self.title,
@@ -190,6 +214,13 @@ class DemoTextExperiment(Experiment):
         data = np.frombuffer(self.held_out.read_bytes()[: n_bytes + 1], dtype=np.uint8).astype(np.int64)
         n = (data.size - 1) // seq_len
         return np.stack([data[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
+
+
+def _claim_cores(slots: Any) -> None:
+    """Pool worker start-up: take one group of cores from `slots` and use exactly those."""
+    cores = slots.get()
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
 
 
 def tokens_trained(cfg: RunConfig) -> int:

@@ -1,12 +1,14 @@
 """Run one of the papers' experiments at CPU scale: train its families, evaluate, write results.
 
     python launch/experiment.py list
-    python launch/experiment.py run <name> [--quick] [--seeds N] [--out DIR]
+    python launch/experiment.py run <name> [--quick] [--seeds N] [--out DIR] [--parallel K]
 
 Results go to <out>/<name>/results.json, results.csv and plot.png (runs under <out>/runs/,
 shared by experiments that train the same family on the same config). A rerun skips the runs
 already trained and evaluated, so an interrupted experiment resumes where it stopped. --quick
-trains every family for two steps on short sequences (a smoke test, not a result).
+trains every family for two steps on short sequences (a smoke test, not a result). --parallel K
+trains K runs at a time, each on its own share of the cores; the results are the same as one at a
+time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--quick", action="store_true", help="two training steps per run, short sequences")
     run.add_argument("--seeds", type=int, default=None, help="seeds per family (default: the experiment's)")
     run.add_argument("--out", type=Path, default=Path("runs/experiments"), help="where runs and results go")
+    run.add_argument("--parallel", type=int, default=1, help="runs trained at a time (default 1)")
     args = parser.parse_args(argv)
     if args.command == "list":
         for name, experiment in EXPERIMENTS.items():
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seeds must be >= 1")
     setup_logging("WARNING")
     try:
-        results = EXPERIMENTS[args.name].run(args.out, args.seeds, args.quick)
+        results = EXPERIMENTS[args.name].run(args.out, args.seeds, args.quick, parallel=args.parallel)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -61,6 +61,18 @@ def test_quick_mode_writes_results_and_resumes(name: str, out: Path, monkeypatch
     assert again["runs"] == results["runs"]
 
 
+def test_parallel_training_gives_the_results_of_one_at_a_time(tmp_path: Path) -> None:
+    """Two worker processes train the runs; every run's metrics equal those of one at a time."""
+    assert main(["run", "entity", "--quick", "--seeds", "2", "--out", str(tmp_path)]) == 0
+    sequential = json.loads((tmp_path / "entity" / "results.json").read_text())["runs"]
+    parallel_out = tmp_path / "parallel"
+    assert main(["run", "entity", "--quick", "--seeds", "2", "--out", str(parallel_out), "--parallel", "2"]) == 0
+    parallel = json.loads((parallel_out / "entity" / "results.json").read_text())["runs"]
+    assert [(r["family"], r["seed"]) for r in parallel] == [(r["family"], r["seed"]) for r in sequential]
+    assert parallel == sequential
+    assert main(["run", "entity", "--quick", "--out", str(parallel_out), "--parallel", "0"]) == 1
+
+
 def test_a_changed_config_is_not_mixed_with_an_old_run(tmp_path: Path) -> None:
     experiment = EXPERIMENTS["copy"]
     experiment.train(Family("swa", ("model.pmnet.memory_every=0",)), 0, tmp_path, quick=True)
