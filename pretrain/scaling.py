@@ -29,6 +29,10 @@ START_GRID = {
 }
 DEFAULT_STARTS = 100
 BOOTSTRAP_STARTS = 3
+EXPONENT_MAX = 5.0
+"""Upper bound of alpha and beta in the fit. Measured scaling exponents lie around 0.1-1; a fit
+that runs to the bound has found a degenerate corner (a step-like term with a huge A or B that
+over a few points fits as well as any), i.e. the data do not determine that exponent."""
 REQUIRED_COLUMNS = ("family", "params", "tokens", "loss")
 CI_LEVEL = 0.95
 
@@ -135,8 +139,9 @@ def _grid_objective(starts: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, lo
 
 
 def _minimise(start: np.ndarray, args: tuple) -> tuple[float, np.ndarray]:
-    """Exponents are kept >= 0: a negative one would make loss grow with size or data."""
-    bounds = [(None, None), (None, None), (None, None), (0.0, None), (0.0, None)]
+    """Exponents are kept in [0, EXPONENT_MAX]: a negative one would make loss grow with size or
+    data, and without an upper bound a degenerate fit's A or B can pass float64's range."""
+    bounds = [(None, None), (None, None), (None, None), (0.0, EXPONENT_MAX), (0.0, EXPONENT_MAX)]
     result = minimize(_huber_objective, start, args=args, jac=True, method="L-BFGS-B", bounds=bounds,
                       options={"maxiter": 1000, "ftol": 1e-12, "gtol": 1e-9})
     return float(result.fun), result.x
@@ -191,6 +196,7 @@ def fit_parametric(n: np.ndarray, d: np.ndarray, loss: np.ndarray, bootstrap: in
     out: dict[str, Any] = _as_constants(best)
     out["objective"] = best_value
     out["n_points"] = len(n)
+    out["at_bound"] = [k for k in ("alpha", "beta") if out[k] >= EXPONENT_MAX - 1e-6]
     out["ci"] = {k: _interval(np.array([s[k] for s in samples])) for k in out if k in samples[0]} if samples else {}
     residuals = np.log(predict_loss(out, n, d)) - log_l
     out["rms_log_residual"] = float(np.sqrt(np.mean(residuals**2)))
@@ -230,13 +236,18 @@ def budget_groups(data: FamilyData) -> dict[float, np.ndarray]:
 
 def _parabola_minimum(x: np.ndarray, loss: np.ndarray) -> tuple[float, float, bool] | None:
     """(x at the minimum, loss there, whether the minimum lies outside the sampled x) of a
-    quadratic fit, or None when the points do not determine a convex parabola."""
+    quadratic fit, or None when the points do not locate one: fewer than 3 distinct x, a parabola
+    that is not convex, or a vertex further beyond the sampled x than their whole span (a nearly
+    flat curve, whose vertex can land anywhere)."""
     if len(np.unique(x)) < 3:
         return None
     c2, c1, c0 = np.polyfit(x, loss, 2)
     if c2 <= 0:
         return None
     x_min = -c1 / (2 * c2)
+    span = x.max() - x.min()
+    if not x.min() - span <= x_min <= x.max() + span:
+        return None
     return float(x_min), float(c0 + c1 * x_min + c2 * x_min**2), bool(x_min < x.min() or x_min > x.max())
 
 
@@ -321,7 +332,8 @@ def format_fit(fits: dict[str, dict[str, Any]]) -> str:
     """Markdown tables: the parametric constants, then the compute-optimal exponents (95% intervals)."""
     lines = ["| family | runs | E | A | B | alpha | beta | rms log residual |", "|---|---:|---|---|---|---|---|---:|"]
     for family, fit in fits.items():
-        lines.append(f"| {family} | {fit['n_points']} | " + " | ".join(_with_ci(fit, k) for k in PARAMETERS)
+        bound = "".join(f" ({k} at its bound {EXPONENT_MAX:g}: not determined)" for k in fit.get("at_bound", []))
+        lines.append(f"| {family}{bound} | {fit['n_points']} | " + " | ".join(_with_ci(fit, k) for k in PARAMETERS)
                      + f" | {fit['rms_log_residual']:.4f} |")
     lines += [
         "",

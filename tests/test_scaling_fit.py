@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 
 from launch.sweep import main as sweep_main
-from pretrain.scaling import PARAMETERS, ScalingFitError, fit_results, load_results, optimal_allocation, predict_loss
+from pretrain.scaling import (
+    EXPONENT_MAX,
+    PARAMETERS,
+    ScalingFitError,
+    fit_parametric,
+    fit_results,
+    load_results,
+    optimal_allocation,
+    predict_loss,
+)
 
 # Two families with different constants (the first close to Chinchilla's published fit).
 PLANTED = {
@@ -58,6 +67,34 @@ def test_fit_recovers_planted_constants_and_intervals_cover_them(tmp_path: Path)
     # the two families are told apart: their exponent intervals do not overlap
     a, b = fits["alpha-family"]["ci"]["beta"], fits["beta-family"]["ci"]["beta"]
     assert a[1] < b[0]
+
+
+def test_isoflop_leaves_out_a_budget_whose_curve_locates_no_minimum(tmp_path: Path) -> None:
+    """A nearly straight isoFLOP curve has its parabola's vertex thousands of e-folds away; that
+    budget is left out (it used to overflow exp() in the fit or its bootstrap), the others fit."""
+    write_planted(tmp_path / "planted.csv")
+    lines = [line for line in (tmp_path / "planted.csv").read_text().splitlines() if "beta-family" not in line]
+    flat_budget = 5e21
+    for n in np.geomspace(1e9, 1e10, 5):
+        loss = 2.0 + 0.01 * np.log(n) + 1e-6 * np.log(n) ** 2  # vertex at log N = -5000
+        lines.append(f"alpha-family,{n:.6g},{flat_budget / (6 * n):.6g},{loss:.8g},{flat_budget:.6g},{flat_budget:.6g}")
+    (tmp_path / "with_flat.csv").write_text("\n".join(lines) + "\n")
+    iso = fit_results(load_results(tmp_path / "with_flat.csv"), bootstrap=50, seed=0)["alpha-family"]["isoflop"]
+    assert iso["n_budgets"] == len(BUDGETS)
+    assert flat_budget not in [m["flops"] for m in iso["minima"]]
+    assert all(np.isfinite(v) for v in iso["ci"]["N_exponent"] + iso["ci"]["D_exponent"])
+
+
+def test_an_undetermined_exponent_stops_at_its_bound_and_is_reported() -> None:
+    """Loss that depends on N only through one step between the two smallest sizes: any alpha large
+    enough fits, so the fit runs to the bound, says so, and every constant stays finite."""
+    rng = np.random.default_rng(0)
+    n, d = np.repeat([1e4, 2e4, 4e4, 8e4], 4), np.tile([1e6, 2e6, 4e6, 8e6], 4)
+    loss = (2.0 + 50 / d**0.3 + np.where(n < 1.5e4, 0.5, 0.0)) * np.exp(rng.normal(0, 0.002, n.size))
+    fit = fit_parametric(n, d, loss, bootstrap=20)
+    assert fit["alpha"] == pytest.approx(EXPONENT_MAX) and fit["at_bound"] == ["alpha"]
+    assert fit["beta"] == pytest.approx(0.3, abs=0.05)
+    assert all(np.isfinite(fit[k]) and np.isfinite(fit["ci"][k]).all() for k in PARAMETERS)
 
 
 def test_fit_command_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
