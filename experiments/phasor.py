@@ -83,7 +83,7 @@ class CopyBeyondWindow(Experiment):
     def plot(self, results: dict[str, Any], path: Path) -> None:
         keys = _bucket_keys(results, "lookback_") + _bucket_keys(results, "token_lookback_")
         labels = [k.replace("token_lookback_", "bytes: ").replace("lookback_", "exact: ") for k in keys]
-        bar_plot(results, keys, labels, path, "copy accuracy by look-back", ("byte chance", 1 / PRINTABLE))
+        bar_plot(results, keys, labels, path, "copy accuracy by look-back", [("byte chance", 1 / PRINTABLE)])
 
 
 class MemoryAblation(Experiment):
@@ -100,7 +100,7 @@ class MemoryAblation(Experiment):
         beyond = [k for k in _bucket_keys(results, "token_lookback_") if k.startswith("token_lookback_>")]
         keys += [*beyond, *("no_eval_updates/" + k for k in beyond)]
         labels = [k.replace("no_eval_updates/", "no inference\nupdates: ") for k in keys]
-        bar_plot(results, keys, labels, path, "copy accuracy (mean, spread)", ("byte chance", 1 / PRINTABLE))
+        bar_plot(results, keys, labels, path, "copy accuracy (mean, spread)", [("byte chance", 1 / PRINTABLE)])
 
 
 class TextAblation(DemoTextExperiment):

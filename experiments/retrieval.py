@@ -33,20 +33,33 @@ class LagRetrieval(Experiment):
         return self.edges
 
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
-        """Every query of every held-out example scored on its own (whole value right), by its lag."""
+        """Every query of every held-out example scored on its own (whole value right), by its lag.
+
+        Two more numbers tell key-value retrieval from a cheaper skill: `in_context`, the share of
+        answers that are one of the values written in the sequence (right or not), and
+        `in_context_chance`, the accuracy of a guess drawn uniformly from those values. A model
+        that has learnt which values occur but not which key each belongs to scores about
+        `in_context_chance` with `in_context` near 1, at every lag."""
         task = eval_task(run, quick)
         examples = [task.example(i) for i in range(16 if quick else self.examples)]
-        hits, lags = [], []
+        hits, lags, present, guess_chance = [], [], [], []
         for example, guess in zip(examples, predictions(model, examples)):
+            body = example.meta["query_at"][0]
+            written = {tuple(example.input_ids[p + 2 : p + 2 + task.value_len])
+                       for p in np.flatnonzero(example.input_ids[:body] == task.mark)}
             for lag, at in zip(example.meta["lags"], example.meta["query_at"]):
                 answer = slice(at + 1, at + 1 + task.value_len)
                 hits.append(float(np.array_equal(guess[answer], example.labels[answer])))
+                present.append(float(tuple(guess[answer]) in written))
+                guess_chance.append(1.0 / len(written))
                 lags.append(lag)
         hits_array, lags_array = np.asarray(hits), np.asarray(lags, dtype=np.float64)
         return {
             "accuracy": float(hits_array.mean()),
             "chance": 1.0 / task.keys ** task.value_len,
             "chance_loss": math.log(task.keys),
+            "in_context": float(np.mean(present)),
+            "in_context_chance": float(np.mean(guess_chance)),
             **bucket_accuracy(hits_array, lags_array, self.lag_edges(run), "lag"),
         }
 
@@ -55,9 +68,12 @@ class LagRetrieval(Experiment):
             {k for m in results["summary"].values() for k in m if k.startswith("lag_") and "_n_" not in k},
             key=_bucket_start,
         )
-        chance = next(iter(results["summary"].values()))["chance"]["mean"]
+        first = next(iter(results["summary"].values()))
+        levels = [("chance", first["chance"]["mean"])]
+        if "in_context_chance" in first:
+            levels.append(("a guess among the values in the sequence", first["in_context_chance"]["mean"]))
         labels = [k.removeprefix("lag_") for k in keys]
-        bar_plot(results, keys, labels, path, "exact accuracy by lag (mean, spread)", ("chance", chance))
+        bar_plot(results, keys, labels, path, "exact accuracy by lag (mean, spread)", levels)
 
 
 def _bucket_start(key: str) -> float:

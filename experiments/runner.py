@@ -354,10 +354,10 @@ def bar_plot(
     labels: Sequence[str],
     path: Path,
     ylabel: str,
-    chance: tuple[str, float] | None = None,
+    levels: Sequence[tuple[str, float]] = (),
 ) -> None:
-    """Grouped bars (one group per key, one bar per family), error bars = spread over seeds; an
-    optional dashed line at a chance level (label, value)."""
+    """Grouped bars (one group per key, one bar per family), error bars = spread over seeds; a
+    dashed line at each reference level (label, value), e.g. chance."""
     summary = results["summary"]
     families = list(summary)
     width = 0.8 / max(1, len(families))
@@ -368,8 +368,8 @@ def bar_plot(
         stds = [summary[family].get(k, {}).get("std", 0.0) for k in keys]
         xs = np.arange(len(keys)) + (i - (len(families) - 1) / 2) * width
         ax.bar(xs, means, width, yerr=stds, capsize=3, label=family)
-    if chance is not None:
-        ax.axhline(chance[1], color="black", linestyle="--", linewidth=0.8, label=chance[0])
+    for (label, value), style in zip(levels, ("--", ":", "-.")):
+        ax.axhline(value, color="black", linestyle=style, linewidth=0.8, label=label)
     ax.set_xticks(np.arange(len(keys)), labels)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
