@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -167,15 +168,18 @@ class GradientWakeUp(Experiment):
         save_figure(fig, results, path)
 
 
+COPY = CopyBeyondWindow(
+    name="copy",
+    title="Copy-paste beyond the sliding window: PMNet vs SWA-only, by look-back (bytes)",
+    config="copy.yaml",
+    families=(PMNET, SWA),
+    quick_overrides=QUICK,
+    paper={"exact retrieval beyond the SWA receptive field": {"pmnet": 1.0, "swa": 0.0}},
+)
 EXPERIMENTS = [
-    CopyBeyondWindow(
-        name="copy",
-        title="Copy-paste beyond the sliding window: PMNet vs SWA-only, by look-back (bytes)",
-        config="copy.yaml",
-        families=(PMNET, SWA),
-        quick_overrides=QUICK,
-        paper={"exact retrieval beyond the SWA receptive field": {"pmnet": 1.0, "swa": 0.0}},
-    ),
+    COPY,
+    replace(COPY, name="copy-10x", title="Copy-paste beyond the sliding window with 10x the steps, by look-back",
+            config="copy-10x.yaml"),
     MemoryAblation(
         name="ablation",
         title="PMNet with memory updates removed in training or at inference: copy accuracy",

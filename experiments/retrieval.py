@@ -101,6 +101,14 @@ ZIPF = ZipfLag(
     quick_overrides=QUICK,
     paper={"accuracy at lag > 1000": {"pl": 0.794, "exp": 0.523, "m5": 0.618}},
 )
+ENTITY = EntityCopy(
+    name="entity",
+    title="Entity-label copy at uniform lags: exact accuracy by lag",
+    config="entity.yaml",
+    families=(KERNEL_FAMILIES[0], KERNEL_FAMILIES[1], KERNEL_FAMILIES[3]),
+    quick_overrides=QUICK,
+    paper={"accuracy at long lags": {"pl": 0.827, "exp": 0.584}},
+)
 EXPERIMENTS = [
     ZIPF,
     replace(ZIPF, name="zipf-10x", title="Zipf-lag retrieval with 10x the steps: exact accuracy by lag",
@@ -113,12 +121,7 @@ EXPERIMENTS = [
         seeds=1,
         quick_overrides=QUICK,
     ),
-    EntityCopy(
-        name="entity",
-        title="Entity-label copy at uniform lags: exact accuracy by lag",
-        config="entity.yaml",
-        families=(KERNEL_FAMILIES[0], KERNEL_FAMILIES[1], KERNEL_FAMILIES[3]),
-        quick_overrides=QUICK,
-        paper={"accuracy at long lags": {"pl": 0.827, "exp": 0.584}},
-    ),
+    ENTITY,
+    replace(ENTITY, name="entity-10x", config="entity-10x.yaml",
+            title="Entity-label copy at uniform lags with 10x the steps: exact accuracy by lag"),
 ]
