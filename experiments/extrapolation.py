@@ -31,7 +31,7 @@ from model import CausalLM
 from model.vort import VORT_KINDS
 from pretrain import compare
 from pretrain.config import RunConfig
-from pretrain.evaluate import evaluate_context, read_text
+from pretrain.evaluate import Text, evaluate_context, read_text
 from pretrain.memory_probe import probe
 
 DEMO = REPO / "data" / "demo"
@@ -83,8 +83,9 @@ class BooksExperiment(Experiment):
 
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
         model.eval()
+        contexts = QUICK_CONTEXTS if quick else CONTEXTS
         text = read_text([str(HELD_OUT)], byte_tokenizer())
-        scored = score_contexts(model, text, QUICK_CONTEXTS if quick else CONTEXTS)
+        scored = score_contexts(model, text, contexts)
         metrics: dict[str, Any] = {f"bpb@{c}": v["bits_per_token"] for c, v in scored.items()}
         metrics["contexts"] = scored  # pretrain.evaluate's report layout, for pretrain.compare
         if model.config.kind != "transformer":
@@ -92,7 +93,7 @@ class BooksExperiment(Experiment):
             long_scored = score_contexts(model, long_text, QUICK_LONG_CONTEXTS if quick else LONG_CONTEXTS)
             metrics.update({f"long_bpb@{c}": v["bits_per_token"] for c, v in long_scored.items()})
             metrics["long_contexts"] = long_scored
-        max_tokens = max(QUICK_CONTEXTS if quick else CONTEXTS)
+        max_tokens = max(contexts)
         if model.config.kind in VORT_KINDS:
             report = probe(model, text.ids, max_tokens, min(max_tokens, CHUNK), run.config.data.seq_len)
             first, last = report["chunks"][0]["layers"], report["chunks"][-1]["layers"]
@@ -118,7 +119,7 @@ class BooksExperiment(Experiment):
                          f"{title}: {LONG_HELD_OUT.name}, the same bytes read with 1k or 512k of context", train_len)
 
 
-def score_contexts(model: CausalLM, text: Any, contexts: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+def score_contexts(model: CausalLM, text: Text, contexts: tuple[int, ...]) -> dict[str, dict[str, Any]]:
     """Bits per byte at each context over the same first max(contexts) tokens of `text`, streamed in
     chunks of at most CHUNK with the carried state (a Transformer: one chunk per window, and no
     context beyond TRANSFORMER_MAX)."""

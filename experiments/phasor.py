@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -178,8 +177,8 @@ COPY = CopyBeyondWindow(
 )
 EXPERIMENTS = [
     COPY,
-    replace(COPY, name="copy-10x", title="Copy-paste beyond the sliding window with 10x the steps, by look-back",
-            config="copy-10x.yaml"),
+    dataclasses.replace(COPY, name="copy-10x", config="copy-10x.yaml",
+                        title="Copy-paste beyond the sliding window with 10x the steps, by look-back"),
     MemoryAblation(
         name="ablation",
         title="PMNet with memory updates removed in training or at inference: copy accuracy",
