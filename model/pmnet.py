@@ -85,6 +85,24 @@ class PMNet(StackedLM):
     def memories(self) -> list[PhasorMemory]:
         return [b.memory for b in self.blocks if b.memory is not None]
 
+    def record_routes(self, on: bool = True) -> None:
+        """Keep every routing decision of each forward (a diagnostic: benchmarks.sp_divergence)."""
+        for memory in self.memories():
+            memory.record_routes, memory.recorded = on, []
+
+    def take_routes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recorded decisions of the last forward and clear them: slots [layers, B, T, levels] and
+        the best child's score minus the runner-up's [layers, B, T, levels - 1]. With activation
+        checkpointing the backward routes every segment again; only the forward's decisions are kept."""
+        passes = 2 if self.activation_checkpointing else 1
+        slots, margins = [], []
+        for memory in self.memories():
+            kept = memory.recorded[: len(memory.recorded) // passes]
+            slots.append(torch.cat([r[0] for r in kept], dim=1))
+            margins.append(torch.cat([r[1] for r in kept], dim=1))
+            memory.recorded = []
+        return torch.stack(slots), torch.stack(margins)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per matmul parameter, windowed attention, the memory's own work.
 

@@ -124,6 +124,10 @@ class PhasorMemory(nn.Module):
         self.last_write_grad_sq: torch.Tensor | None = None
         self.slot_writes = torch.zeros(self.n_slots)
         self.slot_segments = torch.zeros(self.n_slots)
+        # Diagnostics (PMNet.record_routes): each forward keeps every token's path and, per routed level,
+        # the gap between the best and second-best child's score.
+        self.record_routes = False
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> MemoryState:
         zeros = torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32)
@@ -147,15 +151,21 @@ class PhasorMemory(nn.Module):
         node = torch.zeros(B, T, dtype=torch.long, device=keys.device)
         slots = [node]
         gates = [query_phasor.new_ones(B, T)]
+        margins: list[torch.Tensor] = []
         for level in range(1, self.n_levels):
             children = node[..., None] * self.branching + children_local  # local ids at this level
             child_keys = keys[batch, self.level_offsets[level] + children]  # [B, T, N, 2M]
             scores = torch.einsum("btd,btnd->btn", query_phasor, child_keys)
             probs = torch.softmax(scores / self.temperature, dim=-1)
             choice = scores.argmax(dim=-1)
+            if self.record_routes:
+                best_two = scores.detach().topk(2, dim=-1).values
+                margins.append(best_two[..., 0] - best_two[..., 1])
             gates.append(straight_through_one(probs.gather(-1, choice[..., None]).squeeze(-1)))
             node = node * self.branching + choice
             slots.append(self.level_offsets[level] + node)
+        if self.record_routes:
+            self.recorded.append((torch.stack(slots, dim=-1), torch.stack(margins, dim=-1)))
         return torch.stack(slots, dim=-1), torch.stack(gates, dim=-1)
 
     def _record_write_grad(self, grad: torch.Tensor) -> None:

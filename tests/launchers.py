@@ -73,7 +73,12 @@ def run_training(
     return proc
 
 
+def logged(run_dir: Path, key: str) -> list[float]:
+    """The values of one metric in metrics.jsonl, in the order they were logged."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in records if key in r]
+
+
 def losses(run_dir: Path) -> list[float]:
     """The training loss of every logged step, in order."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/loss"] for r in records if "train/loss" in r]
+    return logged(run_dir, "train/loss")

@@ -28,7 +28,9 @@ def deepspeed(stage: int) -> list[str]:
 
 def move(demo_shards, tmp_path: Path, before: tuple[str, int, list[str]], after: tuple[str, int, list[str]]) -> None:
     """Train `before` until a kill after step 7, resume the same run directory as `after`, and
-    compare every loss, and the final weights, with an uninterrupted run of `after`."""
+    compare every loss and gradient norm before clipping, and the final weights, with an uninterrupted
+    run of `after`. The gradient norms catch what the losses cannot: clipping hides a constant scale of
+    every gradient from the loss curve."""
     straight, moved = tmp_path / "straight", tmp_path / "moved"
     launcher, ranks, extra = after
     run_training(launcher, ranks, config_args(demo_shards, straight, extra))
@@ -40,12 +42,15 @@ def move(demo_shards, tmp_path: Path, before: tuple[str, int, list[str]], after:
     launcher, ranks, extra = after
     run_training(launcher, ranks, [*config_args(demo_shards, moved, extra), "--resume", "auto"])
     resumed = {step: values[-1] for step, values in step_losses(moved).items()}
+    norms = {step: values[-1] for step, values in step_losses(moved, "train/grad_norm").items()}
+    expected_norms = {step: values[0] for step, values in step_losses(straight, "train/grad_norm").items()}
 
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert any(len(values) > 1 for values in step_losses(moved).values()) or max(first) % 3 == 0
     for step in range(1, STEPS + 1):
         # reduction order differs between world sizes: equal to float rounding, not bitwise
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), (step, resumed[step], expected[step])
+        assert norms[step] == pytest.approx(expected_norms[step], rel=1e-5), (step, norms[step], expected_norms[step])
     assert all(first[s] == pytest.approx(expected[s], rel=1e-5) for s in first)
     final = [run / "checkpoints" / f"step_{STEPS:08d}" / "engine" for run in (straight, moved)]
     kind = next(a.split("=")[1] for a in extra if a.startswith("engine.kind="))

@@ -47,8 +47,9 @@ CASES = {
 FAST = {"single", "deepspeed-2", "single-carry"}
 
 
-def step_losses(run_dir: Path) -> dict[int, list[float]]:
-    """Every loss logged for each step (a resumed run logs the steps after its checkpoint again)."""
+def step_losses(run_dir: Path, key: str = "train/loss") -> dict[int, list[float]]:
+    """Every loss (or other metric `key`) logged for each step (a resumed run logs the steps after its
+    checkpoint again)."""
     seen: dict[int, list[float]] = {}
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -58,8 +59,8 @@ def step_losses(run_dir: Path) -> dict[int, list[float]]:
             record = json.loads(line)
         except json.JSONDecodeError:  # the line being written when the process was killed
             continue
-        if "train/loss" in record:
-            seen.setdefault(record["step"], []).append(record["train/loss"])
+        if key in record:
+            seen.setdefault(record["step"], []).append(record[key])
     return seen
 
 
