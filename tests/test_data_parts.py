@@ -132,3 +132,23 @@ def test_killed_build_process_resumes(tmp_path: Path, monkeypatch: pytest.Monkey
     assert built == [3] and m.total_documents == 4 and m.stats["empty_documents"] == 1
     build_shards([str(src / "*.txt")], str(tmp_path / "ref"), part_bytes=1)
     assert _tree(out) == _tree(tmp_path / "ref")
+
+
+def test_slurm_array_template_builds_then_merges(tmp_path: Path) -> None:
+    """launch/slurm/build_shards.sbatch as SLURM runs it: array tasks 10-12 (out of order), then the
+    merge job without an array; the result is the one-process build."""
+    inputs = _corpus(tmp_path)
+    build_shards(inputs, str(tmp_path / "one"), **FLAGS)
+    args = ["--input", *inputs, "--output", str(tmp_path / "array"), "--shard-tokens", "20000"]
+    args += ["--part-bytes", "30000", "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PYTHON=sys.executable, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    array = {"SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "10", "SLURM_CPUS_PER_TASK": "1"}
+    template = str(REPO / "launch" / "slurm" / "build_shards.sbatch")
+    for task in (12, 10, 11):
+        task_env = {**env, **array, "SLURM_ARRAY_TASK_ID": str(task)}
+        subprocess.run(["bash", template, *args], cwd=REPO, env=task_env, check=True, capture_output=True)
+        assert not (tmp_path / "array" / "manifest.json").exists()
+    merged = subprocess.run(["bash", template, *args], cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    assert "wrote" in merged.stdout
+    assert _tree(tmp_path / "array") == _tree(tmp_path / "one")
