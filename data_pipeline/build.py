@@ -85,20 +85,24 @@ def _in_thread(items: Iterable[T], depth: int = _QUEUE_DEPTH) -> Iterator[T]:
     stop = threading.Event()
     done = object()
 
+    def put(entry: tuple[object, BaseException | None]) -> bool:
+        """Queue ``entry`` unless the consumer has left; whether it was queued."""
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def run() -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((item, None)):
                     return
-            q.put((done, None))
+            put((done, None))
         except BaseException as exc:
-            q.put((done, exc))
+            put((done, exc))
 
     thread = threading.Thread(target=run, name="build-reader", daemon=True)
     thread.start()
@@ -262,9 +266,12 @@ def _finished(plan: BuildPlan, part: int) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or record.get("plan") != plan.digest:
         return None
+    out_path = url_to_fs(plan.output)[1]
     for entry in record["shards"]:
-        shard = join_url(url_to_fs(plan.output)[1], entry["path"])
-        if not fs.exists(shard) or fs.size(shard) != entry["bytes"]:
+        try:
+            if fs.size(join_url(out_path, entry["path"])) != entry["bytes"]:
+                return None
+        except FileNotFoundError:
             return None
     return record
 
@@ -286,6 +293,14 @@ def _build_part(plan: BuildPlan, part: int, pool: Executor | None, workers: int,
         f.write(json.dumps(record, sort_keys=True, indent=1) + "\n")
 
 
+def _tokenizer_pool(workers: int) -> ProcessPoolExecutor:
+    """A pool of ``workers`` tokenizer processes, started now, before the build's reader, writer and
+    progress threads exist: forking a process while other threads hold locks can deadlock the child."""
+    pool = ProcessPoolExecutor(max_workers=workers)
+    pool.submit(int).result()
+    return pool
+
+
 def build_parts(
     plan: BuildPlan, workers: int = 1, num_tasks: int = 1, task_index: int = 0, progress: bool = False
 ) -> list[int]:
@@ -303,9 +318,9 @@ def build_parts(
     if fs.exists(stale):
         fs.rm(stale)
     mine = [p for p in range(task_index, len(plan.parts), num_tasks) if _finished(plan, p) is None]
+    pool = _tokenizer_pool(workers) if workers > 1 and mine else None
     tag = f" (task {task_index}/{num_tasks})" if num_tasks > 1 else ""
     bar = tqdm(unit="tok", unit_scale=True, desc=f"build shards{tag}", disable=not progress, file=sys.stderr)
-    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 and mine else None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="build-writer") as writer:
         try:
             for i, part in enumerate(mine):

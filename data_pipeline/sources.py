@@ -167,12 +167,17 @@ def _parquet_documents(f: BinaryIO, unit: Unit, text_field: str) -> Iterator[Doc
 
 
 def _lines(f: BinaryIO, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """Lines of a binary file read in ``chunk``-byte reads (some decompressors cannot iterate lines)."""
-    rest = b""
+    """Lines of a binary file read in ``chunk``-byte reads (some decompressors cannot iterate lines);
+    a line longer than a chunk is joined once, so the cost stays linear in its length."""
+    pieces: list[bytes] = []
     while block := f.read(chunk):
-        lines = (rest + block).split(b"\n")
-        rest = lines.pop()
-        yield from lines
+        *lines, last = block.split(b"\n")
+        if lines:
+            lines[0] = b"".join([*pieces, lines[0]])
+            pieces = []
+            yield from lines
+        pieces.append(last)
+    rest = b"".join(pieces)
     if rest:
         yield rest
 

@@ -163,3 +163,12 @@ def test_hf_paths_read_through_fsspec(tmp_path: Path, monkeypatch: pytest.Monkey
     assert remote.fingerprint == local.fingerprint
     assert _samples(tmp_path / "remote") == _samples(tmp_path / "local")
     assert np.frombuffer(_tokens(tmp_path / "remote"), np.uint8).tobytes() == "".join(TEXTS).encode()
+
+
+def test_jsonl_lines_longer_than_a_read(tmp_path: Path) -> None:
+    """Lines are cut from 1 MiB reads: a document spanning several reads comes out whole."""
+    long = "".join(chr(0x41 + i % 26) for i in range(2_500_000))
+    texts = ["short", long, "after the long one"]
+    (tmp_path / "long.jsonl.xz").write_bytes(lzma.compress(_jsonl(texts), preset=0))
+    m = build_shards([str(tmp_path / "long.jsonl.xz")], str(tmp_path / "out"))
+    assert m.total_documents == 3 and _tokens(tmp_path / "out") == "".join(texts).encode()
