@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -153,3 +154,29 @@ def test_slurm_array_template_builds_then_merges(tmp_path: Path) -> None:
     merged = subprocess.run(["bash", template, *args], cwd=REPO, env=env, check=True, capture_output=True, text=True)
     assert "wrote" in merged.stdout
     assert _tree(tmp_path / "array") == _tree(tmp_path / "one")
+
+
+def test_reading_and_writing_run_beside_tokenizing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Documents are read in the reader thread and shards written in the writer thread, so both overlap
+    the tokenizer (main thread or worker processes); the progress bar reports tokens on stderr."""
+    threads: dict[str, set[str]] = {"read": set(), "write": set()}
+    real_read, real_write = build_mod.read_unit, build_mod._write_shard
+
+    def read(*args):
+        threads["read"].add(threading.current_thread().name)
+        yield from real_read(*args)
+
+    def write(*args):
+        threads["write"].add(threading.current_thread().name)
+        return real_write(*args)
+
+    monkeypatch.setattr(build_mod, "read_unit", read)
+    monkeypatch.setattr(build_mod, "_write_shard", write)
+    books = [str(BOOKS / f) for f in ("macbeth.txt", "sonnets.txt", "tempest.txt")]
+    m = build_shards(books, str(tmp_path / "out"), shard_tokens=20_000, progress=True)
+    assert len(m.shards) == 3  # one book per shard: documents are never split
+    assert threads == {"read": {"build-reader"}, "write": {"build-writer_0"}}
+    assert threading.main_thread().name not in threads["read"] | threads["write"]
+    assert "build shards" in capsys.readouterr().err
