@@ -3,6 +3,11 @@
 ``python -m benchmarks.data_loader throughput --input <corpus files/globs> --workdir <dir>``
     tokens/s of one data-loader worker, from raw text through shards to training tensors.
 
+``python -m benchmarks.data_loader build --input <corpus files/globs> --workdir <dir> [--workers 1 2]``
+    shard-build speed for bytes and for a 32k sentencepiece model (trained on the input unless
+    ``--sp-model`` names one): tokens/s and tokens per CPU-second (one core's rate, since the parts
+    of a build are independent), and the hours that rate gives for ``--target-tokens`` on ``--cores``.
+
 ``python -m benchmarks.data_loader scale --shards 10000 --shard-tokens 1880000 --workdir <dir>``
     start-up time and peak memory for a very large manifest, against a small one, to show that
     neither grows with the size of the dataset. docs/data.md, "Measurements", says how each is set up.
@@ -11,9 +16,11 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +31,7 @@ import numpy as np
 
 from data_pipeline.build import build_shards
 from data_pipeline.shards import Manifest, encode_shard, save_manifest, sha256_hex
+from data_pipeline.sources import expand_inputs, iter_documents
 from data_pipeline.stream import PackedStream
 from data_pipeline.tokenizer import byte_tokenizer, train_sentencepiece
 
@@ -83,6 +91,92 @@ def throughput(args: argparse.Namespace) -> list[dict]:
                 )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    return rows
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its reaped children (the tokenizer worker processes)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def write_web_like_parquet(inputs: list[str], path: Path, doc_bytes: int) -> int:
+    """Re-cut the inputs' text at paragraph breaks into documents of about ``doc_bytes`` (the size of a
+    web page, as in FineWeb) and write them as one parquet file of 1,000-row groups; returns the count."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs: list[str] = []
+    current: list[str] = []
+    size = 0
+    for doc in iter_documents(expand_inputs(inputs)):
+        for paragraph in doc.data.decode("utf-8", errors="replace").split("\n\n"):
+            current.append(paragraph)
+            size += len(paragraph)
+            if size >= doc_bytes:
+                docs.append("\n\n".join(current))
+                current, size = [], 0
+    if current:
+        docs.append("\n\n".join(current))
+    pq.write_table(pa.table({"text": docs}), path, row_group_size=1000)
+    return len(docs)
+
+
+def build_speed(args: argparse.Namespace) -> list[dict]:
+    """Time full builds of ``args.input`` per tokenizer and worker count, from the files as given and
+    from a parquet copy cut into web-page-sized documents (see module docstring)."""
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    web = work / "web_like.parquet"
+    write_web_like_parquet(args.input, web, args.doc_bytes)
+    sp_model = args.sp_model
+    if sp_model is None:
+        t = time.perf_counter()
+        sp = train_sentencepiece(args.input, args.vocab_size, str(work / "sp"), sample_bytes=args.sp_sample_bytes)
+        sp_model = str(work / "sp.model")
+        print(json.dumps({"trained": sp_model, "vocab_size": sp.vocab_size, "train_s": time.perf_counter() - t}))
+    rows = []
+    inputs = {"files": args.input, f"parquet, ~{args.doc_bytes} B docs": [str(web)]}
+    for (kind, tokenizer), (data, paths), workers in itertools.product(
+        (("bytes", "bytes"), ("sentencepiece", sp_model)), inputs.items(), args.workers
+    ):
+        runs = []  # (cpu, wall) of each repeat; the least-disturbed one (least CPU) is reported
+        for _ in range(args.repeat):
+            out = work / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            t, cpu = time.perf_counter(), _cpu_seconds()
+            m = build_shards(paths, str(out), tokenizer, shard_tokens=args.shard_tokens, workers=workers)
+            runs.append((_cpu_seconds() - cpu, time.perf_counter() - t))
+        cpu, wall = min(runs)
+        per_cpu = m.total_tokens / cpu
+        row = {
+            "kind": kind,
+            "input": data,
+            "vocab_size": m.tokenizer["vocab_size"],
+            "workers": workers,
+            "tokens": m.total_tokens,
+            "documents": m.total_documents,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "tokens_per_s": m.total_tokens / wall,
+            "tokens_per_cpu_s": per_cpu,
+            "load_avg_1m": os.getloadavg()[0],
+            "projected_hours": args.target_tokens / (per_cpu * args.cores) / 3600,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(
+        f"\n| tokenizer | input | workers | tokens | wall s | tokens/s | CPU s | tokens per CPU-s | "
+        f"{args.target_tokens / 1e9:g}B tokens on {args.cores} cores |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['kind']} ({r['vocab_size']}) | {r['input']} | {r['workers']} | {r['tokens']:,} | "
+            f"{r['wall_s']:.1f} | "
+            f"{r['tokens_per_s'] / 1e6:.2f}M | {r['cpu_s']:.1f} | {r['tokens_per_cpu_s'] / 1e6:.2f}M | "
+            f"{r['projected_hours']:.2f} h |"
+        )
     return rows
 
 
@@ -167,7 +261,7 @@ def scale(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``throughput`` or ``scale`` (see module docstring)."""
+    """CLI: ``throughput``, ``build`` or ``scale`` (see module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.data_loader", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     tp = sub.add_parser("throughput")
@@ -180,6 +274,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     tp.add_argument("--vocab-size", type=int, default=8000)
     tp.add_argument("--sp-sample-bytes", type=int, default=20_000_000)
     tp.add_argument("--workers", type=int, default=1)
+    bs = sub.add_parser("build")
+    bs.add_argument("--input", nargs="+", required=True)
+    bs.add_argument("--workdir", required=True)
+    bs.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    bs.add_argument("--shard-tokens", type=int, default=1 << 22)
+    bs.add_argument("--sp-model", default=None, help="a sentencepiece model; default: train one on the input")
+    bs.add_argument("--vocab-size", type=int, default=32000)
+    bs.add_argument("--sp-sample-bytes", type=int, default=20_000_000)
+    bs.add_argument("--repeat", type=int, default=3, help="builds per row; the one with least CPU time is kept")
+    bs.add_argument("--doc-bytes", type=int, default=3000, help="document size of the parquet copy")
+    bs.add_argument("--target-tokens", type=float, default=18.8e9)
+    bs.add_argument("--cores", type=int, default=64)
     sc = sub.add_parser("scale")
     sc.add_argument("--workdir", required=True)
     sc.add_argument("--shards", type=int, default=10_000)
@@ -193,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "throughput":
         throughput(args)
+    elif args.command == "build":
+        build_speed(args)
     elif args.command == "scale":
         scale(args)
     else:

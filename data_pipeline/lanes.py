@@ -53,8 +53,14 @@ class LaneStream:
                 f"{world_size} * {micro_batch}"
             )
         self.stream = PackedStream(
-            [(source, 1.0)], seq_len=seq_len, seed=seed, rank=0, world_size=1, shuffle_buffer=1,
-            shuffle=True, expected_tokenizer=expected_tokenizer,
+            [(source, 1.0)],
+            seq_len=seq_len,
+            seed=seed,
+            rank=0,
+            world_size=1,
+            shuffle_buffer=1,
+            shuffle=True,
+            expected_tokenizer=expected_tokenizer,
         )
         self.seq_len, self.lanes, self.micro_batch, self.seed = seq_len, lanes, micro_batch, seed
         self.rank, self.world_size = rank, world_size
@@ -90,20 +96,26 @@ class LaneStream:
         for micro in range(self.rows_per_rank // self.micro_batch):
             lanes = self.lane_ids(micro)
             samples = [self.stream.get(self.window_of(lane, self.step)) for lane in lanes]
-            batches.append({
-                "input_ids": torch.stack([s["input_ids"] for s in samples]),
-                "labels": torch.stack([s["labels"] for s in samples]),
-                "lanes": lanes,
-                "reset": self.step % self.steps_per_epoch == 0,
-            })
+            batches.append(
+                {
+                    "input_ids": torch.stack([s["input_ids"] for s in samples]),
+                    "labels": torch.stack([s["labels"] for s in samples]),
+                    "lanes": lanes,
+                    "reset": self.step % self.steps_per_epoch == 0,
+                }
+            )
         self.step += 1
         return batches
 
     def state_dict(self) -> dict[str, Any]:
         """Steps consumed, plus the settings that define the layout (checked on resume)."""
         return {
-            "version": STATE_VERSION, "step": self.step, "lanes": self.lanes, "seq_len": self.seq_len,
-            "seed": self.seed, "source": self.stream.state_dict()["mixture"]["sources"][0],
+            "version": STATE_VERSION,
+            "step": self.step,
+            "lanes": self.lanes,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "source": self.stream.state_dict()["mixture"]["sources"][0],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -22,7 +22,8 @@ DEMO = Path(__file__).resolve().parents[1] / "data" / "demo"
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+    """Every file under ``root`` (shards, manifest, part records) by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _write_docs(root: Path, docs: list[bytes]) -> None:
@@ -45,7 +46,7 @@ def test_build_is_deterministic_and_worker_independent(tmp_path: Path, monkeypat
     build_shards(inputs, str(tmp_path / "par"), shard_tokens=50_000, workers=2)
     one = _tree_bytes(tmp_path / "one")
     assert one == _tree_bytes(tmp_path / "two") == _tree_bytes(tmp_path / "par")
-    assert len(one) == 2 + 1
+    assert len(one) == 2 + 1 + 1  # two shards, the manifest, one part record
 
 
 def test_manifest_contents(tmp_path: Path) -> None:
