@@ -44,6 +44,7 @@ def _check_soe(inputs, chunk_size, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, dtype=tor
         (2, 37, 2, 5, 7, 3, 16, True),
         (1, 64, 1, 16, 16, 2, 64, True),
         (1, 70, 2, 4, 20, 1, 32, False),
+        (1, 40, 1, 4, 70, 2, 16, True),  # two value blocks: the normaliser rides with the first only
     ],
 )
 def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_terms, chunk_size, with_state):
