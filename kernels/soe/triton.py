@@ -48,22 +48,32 @@ def _chunk_decays(ll, start, seq_len, BT: tl.constexpr):
 
 
 @triton.jit
+def _tile(ptr, base, loc, width, offs):
+    """Pointers to the [BT, len(offs)] tile at columns ``offs`` of rows ``base + loc`` of a [rows, width] array."""
+    return ptr + base * width + (loc[:, None] * width + offs[None, :])
+
+
+@triton.jit
 def _load_chunk(
     q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr
 ):
-    """Rows of q, k [BT, BF], v' [BT, BD] and coef[:, s] [BT] of one chunk; masked entries are zero."""
+    """Rows of q, k [BT, BF], v [BT, BD] and coef[:, s] [BT] of one chunk (masked entries are zero), and
+    where the chunk's rows are: row ``base + loc[i]`` of the [B*T*H, .] views, ``base`` an int64 scalar
+    (base * F overflows int32 at long B*T*H) and ``loc`` int32 (32-bit offsets keep per-element addresses
+    out of 64-bit registers)."""
     offs_t = start + tl.arange(0, BT)
     offs_f = tl.arange(0, BF)
     offs_d = i_d * BD + tl.arange(0, BD)
     mask_t = offs_t < seq_len
-    row = ((b * seq_len + offs_t) * H + h).to(tl.int64)  # row * F overflows int32 at long B*T*H
+    base = ((b * seq_len + start) * H + h).to(tl.int64)
+    loc = tl.arange(0, BT) * H
     mask_qk = mask_t[:, None] & (offs_f < F)[None, :]
     mask_v = mask_t[:, None] & (offs_d < DV)[None, :]
-    qc = tl.load(q + row[:, None] * F + offs_f[None, :], mask=mask_qk, other=0.0)
-    kc = tl.load(k + row[:, None] * F + offs_f[None, :], mask=mask_qk, other=0.0)
-    vc = tl.load(v + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
-    cc = tl.load(coef + row * S + s, mask=mask_t, other=0.0).to(tl.float32)
-    return row, mask_qk, mask_v, qc, kc, vc, cc
+    qc = tl.load(_tile(q, base, loc, F, offs_f), mask=mask_qk, other=0.0)
+    kc = tl.load(_tile(k, base, loc, F, offs_f), mask=mask_qk, other=0.0)
+    vc = tl.load(_tile(v, base, loc, DV, offs_d), mask=mask_v, other=0.0)
+    cc = tl.load(coef + base * S + (loc * S + s), mask=mask_t, other=0.0).to(tl.float32)
+    return base, loc, mask_qk, mask_v, qc, kc, vc, cc
 
 
 @triton.jit
@@ -105,7 +115,7 @@ def _soe_fwd_kernel(
     norm = tl.load(b0 + nm_off, mask=nm_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     for start in range(0, seq_len, BT):
-        row, _mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+        base, loc, _mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
         mask_t, q_dec, k_dec, chunk_dec, _diff, intra = _chunk_decays(ll, start, seq_len, BT)
@@ -113,9 +123,9 @@ def _soe_fwd_kernel(
         qd = qc * q_dec[:, None]
         o = tl.dot(scores.to(vc.dtype), vc, input_precision=PRECISION)
         o += tl.dot(qd.to(vc.dtype), state.to(vc.dtype), input_precision=PRECISION)
-        tl.atomic_add(out + row[:, None] * DV + offs_d[None, :], o, mask=mask_v)
+        tl.atomic_add(_tile(out, base, loc, DV, offs_d), o, mask=mask_v)
         z_c = tl.sum(scores, axis=1) + tl.sum(qd.to(tl.float32) * norm[None, :], axis=1)
-        tl.atomic_add(z + row, z_c, mask=mask_t & first)
+        tl.atomic_add(z + base + loc, z_c, mask=mask_t & first)
         keys = kc * (k_dec * cc)[:, None]
         state = state * chunk_dec + tl.dot(tl.trans(keys.to(vc.dtype)), vc, input_precision=PRECISION)
         norm = norm * chunk_dec + tl.sum(keys.to(tl.float32), axis=0)
@@ -159,13 +169,13 @@ def _soe_bwd_forward_order_kernel(
     ll = tl.load(log_lam + h * S + s)
     acc_ll = tl.zeros([BT], dtype=tl.float32)
     for start in range(0, seq_len, BT):
-        row, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+        base, loc, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
         mask_t, q_dec, k_dec, chunk_dec, diff, intra = _chunk_decays(ll, start, seq_len, BT)
         qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
-        doc = tl.load(d_out + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
-        dzc = tl.load(d_z + row, mask=mask_t & first, other=0.0)  # zero outside the normaliser's program
+        doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
+        dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)  # zero outside the normaliser's program
         # Cross-chunk reads: o'_i += lam^(i+1) q_i G, z'_i += lam^(i+1) q_i . b.
         dq_inter = tl.dot(doc, tl.trans(state), input_precision=PRECISION) + dzc[:, None] * norm[None, :]
         dq_inter = dq_inter * q_dec[:, None]
@@ -181,10 +191,10 @@ def _soe_bwd_forward_order_kernel(
         dv_c = tl.dot(tl.trans(scores * w), doc, input_precision=PRECISION)
         d_w = d_p * scores * intra
         acc_ll += tl.sum(d_w * cc[None, :] * diff, axis=1)
-        tl.atomic_add(dq + row[:, None] * F + offs_f[None, :], dq_c, mask=mask_qk)
-        tl.atomic_add(dk + row[:, None] * F + offs_f[None, :], dk_c, mask=mask_qk)
-        tl.atomic_add(dv + row[:, None] * DV + offs_d[None, :], dv_c, mask=mask_v)
-        tl.atomic_add(dcoef + row * S + s, tl.sum(d_w, axis=0), mask=mask_t)
+        tl.atomic_add(_tile(dq, base, loc, F, offs_f), dq_c, mask=mask_qk)
+        tl.atomic_add(_tile(dk, base, loc, F, offs_f), dk_c, mask=mask_qk)
+        tl.atomic_add(_tile(dv, base, loc, DV, offs_d), dv_c, mask=mask_v)
+        tl.atomic_add(dcoef + base * S + (loc * S + s), tl.sum(d_w, axis=0), mask=mask_t)
         keys = kf * (k_dec * cc)[:, None]
         state = state * chunk_dec + tl.dot(tl.trans(keys), vf, input_precision=PRECISION)
         norm = norm * chunk_dec + tl.sum(keys, axis=0)
@@ -234,22 +244,22 @@ def _soe_bwd_reverse_order_kernel(
     n_chunks = tl.cdiv(seq_len, BT)
     for rev in range(0, n_chunks):
         start = (n_chunks - 1 - rev) * BT
-        row, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+        base, loc, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
         mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, start, seq_len, BT)
         qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
-        doc = tl.load(d_out + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
-        dzc = tl.load(d_z + row, mask=mask_t & first, other=0.0)
+        doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
+        dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)
         key_scale = k_dec * cc
         d_keys = tl.dot(vf, tl.trans(d_state), input_precision=PRECISION) + d_norm[None, :]
         d_coef_state = tl.sum(d_keys * kf, axis=1) * k_dec
         pos = (start + tl.arange(0, BT)).to(tl.float32) - centre
         acc_ll += tl.where(mask_t, d_coef_state * cc * pos, 0.0)
-        tl.atomic_add(dk + row[:, None] * F + offs_f[None, :], d_keys * key_scale[:, None], mask=mask_qk)
-        tl.atomic_add(dcoef + row * S + s, d_coef_state, mask=mask_t)
+        tl.atomic_add(_tile(dk, base, loc, F, offs_f), d_keys * key_scale[:, None], mask=mask_qk)
+        tl.atomic_add(dcoef + base * S + (loc * S + s), d_coef_state, mask=mask_t)
         tl.atomic_add(
-            dv + row[:, None] * DV + offs_d[None, :],
+            _tile(dv, base, loc, DV, offs_d),
             tl.dot(kf * key_scale[:, None], d_state, input_precision=PRECISION),
             mask=mask_v,
         )
@@ -271,16 +281,16 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# Per target and input dtype: (largest chunk block, largest value block, warps, pipeline stages).
-# Smaller chunk blocks than the model's chunk size change only how the work is split, not the result;
-# they shrink the [BT, BT] and [BT, BF] tiles that otherwise spill. The compile gate
-# (benchmarks/kernel_compile.py, tests/test_kernels_compile.py) checks every entry on its target.
-_TABLE: dict[tuple[bool, bool], tuple[int, int, int, int]] = {
+# Per target, input dtype and pass: (largest chunk block, largest value block, warps, pipeline stages).
+# A chunk block smaller than the model's chunk size changes only how the work is split, not the result;
+# small chunk and value blocks (value blocks divide the 64-wide heads) keep the tiles in registers. The
+# compile gate (benchmarks/kernel_compile.py, tests/test_kernels_compile.py) checks every entry.
+_TABLE: dict[tuple[bool, bool], dict[str, tuple[int, int, int, int]]] = {
     # (sm_90 or newer, fp32 inputs)
-    (False, False): (32, 64, 4, 2),
-    (False, True): (32, 64, 4, 2),
-    (True, False): (32, 64, 4, 2),
-    (True, True): (32, 64, 4, 2),
+    (False, False): {"fwd": (16, 64, 8, 2), "bwd": (16, 16, 4, 2)},
+    (False, True): {"fwd": (16, 64, 8, 2), "bwd": (16, 16, 4, 2)},
+    (True, False): {"fwd": (32, 64, 8, 2), "bwd": (16, 64, 8, 2)},
+    (True, True): {"fwd": (32, 64, 8, 2), "bwd": (16, 64, 8, 2)},
 }
 
 
@@ -295,17 +305,22 @@ def soe_launches(
     dtype: torch.dtype,
     capability: int,
 ) -> dict[str, Launch]:
-    """The three kernel launches of one scan ("fwd", "bwd_forward_order", "bwd_reverse_order") for
-    q, k, v of ``dtype`` and value width ``width`` on a GPU
-    of compute capability ``capability``. Chunk and feature blocks are powers of two >= 16 (tl.dot's
-    minimum); the chunk size only changes how work is split, not the result. A value block never exceeds
-    the value width rounded up to a power of two, so 64- and 16-wide heads are tiled without padding."""
-    bt_max, bd_max, warps, stages = _TABLE[(capability >= 90, dtype == torch.float32)]
-    bt = min(bt_max, max(16, triton.next_power_of_2(chunk_size)))
+    """The three kernel launches of one scan ("fwd", "bwd_forward_order", "bwd_reverse_order") for q, k, v
+    of ``dtype`` and value width ``width`` on a GPU of compute capability ``capability``. Chunk and feature
+    blocks are powers of two >= 16 (tl.dot's minimum); the chunk size only changes how work is split, not
+    the result. A value block never exceeds the value width rounded up to a power of two, so 64- and
+    16-wide heads are tiled without padding."""
     bf = max(16, triton.next_power_of_2(feat))
-    bd = min(bd_max, max(16, triton.next_power_of_2(width)))
-    grid = (batch * heads * n_terms, triton.cdiv(width, bd))
-    constexprs = {"BT": bt, "BF": bf, "BD": bd, "PRECISION": _precision(dtype)}
+    table = _TABLE[(capability >= 90, dtype == torch.float32)]
+
+    def shape(kind: str) -> tuple[dict[str, object], tuple[int, int], int, int]:
+        """(constexprs, grid, warps, stages) of the forward ("fwd") or backward ("bwd") kernels."""
+        bt_max, bd_max, warps, stages = table[kind]
+        bt = min(bt_max, max(16, triton.next_power_of_2(chunk_size)))
+        bd = min(bd_max, max(16, triton.next_power_of_2(width)))
+        grid = (batch * heads * n_terms, triton.cdiv(width, bd))
+        return {"BT": bt, "BF": bf, "BD": bd, "PRECISION": _precision(dtype)}, grid, warps, stages
+
     ints = {"seq_len": "i32", "H": "i32", "S": "i32", "F": "i32", "DV": "i32"}
     inputs = dict.fromkeys(("q", "k", "v"), triton_type(dtype)) | dict.fromkeys(("coef", "log_lam", "g0", "b0"), "fp32")
     grads = ("d_out", "d_z", "d_gt", "d_bt")
@@ -323,7 +338,7 @@ def soe_launches(
         ),
     }
     return {
-        name: Launch(kernel, inputs | dict.fromkeys(outs, "fp32"), scalars, constexprs, grid, warps, stages)
+        name: Launch(kernel, inputs | dict.fromkeys(outs, "fp32"), scalars, *shape(name[:3]))
         for name, (kernel, outs, scalars) in made.items()
     }
 
