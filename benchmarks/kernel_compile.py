@@ -227,12 +227,29 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
+def format_launch_counts(configs: dict[str, ModelConfig]) -> str:
+    """Programs each kernel launches at batch 1 and SEQ_LEN tokens, per config and target (bf16)."""
+    counts: dict[tuple[str, str], dict[int, int]] = {}
+    for name, kernel, target, dtype, launch in enumerate_launches(configs):
+        if dtype == torch.bfloat16:
+            counts.setdefault((name, kernel), {})[target] = launch.programs
+    lines = [
+        f"programs at batch 1, {SEQ_LEN} tokens (bf16; >= {MIN_PROGRAMS} fills an H100)",
+        "config  kernel  sm_80  sm_90",
+    ]
+    lines += [f"{c}  {k}  {t[80]}  {t[90]}" for (c, k), t in counts.items()]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    rows = gate()
+    configs = shipped_configs()
+    rows = gate(configs)
     print(format_table(rows))
+    print()
+    print(format_launch_counts(configs))
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) | {"failures": r.failures} for r in rows], indent=1))
     failed = [r for r in rows if r.failures]
