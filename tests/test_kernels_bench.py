@@ -71,3 +71,29 @@ def test_soe_grad_precision_script_measures_fp32_against_float64():
     assert row["T"] == 96
     assert all(0 < row[name] < 1e-4 for name in soe_grad_precision.NAMES)
     assert row["log_lam_worst"] >= row["log_lam"]
+
+
+def test_roofline_model_scales_with_the_terms_and_prints_every_kernel(capsys):
+    from benchmarks import roofline
+
+    rows = {(r["config"], r["kernel"]): r for r in roofline.roofline(["vort-125m", "pl-125m", "pmnet-119m"])}
+    assert set(k for _, k in rows) == {
+        "soe_fwd",
+        "soe_bwd_forward_order",
+        "soe_bwd_reverse_order",
+        "phasor_fwd",
+        "phasor_bwd",
+    }
+    # same heads and blocks, 18 vs 16 SOE terms: the per-term programs make work and traffic scale with S
+    for kernel in ("soe_fwd", "soe_bwd_forward_order", "soe_bwd_reverse_order"):
+        vort, pl = rows[("vort-125m", kernel)], rows[("pl-125m", kernel)]
+        assert vort["flops_per_token"] / pl["flops_per_token"] == pytest.approx(18 / 16)
+        assert vort["bytes_per_token"] / pl["bytes_per_token"] == pytest.approx(18 / 16)
+    for r in rows.values():
+        compute, memory = r["flops_per_token"] / roofline.PEAK_FLOPS, r["bytes_per_token"] / roofline.PEAK_BYTES
+        assert r["h100_ms_per_64k_tokens_per_layer"] == pytest.approx(max(compute, memory) * 65536 * 1e3)
+        assert r["bound"] == ("compute" if compute >= memory else "memory")
+    assert roofline.main(["--config", "exp-tiny"]) == 0
+    assert capsys.readouterr().out.count("| exp-tiny |") == 3
+    with pytest.raises(ValueError, match="no scan"):
+        roofline.roofline(["transformer-tiny"])
