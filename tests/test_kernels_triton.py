@@ -145,7 +145,10 @@ def test_gpu_script_timing_row_runs_under_the_interpreter():
 
     args = parse_args(["--H", "1", "--F", "16", "--D", "16", "--S", "2"])
     row = time_row(args, 32, DEVICE, torch.float32, count)
-    assert set(row) == {"T", *COLUMNS} and len(calls) == len(COLUMNS)
+    assert set(row) == {"T", *COLUMNS}
+    timed = [c for c in COLUMNS if not math.isnan(row[c])]
+    assert len(calls) == len(timed)
+    assert set(COLUMNS) - set(timed) <= {"fla_fwd", "fla_fwdbwd"}  # fla is optional
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is only right on a GPU")
