@@ -72,16 +72,19 @@ class Row:
 
 
 def _shapes(name: str, cfg: ModelConfig, dtype: torch.dtype, target: int) -> dict[str, Launch]:
-    """The launches of one training step's scans for a config (none for configs without a scan)."""
+    """The launches of one training step's scans for a config, with the sequence-parallel entering-state
+    read for the SOE scan (none for configs without a scan)."""
     from kernels.phasor.triton import phasor_launches
-    from kernels.soe.triton import soe_launches
+    from kernels.soe.triton import entering_launches, soe_launches
     from model.vort import MEMORIES
 
     if cfg.kind in MEMORIES:
         v = cfg.vort
         n_terms = MEMORIES[cfg.kind](cfg).n_terms
-        found = soe_launches(1, SEQ_LEN, cfg.n_heads, n_terms, v.n_features, cfg.head_dim, v.chunk_size, dtype, target)
-        return {f"soe_{k}": x for k, x in found.items()}
+        shape = (1, SEQ_LEN, cfg.n_heads, n_terms, v.n_features, cfg.head_dim)
+        found = {f"soe_{k}": x for k, x in soe_launches(*shape, v.chunk_size, dtype, target).items()}
+        # the entering-state read of sequence parallelism
+        return found | {f"soe_entering_{k}": x for k, x in entering_launches(*shape, dtype, target).items()}
     if cfg.kind == "pmnet" and cfg.pmnet.memory_every:
         p = cfg.pmnet
         found = phasor_launches(1, SEQ_LEN, p.depth + 1, p.memory_dim, p.n_slots, dtype, target)

@@ -53,7 +53,13 @@ def test_gate_covers_every_shipped_scan(rows):
     expected = set()
     for name, cfg in shipped_configs().items():
         if cfg.kind in ("vort", "pl", "exp", "m5"):
-            kernels = ("soe_fwd", "soe_bwd_forward_order", "soe_bwd_reverse_order")
+            kernels = (
+                "soe_fwd",
+                "soe_bwd_forward_order",
+                "soe_bwd_reverse_order",
+                "soe_entering_fwd",
+                "soe_entering_bwd",
+            )
         elif cfg.kind == "pmnet" and cfg.pmnet.memory_every:
             kernels = ("phasor_fwd", "phasor_bwd")
         else:

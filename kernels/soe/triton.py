@@ -275,6 +275,106 @@ def _soe_bwd_reverse_order_kernel(
     tl.atomic_add(dll + h * S + s, -total)
 
 
+@triton.jit
+def _entering_rows(q, seq_len, H, F, DV, BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr):
+    """This program's batch x head, head, rows (chunk ``program_id(1)``, value block ``program_id(2)``), the
+    rows' queries [BT, BF] in fp32, their steps t + 1 into the piece and the masks."""
+    bh = tl.program_id(0)
+    h = bh % H
+    start = tl.program_id(1) * BT
+    offs_t = start + tl.arange(0, BT)
+    offs_f = tl.arange(0, BF)
+    offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
+    mask_t = offs_t < seq_len
+    base = (((bh // H) * seq_len + start) * H + h).to(tl.int64)
+    loc = tl.arange(0, BT) * H
+    mask_qk = mask_t[:, None] & (offs_f < F)[None, :]
+    mask_v = mask_t[:, None] & (offs_d < DV)[None, :]
+    qc = tl.load(_tile(q, base, loc, F, offs_f), mask=mask_qk, other=0.0).to(tl.float32)
+    steps = (offs_t + 1).to(tl.float32)
+    return bh, h, offs_f, offs_d, mask_t, base, loc, mask_qk, mask_v, qc, steps
+
+
+@triton.jit
+def _entering_fwd_kernel(
+    q,
+    log_lam,
+    g_in,
+    b_in,
+    out,
+    z,
+    seq_len,
+    H,
+    S,
+    F,
+    DV,
+    BT: tl.constexpr,
+    BF: tl.constexpr,
+    BD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    bh, h, offs_f, offs_d, mask_t, base, loc, _mask_qk, mask_v, qc, steps = _entering_rows(
+        q, seq_len, H, F, DV, BT, BF, BD
+    )
+    first = tl.arange(0, BT) < BT * (tl.program_id(2) == 0).to(tl.int32)  # z: the first value block
+    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    o = tl.zeros([BT, BD], dtype=tl.float32)
+    zc = tl.zeros([BT], dtype=tl.float32)
+    for s in range(0, S):
+        qd = qc * tl.exp(steps * tl.load(log_lam + h * S + s))[:, None]
+        g = tl.load(g_in + ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :], mask=st_mask, other=0.0)
+        o += tl.dot(qd, g, input_precision=PRECISION)
+        bv = tl.load(b_in + (bh * S + s) * F + offs_f, mask=offs_f < F, other=0.0)
+        zc += tl.sum(qd * bv[None, :], axis=1)
+    tl.store(_tile(out, base, loc, DV, offs_d), o, mask=mask_v)
+    tl.store(z + base + loc, zc, mask=mask_t & first)
+
+
+@triton.jit
+def _entering_bwd_kernel(
+    q,
+    log_lam,
+    g_in,
+    b_in,
+    d_out,
+    d_z,
+    dq,
+    dll,
+    dg,
+    db,
+    seq_len,
+    H,
+    S,
+    F,
+    DV,
+    BT: tl.constexpr,
+    BF: tl.constexpr,
+    BD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    bh, h, offs_f, offs_d, mask_t, base, loc, mask_qk, mask_v, qc, steps = _entering_rows(
+        q, seq_len, H, F, DV, BT, BF, BD
+    )
+    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    first = tl.arange(0, BT) < BT * (tl.program_id(2) == 0).to(tl.int32)
+    doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
+    dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)  # z's gradient: the first value block
+    dq_acc = tl.zeros([BT, BF], dtype=tl.float32)
+    for s in range(0, S):
+        scale = tl.exp(steps * tl.load(log_lam + h * S + s))
+        st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
+        g = tl.load(g_in + st_off, mask=st_mask, other=0.0)
+        bv = tl.load(b_in + (bh * S + s) * F + offs_f, mask=offs_f < F, other=0.0)
+        d_qd = tl.dot(doc, tl.trans(g), input_precision=PRECISION) + dzc[:, None] * bv[None, :]
+        dq_acc += d_qd * scale[:, None]
+        qd = qc * scale[:, None]
+        tl.atomic_add(dg + st_off, tl.dot(tl.trans(qd), doc, input_precision=PRECISION), mask=st_mask)
+        tl.atomic_add(db + (bh * S + s) * F + offs_f, tl.sum(qd * dzc[:, None], axis=0), mask=offs_f < F)
+        # scale = lam^(t+1): d log_lam = sum_t (t + 1) scale_t (q_t . d qd_t)
+        tl.atomic_add(dll + h * S + s, tl.sum(tl.sum(qd * d_qd, axis=1) * steps, axis=0))
+    tl.atomic_add(_tile(dq, base, loc, F, offs_f), dq_acc, mask=mask_qk)
+
+
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot precision: full IEEE fp32 for fp32 inputs (TF32 would cost ~1e-3 relative error); 16-bit
     inputs are rounded already, so their fp32 intermediates may use TF32."""
@@ -341,6 +441,77 @@ def soe_launches(
         name: Launch(kernel, inputs | dict.fromkeys(outs, "fp32"), scalars, *shape(name[:3]))
         for name, (kernel, outs, scalars) in made.items()
     }
+
+
+# The entering-state read (sequence parallelism): per target and pass, (chunk block, largest value block,
+# warps, stages).
+_ENTERING_TABLE: dict[bool, dict[str, tuple[int, int, int, int]]] = {
+    # sm_90 or newer
+    False: {"fwd": (32, 64, 8, 2), "bwd": (16, 32, 8, 2)},
+    True: {"fwd": (32, 64, 8, 2), "bwd": (16, 64, 8, 2)},
+}
+
+
+def entering_launches(
+    batch: int, seq_len: int, heads: int, n_terms: int, feat: int, width: int, dtype: torch.dtype, capability: int
+) -> dict[str, Launch]:
+    """The launches of the entering-state read ("fwd", "bwd"): one program per (batch x head, chunk of BT
+    tokens, value block), each summing over the S terms, so the grid grows with the piece length."""
+    bf = max(16, triton.next_power_of_2(feat))
+    ints = {"seq_len": "i32", "H": "i32", "S": "i32", "F": "i32", "DV": "i32"}
+    inputs = {"q": triton_type(dtype)} | dict.fromkeys(("log_lam", "g_in", "b_in"), "fp32")
+    outputs = {"fwd": ("out", "z"), "bwd": ("d_out", "d_z", "dq", "dll", "dg", "db")}
+    kernels = {"fwd": _entering_fwd_kernel, "bwd": _entering_bwd_kernel}
+    launches = {}
+    for name, (bt, bd_max, warps, stages) in _ENTERING_TABLE[capability >= 90].items():
+        bd = min(bd_max, max(16, triton.next_power_of_2(width)))
+        launches[name] = Launch(
+            kernels[name],
+            inputs | dict.fromkeys(outputs[name], "fp32"),
+            ints,
+            {"BT": bt, "BF": bf, "BD": bd, "PRECISION": _precision(dtype)},
+            (batch * heads, triton.cdiv(seq_len, bt), triton.cdiv(width, bd)),
+            warps,
+            stages,
+        )
+    return launches
+
+
+class SoeEnteringTriton(torch.autograd.Function):
+    """The (o, z) contributions of a state entering a piece: o_t = sum_s lam_s^(t+1) q_t^T G_s, z_t likewise
+    with b_s; the Triton form of kernels.parallel's entering-state correction. Saves only the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, log_lam, g_in, b_in):
+        batch, seq_len, heads, feat = q.shape
+        n_terms, width = log_lam.shape[-1], g_in.shape[-1]
+        check_triton_inputs(q, _entering_fwd_kernel)
+        q = q.contiguous()
+        ll, g, b = log_lam.float().contiguous(), g_in.float().contiguous(), b_in.float().contiguous()
+        out = torch.empty(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
+        z = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q.device)
+        launch = entering_launches(batch, seq_len, heads, n_terms, feat, width, q.dtype, device_capability(q))["fwd"]
+        launch.run(q, ll, g, b, out, z, seq_len, heads, n_terms, feat, width)
+        ctx.save_for_backward(q, ll, g, b)
+        ctx.dtypes = (q.dtype, log_lam.dtype, g_in.dtype, b_in.dtype)
+        ctx.set_materialize_grads(False)
+        return out.to(g_in.dtype), z.to(g_in.dtype)
+
+    @staticmethod
+    def backward(ctx, d_o, d_z):
+        q, ll, g, b = ctx.saved_tensors
+        batch, seq_len, heads, feat = q.shape
+        n_terms, width = ll.shape[-1], g.shape[-1]
+        f32 = torch.float32
+        d_out = torch.zeros((*q.shape[:3], width), dtype=f32, device=q.device) if d_o is None else d_o.to(f32)
+        d_zz = torch.zeros(q.shape[:3], dtype=f32, device=q.device) if d_z is None else d_z.to(f32)
+        dq = torch.zeros(q.shape, dtype=f32, device=q.device)
+        dll, dg, db = torch.zeros_like(ll), torch.zeros_like(g), torch.zeros_like(b)
+        launch = entering_launches(batch, seq_len, heads, n_terms, feat, width, q.dtype, device_capability(q))["bwd"]
+        launch.run(
+            q, ll, g, b, d_out.contiguous(), d_zz.contiguous(), dq, dll, dg, db, seq_len, heads, n_terms, feat, width
+        )
+        return tuple(x.to(d) for x, d in zip((dq, dll, dg, db), ctx.dtypes))
 
 
 class SoeScanTriton(torch.autograd.Function):
