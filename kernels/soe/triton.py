@@ -278,7 +278,8 @@ def _soe_bwd_reverse_order_kernel(
 @triton.jit
 def _entering_rows(q, seq_len, H, F, DV, BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr):
     """This program's batch x head, head, rows (chunk ``program_id(1)``, value block ``program_id(2)``), the
-    rows' queries [BT, BF] in fp32, their steps t + 1 into the piece and the masks."""
+    rows' queries [BT, BF] in fp32, their steps t + 1 into the piece, the masks, and ``first``: all true in
+    the first value block's programs, which alone handle the normaliser z, all false elsewhere."""
     bh = tl.program_id(0)
     h = bh % H
     start = tl.program_id(1) * BT
@@ -292,7 +293,9 @@ def _entering_rows(q, seq_len, H, F, DV, BT: tl.constexpr, BF: tl.constexpr, BD:
     mask_v = mask_t[:, None] & (offs_d < DV)[None, :]
     qc = tl.load(_tile(q, base, loc, F, offs_f), mask=mask_qk, other=0.0).to(tl.float32)
     steps = (offs_t + 1).to(tl.float32)
-    return bh, h, offs_f, offs_d, mask_t, base, loc, mask_qk, mask_v, qc, steps
+    first = tl.arange(0, BT) < BT * (tl.program_id(2) == 0).to(tl.int32)
+    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    return bh, h, offs_f, offs_d, mask_t, base, loc, mask_qk, mask_v, qc, steps, first, st_mask
 
 
 @triton.jit
@@ -313,11 +316,9 @@ def _entering_fwd_kernel(
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    bh, h, offs_f, offs_d, mask_t, base, loc, _mask_qk, mask_v, qc, steps = _entering_rows(
+    bh, h, offs_f, offs_d, mask_t, base, loc, _mask_qk, mask_v, qc, steps, first, st_mask = _entering_rows(
         q, seq_len, H, F, DV, BT, BF, BD
     )
-    first = tl.arange(0, BT) < BT * (tl.program_id(2) == 0).to(tl.int32)  # z: the first value block
-    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
     o = tl.zeros([BT, BD], dtype=tl.float32)
     zc = tl.zeros([BT], dtype=tl.float32)
     for s in range(0, S):
@@ -352,11 +353,9 @@ def _entering_bwd_kernel(
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    bh, h, offs_f, offs_d, mask_t, base, loc, mask_qk, mask_v, qc, steps = _entering_rows(
+    bh, h, offs_f, offs_d, mask_t, base, loc, mask_qk, mask_v, qc, steps, first, st_mask = _entering_rows(
         q, seq_len, H, F, DV, BT, BF, BD
     )
-    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
-    first = tl.arange(0, BT) < BT * (tl.program_id(2) == 0).to(tl.int32)
     doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
     dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)  # z's gradient: the first value block
     dq_acc = tl.zeros([BT, BF], dtype=tl.float32)
