@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_triton_inputs
+from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
 
 
 @triton.jit
@@ -90,9 +90,32 @@ def _phasor_bwd_kernel(
     tl.store(d_init + st_off, g_state, mask=st_mask)
 
 
-def _blocks(width: int, n_slots: int) -> tuple[int, int, int]:
-    """(tokens per chunk, phase columns per program, padded slot count); all >= 16 for tl.dot."""
-    return 32, min(64, max(16, triton.next_power_of_2(width))), max(16, triton.next_power_of_2(n_slots))
+# Per target: (tokens per chunk, widest block of phase columns, warps, pipeline stages). The compile
+# gate (benchmarks/kernel_compile.py) checks every entry against the target's shared memory and registers.
+_TABLE: dict[bool, tuple[int, int, int, int]] = {
+    # sm_90 or newer
+    False: (16, 16, 8, 2),
+    True: (16, 16, 8, 2),
+}
+
+
+def phasor_launches(
+    batch: int, seq_len: int, levels: int, width: int, n_slots: int, dtype: torch.dtype, capability: int
+) -> dict[str, Launch]:
+    """The launches of one scan ("fwd", "bwd") for increments of ``dtype`` on a GPU of compute capability
+    ``capability``. Chunk, column and padded slot blocks are all >= 16 for tl.dot."""
+    bt, bm_max, warps, stages = _TABLE[capability >= 90]
+    bm = min(bm_max, max(16, triton.next_power_of_2(width)))
+    bn = max(16, triton.next_power_of_2(n_slots))
+    grid = (batch, triton.cdiv(width, bm))
+    constexprs = {"BT": bt, "BM": bm, "BN": bn}
+    scalars = {"seq_len": "i32", "L": "i32", "M": "i32", "NS": "i32"}
+    fwd = {"delta": triton_type(dtype), "slots": "i32", "init": "fp32", "read": "fp32", "final": "fp32"}
+    bwd = {"d_read": "fp32", "slots": "i32", "d_final": "fp32", "d_delta": "fp32", "d_init": "fp32"}
+    return {
+        "fwd": Launch(_phasor_fwd_kernel, fwd, scalars, constexprs, grid, warps, stages),
+        "bwd": Launch(_phasor_bwd_kernel, bwd, scalars, constexprs, grid, warps, stages),
+    }
 
 
 class PhasorScanTriton(torch.autograd.Function):
@@ -106,11 +129,8 @@ class PhasorScanTriton(torch.autograd.Function):
         init32 = init.float().contiguous()
         read = torch.empty(delta.shape, dtype=torch.float32, device=delta.device)
         final = torch.empty_like(init32)
-        bt, bm, bn = _blocks(width, n_slots)
-        grid = (batch, triton.cdiv(width, bm))
-        _phasor_fwd_kernel[grid](
-            delta, slots, init32, read, final, seq_len, levels, width, n_slots, bt, bm, bn, num_warps=8
-        )
+        launch = phasor_launches(batch, seq_len, levels, width, n_slots, delta.dtype, device_capability(delta))["fwd"]
+        launch.run(delta, slots, init32, read, final, seq_len, levels, width, n_slots)
         ctx.save_for_backward(slots)
         ctx.meta = (n_slots, delta.dtype, init.dtype)
         ctx.set_materialize_grads(False)
@@ -127,20 +147,6 @@ class PhasorScanTriton(torch.autograd.Function):
         g_final = torch.zeros(batch, n_slots, width, device=dev) if d_final is None else d_final.float()
         d_delta = torch.empty(batch, seq_len, levels, width, dtype=torch.float32, device=dev)
         d_init = torch.empty(batch, n_slots, width, dtype=torch.float32, device=dev)
-        bt, bm, bn = _blocks(width, n_slots)
-        grid = (batch, triton.cdiv(width, bm))
-        _phasor_bwd_kernel[grid](
-            g_read.contiguous(),
-            slots,
-            g_final.contiguous(),
-            d_delta,
-            d_init,
-            seq_len,
-            levels,
-            width,
-            n_slots,
-            bt,
-            bm,
-            bn,
-        )
+        launch = phasor_launches(batch, seq_len, levels, width, n_slots, dtype, device_capability(slots))["bwd"]
+        launch.run(g_read.contiguous(), slots, g_final.contiguous(), d_delta, d_init, seq_len, levels, width, n_slots)
         return d_delta.to(dtype), None, None, d_init.to(init_dtype)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_triton_inputs
+from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
 
 
 @triton.jit
@@ -48,22 +48,42 @@ def _chunk_decays(ll, start, seq_len, BT: tl.constexpr):
 
 
 @triton.jit
+def _tile(ptr, base, loc, width, offs):
+    """Pointers to the [BT, len(offs)] tile at columns ``offs`` of rows ``base + loc`` of a [rows, width] array."""
+    return ptr + base * width + (loc[:, None] * width + offs[None, :])
+
+
+@triton.jit
 def _load_chunk(
     q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr
 ):
-    """Rows of q, k [BT, BF], v' [BT, BD] and coef[:, s] [BT] of one chunk; masked entries are zero."""
+    """Rows of q, k [BT, BF], v [BT, BD] and coef[:, s] [BT] of one chunk (masked entries are zero), and
+    where the chunk's rows are: row ``base + loc[i]`` of the [B*T*H, .] views, ``base`` an int64 scalar
+    (base * F overflows int32 at long B*T*H) and ``loc`` int32 (32-bit offsets keep per-element addresses
+    out of 64-bit registers)."""
     offs_t = start + tl.arange(0, BT)
     offs_f = tl.arange(0, BF)
     offs_d = i_d * BD + tl.arange(0, BD)
     mask_t = offs_t < seq_len
-    row = ((b * seq_len + offs_t) * H + h).to(tl.int64)  # row * F overflows int32 at long B*T*H
+    base = ((b * seq_len + start) * H + h).to(tl.int64)
+    loc = tl.arange(0, BT) * H
     mask_qk = mask_t[:, None] & (offs_f < F)[None, :]
     mask_v = mask_t[:, None] & (offs_d < DV)[None, :]
-    qc = tl.load(q + row[:, None] * F + offs_f[None, :], mask=mask_qk, other=0.0)
-    kc = tl.load(k + row[:, None] * F + offs_f[None, :], mask=mask_qk, other=0.0)
-    vc = tl.load(v + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
-    cc = tl.load(coef + row * S + s, mask=mask_t, other=0.0).to(tl.float32)
-    return row, mask_qk, mask_v, qc, kc, vc, cc
+    qc = tl.load(_tile(q, base, loc, F, offs_f), mask=mask_qk, other=0.0)
+    kc = tl.load(_tile(k, base, loc, F, offs_f), mask=mask_qk, other=0.0)
+    vc = tl.load(_tile(v, base, loc, DV, offs_d), mask=mask_v, other=0.0)
+    cc = tl.load(coef + base * S + (loc * S + s), mask=mask_t, other=0.0).to(tl.float32)
+    return base, loc, mask_qk, mask_v, qc, kc, vc, cc
+
+
+@triton.jit
+def _normaliser_tile(F, BT: tl.constexpr, BF: tl.constexpr):
+    """The normaliser b_s [BF] of a [B, H, S, F] state is carried by the first value block's program only:
+    a [BT] mask that is all true there and all false elsewhere, and the offsets and mask of b_s (the masks
+    are built from block comparisons, which the interpreter also accepts)."""
+    keep = (tl.program_id(1) == 0).to(tl.int32)
+    offs_f = tl.arange(0, BF)
+    return tl.arange(0, BT) < BT * keep, tl.program_id(0) * F + offs_f, offs_f < F * keep
 
 
 @triton.jit
@@ -74,8 +94,11 @@ def _soe_fwd_kernel(
     coef,
     log_lam,
     g0,
+    b0,
     out,
+    z,
     g_t,
+    b_t,
     seq_len,
     H,
     S,
@@ -87,20 +110,27 @@ def _soe_fwd_kernel(
     PRECISION: tl.constexpr,
 ):
     b, h, s, i_d, _offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
+    first, nm_off, nm_mask = _normaliser_tile(F, BT, BF)
     state = tl.load(g0 + st_off, mask=st_mask, other=0.0)
+    norm = tl.load(b0 + nm_off, mask=nm_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     for start in range(0, seq_len, BT):
-        row, _mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+        base, loc, _mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
-        _mask_t, q_dec, k_dec, chunk_dec, _diff, intra = _chunk_decays(ll, start, seq_len, BT)
+        mask_t, q_dec, k_dec, chunk_dec, _diff, intra = _chunk_decays(ll, start, seq_len, BT)
         scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * (intra * cc[None, :])
+        qd = qc * q_dec[:, None]
         o = tl.dot(scores.to(vc.dtype), vc, input_precision=PRECISION)
-        o += tl.dot((qc * q_dec[:, None]).to(vc.dtype), state.to(vc.dtype), input_precision=PRECISION)
-        tl.atomic_add(out + row[:, None] * DV + offs_d[None, :], o, mask=mask_v)
+        o += tl.dot(qd.to(vc.dtype), state.to(vc.dtype), input_precision=PRECISION)
+        tl.atomic_add(_tile(out, base, loc, DV, offs_d), o, mask=mask_v)
+        z_c = tl.sum(scores, axis=1) + tl.sum(qd.to(tl.float32) * norm[None, :], axis=1)
+        tl.atomic_add(z + base + loc, z_c, mask=mask_t & first)
         keys = kc * (k_dec * cc)[:, None]
         state = state * chunk_dec + tl.dot(tl.trans(keys.to(vc.dtype)), vc, input_precision=PRECISION)
+        norm = norm * chunk_dec + tl.sum(keys.to(tl.float32), axis=0)
     tl.store(g_t + st_off, state, mask=st_mask)
+    tl.store(b_t + nm_off, norm, mask=nm_mask)
 
 
 @triton.jit
@@ -111,8 +141,11 @@ def _soe_bwd_forward_order_kernel(
     coef,
     log_lam,
     g0,
+    b0,
     d_out,
+    d_z,
     d_gt,
+    d_bt,
     dq,
     dk,
     dv,
@@ -130,38 +163,45 @@ def _soe_bwd_forward_order_kernel(
     PRECISION: tl.constexpr,
 ):
     b, h, s, i_d, offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
+    first, nm_off, nm_mask = _normaliser_tile(F, BT, BF)
     state = tl.load(g0 + st_off, mask=st_mask, other=0.0)
+    norm = tl.load(b0 + nm_off, mask=nm_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     acc_ll = tl.zeros([BT], dtype=tl.float32)
     for start in range(0, seq_len, BT):
-        row, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+        base, loc, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
         mask_t, q_dec, k_dec, chunk_dec, diff, intra = _chunk_decays(ll, start, seq_len, BT)
         qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
-        doc = tl.load(d_out + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
-        # Cross-chunk reads: o'_i += lam^(i+1) q_i G.
-        dq_inter = tl.dot(doc, tl.trans(state), input_precision=PRECISION) * q_dec[:, None]
+        doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
+        dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)  # zero outside the normaliser's program
+        # Cross-chunk reads: o'_i += lam^(i+1) q_i G, z'_i += lam^(i+1) q_i . b.
+        dq_inter = tl.dot(doc, tl.trans(state), input_precision=PRECISION) + dzc[:, None] * norm[None, :]
+        dq_inter = dq_inter * q_dec[:, None]
         pos = (start + tl.arange(0, BT)).to(tl.float32) - centre
         acc_ll += tl.where(mask_t, tl.sum(dq_inter * qf, axis=1) * pos, 0.0)
-        # Intra-chunk: P = (Q K^T) * W, W[i, j] = coef_j lam^(i-j).
+        # Intra-chunk: P = (Q K^T) * W, W[i, j] = coef_j lam^(i-j); z reads P through a column of ones.
         scores = tl.dot(qf, tl.trans(kf), input_precision=PRECISION)
         w = intra * cc[None, :]
-        d_p = tl.dot(doc, tl.trans(vf), input_precision=PRECISION)
+        d_p = tl.dot(doc, tl.trans(vf), input_precision=PRECISION) + dzc[:, None]
         d_a = d_p * w
         dq_c = dq_inter + tl.dot(d_a, kf, input_precision=PRECISION)
         dk_c = tl.dot(tl.trans(d_a), qf, input_precision=PRECISION)
         dv_c = tl.dot(tl.trans(scores * w), doc, input_precision=PRECISION)
         d_w = d_p * scores * intra
         acc_ll += tl.sum(d_w * cc[None, :] * diff, axis=1)
-        tl.atomic_add(dq + row[:, None] * F + offs_f[None, :], dq_c, mask=mask_qk)
-        tl.atomic_add(dk + row[:, None] * F + offs_f[None, :], dk_c, mask=mask_qk)
-        tl.atomic_add(dv + row[:, None] * DV + offs_d[None, :], dv_c, mask=mask_v)
-        tl.atomic_add(dcoef + row * S + s, tl.sum(d_w, axis=0), mask=mask_t)
+        tl.atomic_add(_tile(dq, base, loc, F, offs_f), dq_c, mask=mask_qk)
+        tl.atomic_add(_tile(dk, base, loc, F, offs_f), dk_c, mask=mask_qk)
+        tl.atomic_add(_tile(dv, base, loc, DV, offs_d), dv_c, mask=mask_v)
+        tl.atomic_add(dcoef + base * S + (loc * S + s), tl.sum(d_w, axis=0), mask=mask_t)
         keys = kf * (k_dec * cc)[:, None]
         state = state * chunk_dec + tl.dot(tl.trans(keys), vf, input_precision=PRECISION)
+        norm = norm * chunk_dec + tl.sum(keys, axis=0)
     d_final = tl.load(d_gt + st_off, mask=st_mask, other=0.0)
-    total = tl.sum(acc_ll, axis=0) + (seq_len - 1 - centre) * tl.sum(tl.sum(state * d_final, axis=1), axis=0)
+    d_norm = tl.load(d_bt + nm_off, mask=nm_mask, other=0.0)
+    final = tl.sum(tl.sum(state * d_final, axis=1), axis=0) + tl.sum(norm * d_norm, axis=0)
+    total = tl.sum(acc_ll, axis=0) + (seq_len - 1 - centre) * final
     tl.atomic_add(dll + h * S + s, total)
 
 
@@ -173,13 +213,17 @@ def _soe_bwd_reverse_order_kernel(
     coef,
     log_lam,
     g0,
+    b0,
     d_out,
+    d_z,
     d_gt,
+    d_bt,
     dk,
     dv,
     dcoef,
     dll,
     dg0,
+    db0,
     seq_len,
     centre,
     H,
@@ -192,60 +236,281 @@ def _soe_bwd_reverse_order_kernel(
     PRECISION: tl.constexpr,
 ):
     b, h, s, i_d, offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
+    first, nm_off, nm_mask = _normaliser_tile(F, BT, BF)
     d_state = tl.load(d_gt + st_off, mask=st_mask, other=0.0)
+    d_norm = tl.load(d_bt + nm_off, mask=nm_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     acc_ll = tl.zeros([BT], dtype=tl.float32)
     n_chunks = tl.cdiv(seq_len, BT)
     for rev in range(0, n_chunks):
         start = (n_chunks - 1 - rev) * BT
-        row, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
+        base, loc, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
         mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, start, seq_len, BT)
         qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
-        doc = tl.load(d_out + row[:, None] * DV + offs_d[None, :], mask=mask_v, other=0.0)
+        doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
+        dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)
         key_scale = k_dec * cc
-        d_keys = tl.dot(vf, tl.trans(d_state), input_precision=PRECISION)
+        d_keys = tl.dot(vf, tl.trans(d_state), input_precision=PRECISION) + d_norm[None, :]
         d_coef_state = tl.sum(d_keys * kf, axis=1) * k_dec
         pos = (start + tl.arange(0, BT)).to(tl.float32) - centre
         acc_ll += tl.where(mask_t, d_coef_state * cc * pos, 0.0)
-        tl.atomic_add(dk + row[:, None] * F + offs_f[None, :], d_keys * key_scale[:, None], mask=mask_qk)
-        tl.atomic_add(dcoef + row * S + s, d_coef_state, mask=mask_t)
+        tl.atomic_add(_tile(dk, base, loc, F, offs_f), d_keys * key_scale[:, None], mask=mask_qk)
+        tl.atomic_add(dcoef + base * S + (loc * S + s), d_coef_state, mask=mask_t)
         tl.atomic_add(
-            dv + row[:, None] * DV + offs_d[None, :],
+            _tile(dv, base, loc, DV, offs_d),
             tl.dot(kf * key_scale[:, None], d_state, input_precision=PRECISION),
             mask=mask_v,
         )
-        d_state = d_state * chunk_dec + tl.dot(tl.trans(qf * q_dec[:, None]), doc, input_precision=PRECISION)
+        qd = qf * q_dec[:, None]
+        d_state = d_state * chunk_dec + tl.dot(tl.trans(qd), doc, input_precision=PRECISION)
+        d_norm = d_norm * chunk_dec + tl.sum(qd * dzc[:, None], axis=0)
     tl.store(dg0 + st_off, d_state, mask=st_mask)
+    tl.store(db0 + nm_off, d_norm, mask=nm_mask)
     init = tl.load(g0 + st_off, mask=st_mask, other=0.0)
-    total = tl.sum(acc_ll, axis=0) + (-1.0 - centre) * tl.sum(tl.sum(init * d_state, axis=1), axis=0)
+    init_norm = tl.load(b0 + nm_off, mask=nm_mask, other=0.0)
+    entering = tl.sum(tl.sum(init * d_state, axis=1), axis=0) + tl.sum(init_norm * d_norm, axis=0)
+    total = tl.sum(acc_ll, axis=0) + (-1.0 - centre) * entering
     tl.atomic_add(dll + h * S + s, -total)
 
 
-def _precision(x: torch.Tensor) -> str:
+@triton.jit
+def _entering_rows(q, seq_len, H, F, DV, BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr):
+    """This program's batch x head, head, rows (chunk ``program_id(1)``, value block ``program_id(2)``), the
+    rows' queries [BT, BF] in fp32, their steps t + 1 into the piece, the masks, and ``first``: all true in
+    the first value block's programs, which alone handle the normaliser z, all false elsewhere."""
+    bh = tl.program_id(0)
+    h = bh % H
+    start = tl.program_id(1) * BT
+    offs_t = start + tl.arange(0, BT)
+    offs_f = tl.arange(0, BF)
+    offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
+    mask_t = offs_t < seq_len
+    base = (((bh // H) * seq_len + start) * H + h).to(tl.int64)
+    loc = tl.arange(0, BT) * H
+    mask_qk = mask_t[:, None] & (offs_f < F)[None, :]
+    mask_v = mask_t[:, None] & (offs_d < DV)[None, :]
+    qc = tl.load(_tile(q, base, loc, F, offs_f), mask=mask_qk, other=0.0).to(tl.float32)
+    steps = (offs_t + 1).to(tl.float32)
+    first = tl.arange(0, BT) < BT * (tl.program_id(2) == 0).to(tl.int32)
+    st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    return bh, h, offs_f, offs_d, mask_t, base, loc, mask_qk, mask_v, qc, steps, first, st_mask
+
+
+@triton.jit
+def _entering_fwd_kernel(
+    q,
+    log_lam,
+    g_in,
+    b_in,
+    out,
+    z,
+    seq_len,
+    H,
+    S,
+    F,
+    DV,
+    BT: tl.constexpr,
+    BF: tl.constexpr,
+    BD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    bh, h, offs_f, offs_d, mask_t, base, loc, _mask_qk, mask_v, qc, steps, first, st_mask = _entering_rows(
+        q, seq_len, H, F, DV, BT, BF, BD
+    )
+    o = tl.zeros([BT, BD], dtype=tl.float32)
+    zc = tl.zeros([BT], dtype=tl.float32)
+    for s in range(0, S):
+        qd = qc * tl.exp(steps * tl.load(log_lam + h * S + s))[:, None]
+        g = tl.load(g_in + ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :], mask=st_mask, other=0.0)
+        o += tl.dot(qd, g, input_precision=PRECISION)
+        bv = tl.load(b_in + (bh * S + s) * F + offs_f, mask=offs_f < F, other=0.0)
+        zc += tl.sum(qd * bv[None, :], axis=1)
+    tl.store(_tile(out, base, loc, DV, offs_d), o, mask=mask_v)
+    tl.store(z + base + loc, zc, mask=mask_t & first)
+
+
+@triton.jit
+def _entering_bwd_kernel(
+    q,
+    log_lam,
+    g_in,
+    b_in,
+    d_out,
+    d_z,
+    dq,
+    dll,
+    dg,
+    db,
+    seq_len,
+    H,
+    S,
+    F,
+    DV,
+    BT: tl.constexpr,
+    BF: tl.constexpr,
+    BD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    bh, h, offs_f, offs_d, mask_t, base, loc, mask_qk, mask_v, qc, steps, first, st_mask = _entering_rows(
+        q, seq_len, H, F, DV, BT, BF, BD
+    )
+    doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
+    dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)  # z's gradient: the first value block
+    dq_acc = tl.zeros([BT, BF], dtype=tl.float32)
+    for s in range(0, S):
+        scale = tl.exp(steps * tl.load(log_lam + h * S + s))
+        st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
+        g = tl.load(g_in + st_off, mask=st_mask, other=0.0)
+        bv = tl.load(b_in + (bh * S + s) * F + offs_f, mask=offs_f < F, other=0.0)
+        d_qd = tl.dot(doc, tl.trans(g), input_precision=PRECISION) + dzc[:, None] * bv[None, :]
+        dq_acc += d_qd * scale[:, None]
+        qd = qc * scale[:, None]
+        tl.atomic_add(dg + st_off, tl.dot(tl.trans(qd), doc, input_precision=PRECISION), mask=st_mask)
+        tl.atomic_add(db + (bh * S + s) * F + offs_f, tl.sum(qd * dzc[:, None], axis=0), mask=offs_f < F)
+        # scale = lam^(t+1): d log_lam = sum_t (t + 1) scale_t (q_t . d qd_t)
+        tl.atomic_add(dll + h * S + s, tl.sum(tl.sum(qd * d_qd, axis=1) * steps, axis=0))
+    tl.atomic_add(_tile(dq, base, loc, F, offs_f), dq_acc, mask=mask_qk)
+
+
+def _precision(dtype: torch.dtype) -> str:
     """tl.dot precision: full IEEE fp32 for fp32 inputs (TF32 would cost ~1e-3 relative error); 16-bit
     inputs are rounded already, so their fp32 intermediates may use TF32."""
-    return "ieee" if x.dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _blocks(chunk_size: int, feat: int, width: int) -> tuple[int, int, int]:
-    """Block sizes: chunk and feature blocks are powers of two >= 16 (tl.dot's minimum); the chunk size only
-    changes how work is split, not the result."""
-    bt = max(16, triton.next_power_of_2(chunk_size))
+# Per target, input dtype and pass: (largest chunk block, largest value block, warps, pipeline stages).
+# A chunk block smaller than the model's chunk size changes only how the work is split, not the result;
+# small chunk and value blocks (value blocks divide the 64-wide heads) keep the tiles in registers. The
+# compile gate (benchmarks/kernel_compile.py, tests/test_kernels_compile.py) checks every entry.
+_TABLE: dict[tuple[bool, bool], dict[str, tuple[int, int, int, int]]] = {
+    # (sm_90 or newer, fp32 inputs)
+    (False, False): {"fwd": (16, 64, 8, 2), "bwd": (16, 16, 4, 2)},
+    (False, True): {"fwd": (16, 64, 8, 2), "bwd": (16, 16, 4, 2)},
+    (True, False): {"fwd": (32, 64, 8, 2), "bwd": (16, 64, 8, 2)},
+    (True, True): {"fwd": (32, 64, 8, 2), "bwd": (16, 64, 8, 2)},
+}
+
+
+def soe_launches(
+    batch: int,
+    seq_len: int,
+    heads: int,
+    n_terms: int,
+    feat: int,
+    width: int,
+    chunk_size: int,
+    dtype: torch.dtype,
+    capability: int,
+) -> dict[str, Launch]:
+    """The three kernel launches of one scan ("fwd", "bwd_forward_order", "bwd_reverse_order") for q, k, v
+    of ``dtype`` and value width ``width`` on a GPU of compute capability ``capability``. Chunk and feature
+    blocks are powers of two >= 16 (tl.dot's minimum); the chunk size only changes how work is split, not
+    the result. A value block never exceeds the value width rounded up to a power of two, so 64- and
+    16-wide heads are tiled without padding."""
     bf = max(16, triton.next_power_of_2(feat))
-    bd = min(128, max(16, triton.next_power_of_2(width)))
-    return bt, bf, bd
+    table = _TABLE[(capability >= 90, dtype == torch.float32)]
+
+    def shape(kind: str) -> tuple[dict[str, object], tuple[int, int], int, int]:
+        """(constexprs, grid, warps, stages) of the forward ("fwd") or backward ("bwd") kernels."""
+        bt_max, bd_max, warps, stages = table[kind]
+        bt = min(bt_max, max(16, triton.next_power_of_2(chunk_size)))
+        bd = min(bd_max, max(16, triton.next_power_of_2(width)))
+        grid = (batch * heads * n_terms, triton.cdiv(width, bd))
+        return {"BT": bt, "BF": bf, "BD": bd, "PRECISION": _precision(dtype)}, grid, warps, stages
+
+    ints = {"seq_len": "i32", "H": "i32", "S": "i32", "F": "i32", "DV": "i32"}
+    inputs = dict.fromkeys(("q", "k", "v"), triton_type(dtype)) | dict.fromkeys(("coef", "log_lam", "g0", "b0"), "fp32")
+    grads = ("d_out", "d_z", "d_gt", "d_bt")
+    made = {
+        "fwd": (_soe_fwd_kernel, ("out", "z", "g_t", "b_t"), ints),
+        "bwd_forward_order": (
+            _soe_bwd_forward_order_kernel,
+            (*grads, "dq", "dk", "dv", "dcoef", "dll"),
+            ints | {"centre": "fp32"},
+        ),
+        "bwd_reverse_order": (
+            _soe_bwd_reverse_order_kernel,
+            (*grads, "dk", "dv", "dcoef", "dll", "dg0", "db0"),
+            ints | {"centre": "fp32"},
+        ),
+    }
+    return {
+        name: Launch(kernel, inputs | dict.fromkeys(outs, "fp32"), scalars, *shape(name[:3]))
+        for name, (kernel, outs, scalars) in made.items()
+    }
 
 
-def fill_with_normaliser(out: torch.Tensor, main: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
-    """Write a gradient pair into the scans' "value plus normaliser column" layout: `main` into
-    out[..., :-1] and `last` into out[..., -1]. A None gradient (output unused) leaves zeros."""
-    if main is not None:
-        out[..., :-1] = main
-    if last is not None:
-        out[..., -1] = last
-    return out
+# The entering-state read (sequence parallelism): per target and pass, (chunk block, largest value block,
+# warps, stages).
+_ENTERING_TABLE: dict[bool, dict[str, tuple[int, int, int, int]]] = {
+    # sm_90 or newer
+    False: {"fwd": (32, 64, 8, 2), "bwd": (16, 32, 8, 2)},
+    True: {"fwd": (32, 64, 8, 2), "bwd": (16, 64, 8, 2)},
+}
+
+
+def entering_launches(
+    batch: int, seq_len: int, heads: int, n_terms: int, feat: int, width: int, dtype: torch.dtype, capability: int
+) -> dict[str, Launch]:
+    """The launches of the entering-state read ("fwd", "bwd"): one program per (batch x head, chunk of BT
+    tokens, value block), each summing over the S terms, so the grid grows with the piece length."""
+    bf = max(16, triton.next_power_of_2(feat))
+    ints = {"seq_len": "i32", "H": "i32", "S": "i32", "F": "i32", "DV": "i32"}
+    inputs = {"q": triton_type(dtype)} | dict.fromkeys(("log_lam", "g_in", "b_in"), "fp32")
+    outputs = {"fwd": ("out", "z"), "bwd": ("d_out", "d_z", "dq", "dll", "dg", "db")}
+    kernels = {"fwd": _entering_fwd_kernel, "bwd": _entering_bwd_kernel}
+    launches = {}
+    for name, (bt, bd_max, warps, stages) in _ENTERING_TABLE[capability >= 90].items():
+        bd = min(bd_max, max(16, triton.next_power_of_2(width)))
+        launches[name] = Launch(
+            kernels[name],
+            inputs | dict.fromkeys(outputs[name], "fp32"),
+            ints,
+            {"BT": bt, "BF": bf, "BD": bd, "PRECISION": _precision(dtype)},
+            (batch * heads, triton.cdiv(seq_len, bt), triton.cdiv(width, bd)),
+            warps,
+            stages,
+        )
+    return launches
+
+
+class SoeEnteringTriton(torch.autograd.Function):
+    """The (o, z) contributions of a state entering a piece: o_t = sum_s lam_s^(t+1) q_t^T G_s, z_t likewise
+    with b_s; the Triton form of kernels.parallel's entering-state correction. Saves only the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, log_lam, g_in, b_in):
+        batch, seq_len, heads, feat = q.shape
+        n_terms, width = log_lam.shape[-1], g_in.shape[-1]
+        check_triton_inputs(q, _entering_fwd_kernel)
+        q = q.contiguous()
+        ll, g, b = log_lam.float().contiguous(), g_in.float().contiguous(), b_in.float().contiguous()
+        out = torch.empty(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
+        z = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q.device)
+        launch = entering_launches(batch, seq_len, heads, n_terms, feat, width, q.dtype, device_capability(q))["fwd"]
+        launch.run(q, ll, g, b, out, z, seq_len, heads, n_terms, feat, width)
+        ctx.save_for_backward(q, ll, g, b)
+        ctx.dtypes = (q.dtype, log_lam.dtype, g_in.dtype, b_in.dtype)
+        ctx.set_materialize_grads(False)
+        return out.to(g_in.dtype), z.to(g_in.dtype)
+
+    @staticmethod
+    def backward(ctx, d_o, d_z):
+        q, ll, g, b = ctx.saved_tensors
+        batch, seq_len, heads, feat = q.shape
+        n_terms, width = ll.shape[-1], g.shape[-1]
+        f32 = torch.float32
+        d_out = torch.zeros((*q.shape[:3], width), dtype=f32, device=q.device) if d_o is None else d_o.to(f32)
+        d_zz = torch.zeros(q.shape[:3], dtype=f32, device=q.device) if d_z is None else d_z.to(f32)
+        dq = torch.zeros(q.shape, dtype=f32, device=q.device)
+        dll, dg, db = torch.zeros_like(ll), torch.zeros_like(g), torch.zeros_like(b)
+        launch = entering_launches(batch, seq_len, heads, n_terms, feat, width, q.dtype, device_capability(q))["bwd"]
+        launch.run(
+            q, ll, g, b, d_out.contiguous(), d_zz.contiguous(), dq, dll, dg, db, seq_len, heads, n_terms, feat, width
+        )
+        return tuple(x.to(d) for x, d in zip((dq, dll, dg, db), ctx.dtypes))
 
 
 class SoeScanTriton(torch.autograd.Function):
@@ -254,64 +519,44 @@ class SoeScanTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
         batch, seq_len, heads, feat = q.shape
-        n_terms = log_lam.shape[-1]
+        n_terms, width = log_lam.shape[-1], v.shape[-1]
         check_triton_inputs(q, _soe_fwd_kernel)
-        q, k, coef = q.contiguous(), k.contiguous(), coef.contiguous()
-        v1 = torch.nn.functional.pad(v, (0, 1), value=1.0).contiguous()
-        width = v1.shape[-1]
+        q, k, v, coef = q.contiguous(), k.contiguous(), v.contiguous(), coef.contiguous()
         ll = log_lam.float().contiguous()
-        s0 = torch.cat([g0.float(), b0.float()[..., None]], dim=-1).contiguous()
+        g0f, b0f = g0.float().contiguous(), b0.float().contiguous()
         out = torch.zeros(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
-        s_t = torch.empty_like(s0)
-        bt, bf, bd = _blocks(chunk_size, feat, width)
-        grid = (batch * heads * n_terms, triton.cdiv(width, bd))
-        prec = _precision(q)
-        _soe_fwd_kernel[grid](
-            q, k, v1, coef, ll, s0, out, s_t, seq_len, heads, n_terms, feat, width, bt, bf, bd, prec, num_warps=8
-        )
-        ctx.save_for_backward(q, k, v1, coef, ll, s0)
+        z = torch.zeros(batch, seq_len, heads, dtype=torch.float32, device=q.device)
+        g_t, b_t = torch.empty_like(g0f), torch.empty_like(b0f)
+        launches = soe_launches(batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q))
+        launches["fwd"].run(q, k, v, coef, ll, g0f, b0f, out, z, g_t, b_t, seq_len, heads, n_terms, feat, width)
+        ctx.save_for_backward(q, k, v, coef, ll, g0f, b0f)
         ctx.set_materialize_grads(False)
         ctx.meta = (chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)])
-        out = out.to(q.dtype)
-        return (
-            out[..., :-1].contiguous(),
-            out[..., -1].contiguous(),
-            s_t[..., :-1].contiguous(),
-            s_t[..., -1].contiguous(),
-        )
+        return out.to(q.dtype), z.to(q.dtype), g_t, b_t
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
-        q, k, v1, coef, ll, s0 = ctx.saved_tensors
+        q, k, v, coef, ll, g0, b0 = ctx.saved_tensors
         chunk_size, dtypes = ctx.meta
         batch, seq_len, heads, feat = q.shape
-        n_terms, width = ll.shape[-1], v1.shape[-1]
-        d_out = torch.zeros(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
-        fill_with_normaliser(d_out, d_o, d_z)
-        d_st = fill_with_normaliser(torch.zeros_like(s0), d_g, d_b)
+        n_terms, width = ll.shape[-1], v.shape[-1]
+
+        def fp32(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+            f32 = torch.float32
+            return torch.zeros(like.shape, dtype=f32, device=q.device) if grad is None else grad.to(f32).contiguous()
+
+        d_out, d_zz, d_gt, d_bt = fp32(d_o, v), fp32(d_z, q[..., 0]), fp32(d_g, g0), fp32(d_b, b0)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros_like(dq)
-        dv = torch.zeros_like(d_out)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         dcoef = torch.zeros(coef.shape, dtype=torch.float32, device=q.device)
         dll = torch.zeros_like(ll)
-        ds0 = torch.empty_like(s0)
+        dg0, db0 = torch.empty_like(g0), torch.empty_like(b0)
         centre = (seq_len - 1) / 2.0
-        bt, bf, bd = _blocks(chunk_size, feat, width)
-        grid = (batch * heads * n_terms, triton.cdiv(width, bd))
-        common = (heads, n_terms, feat, width, bt, bf, bd, _precision(q))
-        _soe_bwd_forward_order_kernel[grid](
-            q, k, v1, coef, ll, s0, d_out, d_st, dq, dk, dv, dcoef, dll, seq_len, centre, *common, num_warps=8
-        )
-        _soe_bwd_reverse_order_kernel[grid](
-            q, k, v1, coef, ll, s0, d_out, d_st, dk, dv, dcoef, dll, ds0, seq_len, centre, *common, num_warps=8
-        )
-        grads = (
-            dq.to(dtypes[0]),
-            dk.to(dtypes[1]),
-            dv[..., :-1].to(dtypes[2]),
-            dcoef.to(dtypes[3]),
-            dll.to(dtypes[4]),
-            ds0[..., :-1].to(dtypes[5]),
-            ds0[..., -1].to(dtypes[6]),
-        )
-        return (*grads, None)
+        launches = soe_launches(batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q))
+        common = (q, k, v, coef, ll, g0, b0, d_out, d_zz, d_gt, d_bt)
+        sizes = (heads, n_terms, feat, width)
+        launches["bwd_forward_order"].run(*common, dq, dk, dv, dcoef, dll, seq_len, centre, *sizes)
+        launches["bwd_reverse_order"].run(*common, dk, dv, dcoef, dll, dg0, db0, seq_len, centre, *sizes)
+        grads = (dq, dk, dv, dcoef, dll, dg0, db0)
+        return (*(g.to(d) for g, d in zip(grads, dtypes)), None)
