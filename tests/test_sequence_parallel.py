@@ -32,6 +32,9 @@ MODELS = {
                                  pmnet=PMNetConfig(window=8, memory_dim=8, depth=2, segment_len=16,
                                                    collision_scope="segment")),
 }
+# a short convolution of 4 tokens: a halo of 3 inputs from the previous rank in every block
+MODELS["vort-conv"] = dataclasses.replace(MODELS["vort"], short_conv=4)
+MODELS["pmnet-conv"] = dataclasses.replace(MODELS["pmnet"], short_conv=4)
 
 
 def _model_worker(rank: int, port: int, kind: str, checkpointing: bool, out: str, length: int = 64) -> None:
@@ -70,7 +73,8 @@ def _model_worker(rank: int, port: int, kind: str, checkpointing: bool, out: str
 
 
 @pytest.mark.parametrize(("kind", "checkpointing"), [("vort", False), ("exp", True), ("pmnet", False),
-                                                     ("pmnet-segment", True)])
+                                                     ("pmnet-segment", True), ("vort-conv", False),
+                                                     ("pmnet-conv", True)])
 def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
     mp.spawn(_model_worker, args=(free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
     for rank in range(WORLD):
