@@ -103,7 +103,7 @@ class MQAR(Experiment):
     def plot(self, results: dict[str, Any], path: Path) -> None:
         summary = results["summary"]
         lengths = sorted({int(name.rsplit("-", 2)[1][1:]) for name in summary})
-        fig, axes = figure(1, len(lengths), (5.5 * len(lengths), 4.2))
+        fig, axes = figure(1, len(lengths), (max(7.0, 5.5 * len(lengths)), 4.2))
         for ax, length in zip(axes[0], lengths):
             for kind, _ in self.kinds:
                 names = [n for n in summary if n.rsplit("-", 2)[0] == kind and n.rsplit("-", 2)[1] == f"T{length}"]
