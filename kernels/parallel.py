@@ -279,7 +279,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x, grad_received):
-        from_next = torch.zeros_like(grad_x)
+        from_next = torch.zeros_like(grad_x, memory_format=torch.contiguous_format)  # irecv fills dense buffers
         outgoing = torch.zeros_like(grad_x) if grad_received is None else grad_received
         _swap(outgoing, _peer(ctx.group, -1), from_next, _peer(ctx.group, 1))
         return None, grad_x + from_next

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.parallel import exchange_with_neighbours
 from model.config import ModelConfig
 from model.interface import CausalLM, LMOutput, SequenceParallel
 
@@ -40,6 +41,50 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise convolution over time: y_t = sum_j w[c, j] x_{t-K+1+j} per channel c.
+
+    Every family can put one before its sequence mixer (`model.short_conv: K`). It hands the mixer
+    each token mixed with the K-1 before it, which is the previous-token step of an induction head
+    (match the token after an earlier copy of the current one) for free, the reason Zoology's
+    attention baseline, Mamba, GLA and flash-linear-attention's `ShortConvolution` carry one. The
+    state is the last K-1 inputs: a call continues from the previous call's tail, and a
+    sequence-parallel piece receives the previous rank's tail (a halo, as the sliding-window
+    attention's keys) and sends that tail's gradient back.
+    """
+
+    def __init__(self, dim: int, kernel: int):
+        super().__init__()
+        self.kernel = kernel
+        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, bias=False)
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The last K-1 inputs before the first token: zeros [B, K-1, dim]."""
+        return torch.zeros(batch_size, self.kernel - 1, self.conv.in_channels, device=device)
+
+    def forward(
+        self, x: torch.Tensor, tail: torch.Tensor | None, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, dim] after the inputs in `tail` [B, K-1, dim] (zeros when None) -> (y [B, T, dim],
+        the new tail). With ``sequence_parallel`` the tail comes from the previous rank instead."""
+        n = self.kernel - 1
+        if sequence_parallel is not None and n > 0:
+            if x.shape[1] < n:
+                raise ValueError(f"a sequence-parallel piece of {x.shape[1]} tokens is shorter than the halo of {n}")
+            own, tail = exchange_with_neighbours(x[:, -n:], sequence_parallel.group)
+            x = torch.cat((x[:, :-n], own), dim=1)
+        if tail is None:
+            tail = x.new_zeros(x.shape[0], n, x.shape[2])
+        padded = torch.cat((tail.to(x.dtype), x), dim=1)
+        y = self.conv(padded.transpose(1, 2)).transpose(1, 2)
+        return y, padded[:, padded.shape[1] - n :]
+
+
+def short_convolution(config: ModelConfig) -> ShortConvolution | None:
+    """The block's short convolution when `config.short_conv` > 0, else None."""
+    return ShortConvolution(config.d_model, config.short_conv) if config.short_conv > 0 else None
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
