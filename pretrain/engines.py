@@ -4,7 +4,8 @@ Every engine offers the same operations to the trainer:
   - `train_step(micro_batches, lr)`: forward and backward of this rank's micro-batches, gradients
     averaged over the global batch, clipping, and the optimizer update (skipped when the loss or
     gradients are not finite on any rank); returns a StepInfo.
-  - `eval_loss(input_ids, labels)`: the loss without gradients (sharded engines gather weights).
+  - `eval_loss(input_ids, labels, state)`: the loss without gradients (sharded engines gather
+    weights) and the state after the piece, so that long contexts are evaluated piece by piece.
   - `save(path)` / `load(path, scratch)`: the engine-native checkpoint of model and optimizer
     (formats in pretrain/engine_checkpoint.py; the files around it, trainer state and RNG, are
     pretrain/checkpoint.py's).
@@ -96,7 +97,7 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo: ...
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]: ...
 
     def save(self, path: str) -> None:
         """Collective: write model and optimizer state under `path` (a directory every rank sees)."""
@@ -168,13 +169,15 @@ def _all_finite(value: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def _eval_loss(module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The loss in eval mode without gradients (through the wrapper, so sharded weights are
-    gathered); the module is back in train mode afterwards."""
+def _eval_loss(
+    module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, state: Any
+) -> tuple[torch.Tensor, Any]:
+    """The loss in eval mode without gradients, starting from the carried `state`, and the state after
+    (through the wrapper, so sharded weights are gathered); the module is back in train mode afterwards."""
     module.eval()
-    loss = module(input_ids, labels)
+    loss, new_state = module(input_ids, labels, state)
     module.train()
-    return loss
+    return loss, new_state
 
 
 class _TorchOptimizerEngine:
@@ -188,8 +191,8 @@ class _TorchOptimizerEngine:
     def _set_sync(self, last: bool) -> None:
         """FSDP reduces gradients only on the last micro-batch of a step."""
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _eval_loss(self.module, input_ids, labels)
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        return _eval_loss(self.module, input_ids, labels, state)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo:
         losses, states = [], []
@@ -294,8 +297,8 @@ class DeepSpeedEngine:
         applied = bool(self.engine.was_step_applied()) and math.isfinite(norm_value)
         return StepInfo(float(torch.stack(losses).mean()), norm_value, applied, states)
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _eval_loss(self.engine, input_ids, labels)
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        return _eval_loss(self.engine, input_ids, labels, state)
 
     def _grad_norm(self) -> float:
         """Global gradient norm at stage 0, where DeepSpeed's data-parallel gradients are whole."""

@@ -24,7 +24,7 @@ from data_pipeline.shards import ManifestError, load_manifest
 from data_pipeline.stream import PackedStream, StreamLoader
 from data_pipeline.synthetic import TaskBatches, make_task
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
-from model import CausalLM, build_model
+from model import IGNORE_INDEX, CausalLM, build_model
 from pretrain import carry
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
@@ -146,11 +146,25 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
     return StreamLoader(stream, num_workers=cfg.data.num_workers)
 
 
-def heldout_bits_per_token(cfg: RunConfig, engine: Engine, rank: int, world: int) -> dict[str, float]:
+def eval_piece_tokens(cfg: RunConfig, model: CausalLM, context: int) -> int:
+    """Tokens per forward call of the periodic evaluation at `context`: a rank's training piece
+    (seq_len / sequence_parallel) for models whose carried state makes piecewise exact, so that the
+    evaluation's memory does not grow with the context; the whole context otherwise."""
+    if not model.streams_exactly:
+        return context
+    return min(context, cfg.data.seq_len // cfg.engine.sequence_parallel)
+
+
+def heldout_bits_per_token(
+    cfg: RunConfig, engine: Engine, rank: int, world: int, device: torch.device
+) -> dict[str, float]:
     """Held-out loss at each configured context length, as bits per token (= per byte for byte
-    models); every rank evaluates its share of the sequences and the sums are reduced."""
+    models); every rank evaluates its share of the sequences, streaming each in pieces with the
+    carried state (`eval_piece_tokens`), and the sums are reduced."""
     results: dict[str, float] = {}
+    model = engine.model
     for context in cfg.eval.contexts:
+        piece = eval_piece_tokens(cfg, model, context)
         n_seq = max(world, cfg.eval.max_tokens // context)
         total, count = 0.0, 0
         for path in cfg.data.valid:
@@ -159,9 +173,14 @@ def heldout_bits_per_token(cfg: RunConfig, engine: Engine, rank: int, world: int
                 max_samples=n_seq - n_seq % world, batch_size=1, expected_tokenizer=cfg.data.tokenizer,
             )
             for sample in stream:
-                loss = engine.eval_loss(sample["input_ids"][None], sample["labels"][None])
-                total += float(loss) * context
-                count += context
+                inputs, labels = sample["input_ids"][None].to(device), sample["labels"][None].to(device)
+                state = model.init_state(1, device)
+                for start in range(0, context, piece):
+                    piece_labels = labels[:, start : start + piece]
+                    loss, state = engine.eval_loss(inputs[:, start : start + piece], piece_labels, state)
+                    scored = int((piece_labels != IGNORE_INDEX).sum())
+                    total += float(loss) * scored
+                    count += scored
         total, count = all_reduce_sum([total, count])
         results[f"eval/bits_per_token@{context}"] = total / max(count, 1) / math.log(2)
     return results
@@ -178,7 +197,7 @@ def evaluate_tasks(cfg: RunConfig, engine: Engine, device: torch.device) -> dict
     model.eval()
     results = run_tasks(
         model, cfg.eval.tasks, load_tokenizer(cfg.data.tokenizer), cfg.eval.task_len, cfg.eval.task_examples,
-        chunk=cfg.data.seq_len, device=device, haystack=haystack,
+        chunk=cfg.data.seq_len // cfg.engine.sequence_parallel, device=device, haystack=haystack,
     )
     model.train()
     scores = {}
@@ -325,7 +344,7 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
             window_start, window_tokens = time.time(), 0
 
         if cfg.eval.every and state.step % cfg.eval.every == 0:
-            results = heldout_bits_per_token(cfg, engine, rank, world) if cfg.data.valid else {}
+            results = heldout_bits_per_token(cfg, engine, rank, world, device) if cfg.data.valid else {}
             if cfg.eval.tasks and rank == 0:
                 results.update(evaluate_tasks(cfg, engine, device))
             metrics.log(state.step, results)
