@@ -12,7 +12,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +27,14 @@ from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import IGNORE_INDEX, CausalLM, build_model
 from pretrain import carry
 from pretrain.checkpoint import Checkpointer
-from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
+from pretrain.config import ConfigError, RunConfig, config_text, config_to_dict, dump_config
 from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
 from pretrain.engines import Engine, build_engine, device_for_rank, grad_accumulation_steps, init_distributed
+from pretrain.init_from import load_initial_weights
 from pretrain.log import get_logger
 from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
-from pretrain.parallel_dims import dims_for, local_slice
+from pretrain.parallel_dims import ParallelDims, dims_for, local_slice
 
 EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
 EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
@@ -103,6 +104,17 @@ def check_data(cfg: RunConfig) -> None:
             raise DataError(f"data.valid[{i}]: {err}") from err
 
 
+def check_start(cfg: RunConfig, world: int) -> tuple[ParallelDims, int]:
+    """The start-up rules that depend only on the config and the world size (no data, no devices):
+    the (data x sequence)-parallel mesh and the micro-batches per data-parallel rank per step, or a
+    ConfigError naming the key. `train` and `python -m pretrain.plan` both run this function."""
+    carry.check_config(cfg)
+    if cfg.engine.kind == "single" and world > 1:
+        raise ConfigError(f"engine.kind=single runs one process, but the world size is {world}; use deepspeed or fsdp")
+    dims = dims_for(cfg, world)
+    return dims, grad_accumulation_steps(cfg, dims.data_parallel)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -155,6 +167,23 @@ def eval_piece_tokens(cfg: RunConfig, model: CausalLM, context: int) -> int:
     return min(context, cfg.data.seq_len // cfg.engine.sequence_parallel)
 
 
+def streamed_loss(
+    eval_loss: Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]],
+    model: CausalLM, inputs: torch.Tensor, labels: torch.Tensor, piece: int,
+) -> tuple[float, int]:
+    """(summed loss, scored tokens) of [1, T] inputs fed `piece` tokens at a time through `eval_loss`
+    (an engine's), the state carried from piece to piece: memory stays that of one piece."""
+    state = model.init_state(inputs.shape[0], inputs.device)
+    total, count = 0.0, 0
+    for start in range(0, inputs.shape[1], piece):
+        piece_labels = labels[:, start : start + piece]
+        loss, state = eval_loss(inputs[:, start : start + piece], piece_labels, state)
+        scored = int((piece_labels != IGNORE_INDEX).sum())
+        total += float(loss) * scored
+        count += scored
+    return total, count
+
+
 def heldout_bits_per_token(
     cfg: RunConfig, engine: Engine, rank: int, world: int, device: torch.device
 ) -> dict[str, float]:
@@ -174,13 +203,9 @@ def heldout_bits_per_token(
             )
             for sample in stream:
                 inputs, labels = sample["input_ids"][None].to(device), sample["labels"][None].to(device)
-                state = model.init_state(1, device)
-                for start in range(0, context, piece):
-                    piece_labels = labels[:, start : start + piece]
-                    loss, state = engine.eval_loss(inputs[:, start : start + piece], piece_labels, state)
-                    scored = int((piece_labels != IGNORE_INDEX).sum())
-                    total += float(loss) * scored
-                    count += scored
+                summed, scored = streamed_loss(engine.eval_loss, model, inputs, labels, piece)
+                total += summed
+                count += scored
         total, count = all_reduce_sum([total, count])
         results[f"eval/bits_per_token@{context}"] = total / max(count, 1) / math.log(2)
     return results
@@ -234,10 +259,8 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     log = get_logger()
     started = time.time()
     check_data(cfg)
-    carry.check_config(cfg)
     rank, world = init_distributed(cfg)
-    dims = dims_for(cfg, world)
-    gas = grad_accumulation_steps(cfg, dims.data_parallel)
+    dims, gas = check_start(cfg, world)
     run_dir = Path(cfg.run.dir)
     checkpointer = Checkpointer(
         cfg.checkpoint.dir or str(run_dir / "checkpoints"), run_dir / ".checkpoint_staging",
@@ -251,6 +274,8 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     device = device_for_rank()
     model = build_model(cfg.model).to(device)
+    if cfg.init.from_ is not None:  # weights only; a resumed checkpoint below replaces them
+        load_initial_weights(model, cfg.init.from_)
     n_params = model.num_parameters()  # before sharding engines partition the weights
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     seed_everything(cfg.run.seed + 1000 * rank)  # per-rank streams from here on
