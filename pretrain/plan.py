@@ -16,8 +16,10 @@ import multiprocessing
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -129,27 +131,37 @@ def _resident_kib(field: str) -> int:
     return int(match.group(1))
 
 
-def _measure_in_child(
-    cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str, context: int, out: Connection
-) -> None:
+def _model_step(
+    cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str, context: int
+) -> Callable[[], None]:
+    """Build and warm the model (one-time allocations out of the way); return the step to measure."""
     torch.manual_seed(0)
     model = build_model(cfg.model)
     if cfg.engine.precision == "bf16":  # as DeepSpeed and FSDP2 run it: what the model keeps in fp32 stays fp32
         model = model.to(torch.bfloat16)
     model.activation_checkpointing = checkpointing
-    warm = torch.randint(0, cfg.model.vocab_size, (1, 257))  # one-time allocations first
+    warm = torch.randint(0, cfg.model.vocab_size, (1, 257))
     model.loss(warm[:, :-1], warm[:, 1:])[0].backward()
     model.zero_grad(set_to_none=True)
     ids = torch.randint(0, cfg.model.vocab_size, (batch, context + 1))
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # resets the high-water mark to the current resident size: build and warm-up drop out
-    before = _resident_kib("VmRSS")
-    if mode == "train":
+
+    def train_step() -> None:
         loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
         loss.backward()
-    else:  # the trainer's periodic evaluation of one sequence, through the engine's wrapper
+
+    def evaluation() -> None:  # the trainer's periodic evaluation of one sequence, through the engine's wrapper
         module = TrainModule(model)
         streamed_loss(lambda i, t, s: eval_loss(module, i, t, s), model, ids[:, :-1], ids[:, 1:], tokens)
+
+    return train_step if mode == "train" else evaluation
+
+
+def _peak_child(setup: Callable[..., Callable[[], None]], args: tuple[Any, ...], out: Connection) -> None:
+    step = setup(*args)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets the high-water mark to the current resident size: the setup drops out
+    before = _resident_kib("VmRSS")
+    step()
     out.send((_resident_kib("VmHWM") - before) * 1024)
 
 
@@ -159,21 +171,13 @@ def _measure_in_child(
 PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10), "THP_MEM_ALLOC_ENABLE": "0"}
 
 
-def measure(
-    cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str = "train", context: int | None = None
-) -> float:
-    """Peak resident growth (bytes) on this CPU, in the run's precision, read exactly from the kernel's
-    high-water mark in a fresh process: mode "train", one forward+backward of batch x tokens
-    (gradients included); mode "eval", the periodic evaluation of one sequence of `context` tokens
-    (default: `tokens`) streamed `tokens` at a time."""
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    context = tokens if context is None else context
-    context_ = multiprocessing.get_context("spawn")
-    receive, send = context_.Pipe(duplex=False)
-    child = context_.Process(
-        target=_measure_in_child, args=(cfg, checkpointing, tokens, batch, mode, context, send)
-    )
+def peak_growth(setup: Callable[..., Callable[[], None]], *args: Any, what: str) -> float:
+    """Peak resident growth (bytes) of the step that `setup(*args)` returns, run in a fresh process and
+    read exactly from the kernel's high-water mark (reset after the setup); `what` names the probe in
+    the error raised when the process dies before reporting."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_peak_child, args=(setup, args, send))
     saved = {key: os.environ.get(key) for key in PROBE_ENV}
     os.environ.update(PROBE_ENV)  # the spawned interpreter's glibc reads these at its start
     try:
@@ -189,10 +193,22 @@ def measure(
         result = receive.recv()
     except EOFError:  # the child died before sending: its traceback is on stderr
         child.join()
-        raise RuntimeError(f"the memory probe of {batch} x {tokens} tokens ({mode}, activation checkpointing "
-                           f"{checkpointing}) exited with code {child.exitcode} before reporting") from None
+        raise RuntimeError(f"{what} exited with code {child.exitcode} before reporting") from None
     child.join()
     return float(result)
+
+
+def measure(
+    cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str = "train", context: int | None = None
+) -> float:
+    """Peak resident growth (bytes) on this CPU, in the run's precision: mode "train", one
+    forward+backward of batch x tokens (gradients included); mode "eval", the periodic evaluation of
+    one sequence of `context` tokens (default: `tokens`) streamed `tokens` at a time."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    context = tokens if context is None else context
+    what = f"the memory probe of {batch} x {tokens} tokens ({mode}, activation checkpointing {checkpointing})"
+    return peak_growth(_model_step, cfg, checkpointing, tokens, batch, mode, context, what=what)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -329,8 +329,10 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
         if carrier is not None:
             carrier.update(info.states)
         checkpointer.poll()
-        loss_value = all_reduce_mean([info.loss])[0]
         state.step += 1
+        log_step = state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps
+        # the global mean loss costs a collective: only on steps that report it (every rank agrees on both)
+        loss_value = all_reduce_mean([info.loss])[0] if log_step or not info.applied else math.nan
         state.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
 
@@ -345,7 +347,7 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
         else:
             state.consecutive_skips = 0
 
-        if state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps:
+        if log_step:
             elapsed = time.time() - window_start
             tokens_per_s = window_tokens / max(elapsed, 1e-9)
             scalars = {

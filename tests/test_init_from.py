@@ -3,6 +3,7 @@ optimizer, step counter and data stream, from a run, checkpoint or export direct
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -89,3 +90,12 @@ def test_bad_sources_name_init_from(short_run: Path, tmp_path: Path, demo_shards
     args = ["--config", TINY_VORT, *overrides(demo_shards, run, f"init.from={tmp_path / 'nowhere'}")]
     assert main(args) == EXIT_BAD_INPUT
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_the_shipped_recipe_pair_extends_the_4k_run() -> None:
+    """configs/vort-125m-128k.yaml starts from configs/vort-125m.yaml's run: same model but its length."""
+    short = load_config(REPO / "configs" / "vort-125m.yaml")
+    long = load_config(REPO / "configs" / "vort-125m-128k.yaml")
+    assert long.init.from_ == short.run.dir and short.init.from_ is None
+    assert (short.data.seq_len, long.data.seq_len) == (4096, 131072)
+    assert dataclasses.replace(long.model, max_seq_len=short.model.max_seq_len) == short.model
