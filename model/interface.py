@@ -22,55 +22,54 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
 
 
-def _nll_and_logsumexp(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token negative log-likelihood (0 at ignored labels) and log-normaliser, both fp32 [N],
-    with the logits of one chunk of tokens alive at a time."""
+def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """fp32 log-probabilities of tokens [start, end): the logits in the weights' dtype, then fp32, as
+    the plain loss computes them, so that values and gradients round as F.cross_entropy's do."""
+    return torch.log_softmax((hidden[start:end] @ weight.t()).float(), dim=-1)
+
+
+def _token_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token negative log-likelihood, fp32 [N] (0 at ignored labels), with the logits of one chunk
+    of tokens alive at a time."""
     nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    lse = torch.empty_like(nll)
     step = loss_chunk_tokens(weight.shape[0])
     for start in range(0, hidden.shape[0], step):
         end = start + step
-        logits = (hidden[start:end] @ weight.t()).float()
-        chunk_lse = torch.logsumexp(logits, dim=-1)
         target = labels[start:end]
-        picked = logits.gather(1, target.clamp_min(0)[:, None])[:, 0]
-        nll[start:end] = torch.where(target != IGNORE_INDEX, chunk_lse - picked, 0.0)
-        lse[start:end] = chunk_lse
-    return nll, lse
+        picked = _chunk_log_probs(hidden, weight, start, end).gather(1, target.clamp_min(0)[:, None])[:, 0]
+        nll[start:end] = torch.where(target != IGNORE_INDEX, -picked, 0.0)
+    return nll
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of hidden [N, D] @ weight [V, D]^T against labels [N]; the backward
-    recomputes each chunk's logits from the saved hidden states and log-normalisers, so neither pass
-    holds more than one chunk's [tokens x vocabulary] logits."""
+    recomputes each chunk's logits from the saved hidden states, so neither pass holds more than one
+    chunk's [tokens x vocabulary] logits."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        nll, lse = _nll_and_logsumexp(hidden, weight, labels)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        return nll.sum()
+        ctx.save_for_backward(hidden, weight, labels)
+        return _token_nll(hidden, weight, labels).sum()
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        hidden, weight, labels, lse = ctx.saved_tensors
+        hidden, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         step = loss_chunk_tokens(weight.shape[0])
         for start in range(0, hidden.shape[0], step):
             end = start + step
-            h, target = hidden[start:end], labels[start:end]
+            target = labels[start:end]
             # d(nll)/d(logits) = softmax - one_hot(label), zero on ignored rows
-            grad_logits = torch.exp((h @ weight.t()).float() - lse[start:end, None])
-            valid = target != IGNORE_INDEX
-            rows = torch.arange(h.shape[0], device=h.device)
+            grad_logits = _chunk_log_probs(hidden, weight, start, end).exp_()
+            rows = torch.arange(target.shape[0], device=target.device)
             grad_logits[rows, target.clamp_min(0)] -= 1.0
-            grad_logits = (grad_logits * (valid[:, None] * grad_total)).to(hidden.dtype)
+            scale = (target != IGNORE_INDEX).to(grad_logits.dtype) * grad_total
+            grad_logits = (grad_logits * scale[:, None]).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
             if ctx.needs_input_grad[1]:
-                grad_weight += (grad_logits.t() @ h).float()
+                grad_weight += (grad_logits.t() @ hidden[start:end]).float()
         return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
 
 
@@ -85,7 +84,7 @@ def token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     """Per-token cross-entropy [..., T] of hidden [..., T, D] @ weight^T (0 at ignored labels), in chunks;
     for evaluation (no gradient)."""
     with torch.no_grad():
-        nll, _ = _nll_and_logsumexp(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1))
+        nll = _token_nll(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1))
     return nll.view(labels.shape)
 
 
