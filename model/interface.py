@@ -60,12 +60,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], step):
             end = start + step
             target = labels[start:end]
-            # d(nll)/d(logits) = softmax - one_hot(label), zero on ignored rows
-            grad_logits = _chunk_log_probs(hidden, weight, start, end).exp_()
+            # d(nll)/d(logits) = (softmax - one_hot(label)) x upstream gradient, zero on ignored rows;
+            # scaled before the one-hot is subtracted, in the order of log_softmax's own backward
+            scale = (target != IGNORE_INDEX).float() * grad_total
+            grad_logits = _chunk_log_probs(hidden, weight, start, end).exp_().mul_(scale[:, None])
             rows = torch.arange(target.shape[0], device=target.device)
-            grad_logits[rows, target.clamp_min(0)] -= 1.0
-            scale = (target != IGNORE_INDEX).to(grad_logits.dtype) * grad_total
-            grad_logits = (grad_logits * scale[:, None]).to(hidden.dtype)
+            grad_logits[rows, target.clamp_min(0)] -= scale
+            grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
             if ctx.needs_input_grad[1]:
