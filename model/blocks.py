@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.parallel import exchange_with_neighbours
 from model.config import ModelConfig
-from model.interface import CausalLM, LMOutput, SequenceParallel
+from model.interface import CausalLM, LMHead, LMOutput, SequenceParallel
 
 
 class RMSNorm(nn.Module):
@@ -115,7 +115,7 @@ class StackedLM(CausalLM):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(make_block(i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head = LMHead(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.activation_checkpointing = False
@@ -136,6 +136,12 @@ class StackedLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, state: list[Any] | None = None, sequence_parallel: SequenceParallel | None = None
     ) -> LMOutput:
+        hidden, new_states = self.hidden_states(input_ids, state, sequence_parallel)
+        return LMOutput(self.head(hidden), new_states)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, state: list[Any] | None = None, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, list[Any]]:
         if sequence_parallel is not None:
             if not self.supports_sequence_parallel:
                 raise ValueError(f"model kind {self.config.kind!r} does not run sequence-parallel")
@@ -150,7 +156,7 @@ class StackedLM(CausalLM):
             else:
                 x, block_state = block(x, block_state, sequence_parallel)
             new_states.append(block_state)
-        return LMOutput(self.head(self.norm(x)), new_states)
+        return self.norm(x), new_states
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (the embedding lookup does not)."""
