@@ -51,20 +51,25 @@ def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_term
     _check_soe(soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed=seq_len), chunk_size)
 
 
-@pytest.mark.parametrize(("target", "spans"), [(2, 1), (6, 4), (264, 10)])
-def test_soe_triton_spans_match_reference(monkeypatch, target, spans):
-    """The span decomposition at three splits of one 150-token sequence (chunks of 16): one span (the
-    plain sequential walk), spans of three chunks with a 6-token last span, and one chunk per span; with
-    an initial state, a term that decays fast, and every gradient (q, k, v, coef, log_lam, G0, b0)."""
+@pytest.mark.parametrize(
+    ("seq_len", "target", "spans", "batch", "heads", "dim_v"),
+    [(150, 2, 1, 1, 1, 5), (150, 6, 4, 1, 1, 5), (150, 264, 10, 1, 1, 5), (70, 16, 3, 2, 2, 20)],
+)
+def test_soe_triton_spans_match_reference(monkeypatch, seq_len, target, spans, batch, heads, dim_v):
+    """The span decomposition at several splits (chunks of 16): 150 tokens as one span (the plain
+    sequential walk), as spans of three chunks with a 6-token last span, and as one chunk per span; 70
+    tokens of two sequences and two heads, with two value blocks in the backward, as spans of two
+    chunks. With an initial state, a term that decays fast, and every gradient (q, k, v, coef, log_lam,
+    G0, b0)."""
     import kernels.span
     from kernels.soe.triton import soe_launches
 
     monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
-    span, launches = soe_launches(1, 150, 1, 2, 4, 5, 16, torch.float32, 80)
-    assert launches["fwd"].grid[2] == spans == math.ceil(150 / span)
+    span, launches = soe_launches(batch, seq_len, heads, 2, 4, dim_v, 16, torch.float32, 80)
+    assert launches["fwd"].grid[2] == spans == math.ceil(seq_len / span)
     assert {launch.grid[2] for name, launch in launches.items() if "pass" not in name} == {spans}
-    inputs = soe_inputs(1, 150, 1, 4, 5, 2, True, seed=7)
-    inputs["log_lam"] = torch.tensor([[-0.01, -3.0]], dtype=torch.float64)
+    inputs = soe_inputs(batch, seq_len, heads, 4, dim_v, 2, True, seed=7)
+    inputs["log_lam"] = torch.tensor([[-0.01, -3.0]] * heads, dtype=torch.float64)
     _check_soe(inputs, 16)
 
 
