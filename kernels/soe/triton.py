@@ -477,8 +477,8 @@ def soe_launches(
     in reverse), "bwd_forward_order", "bwd_reverse_order". Chunk and feature blocks are powers of two >=
     16 (tl.dot's minimum); the chunk size only changes how work is split, not the result. A value block
     never exceeds the value width rounded up to a power of two, so 64- and 16-wide heads are tiled
-    without padding. Spans are whole chunks of both passes and as many as the forward's grid (the one
-    with the widest value blocks) needs to reach kernels.span.TARGET_PROGRAMS programs."""
+    without padding. Spans are whole chunks of both passes, as many as the smaller of the two grids (the
+    one with the wider value blocks) needs to reach kernels.span.TARGET_PROGRAMS programs."""
     bf = max(16, triton.next_power_of_2(feat))
     table = _TABLE[(capability >= 90, dtype == torch.float32)]
 
@@ -496,7 +496,7 @@ def soe_launches(
     ints = {"seq_len": "i32", "SPAN": "i32", "H": "i32", "S": "i32", "F": "i32", "DV": "i32", "W": "i32"}
     inputs = dict.fromkeys(("q", "k", "v"), triton_type(dtype)) | dict.fromkeys(("coef", "log_lam", "states"), "fp32")
     grads = ("d_out", "d_z", "d_states")
-    backward_ints = {"seq_len": "i32", "SPAN": "i32", "centre": "fp32"} | ints
+    backward_ints = ints | {"centre": "fp32"}
     made = {
         "fwd": (_soe_fwd_kernel, inputs | dict.fromkeys(("out", "z"), "fp32"), ints, fwd, {}),
         "fwd_spans": (
