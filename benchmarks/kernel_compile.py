@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 
 from kernels._common import Launch
+from kernels.span import MIN_PROGRAMS
 from model.config import ModelConfig, load_model_config
 
 TARGETS = (80, 90)
 SHARED_LIMIT = {80: 166_912, 90: 232_448}  # bytes per block (opt-in maximum) on A100 and H100
 DTYPES = (torch.float32, torch.bfloat16)
 SEQ_LEN = 65_536  # tokens per rank of the long-context runs: the grids are counted at this length
-MIN_PROGRAMS = 132  # one per H100 SM
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
 
 
@@ -82,13 +82,14 @@ def _shapes(name: str, cfg: ModelConfig, dtype: torch.dtype, target: int) -> dic
         v = cfg.vort
         n_terms = MEMORIES[cfg.kind](cfg).n_terms
         shape = (1, SEQ_LEN, cfg.n_heads, n_terms, v.n_features, cfg.head_dim)
-        found = {f"soe_{k}": x for k, x in soe_launches(*shape, v.chunk_size, dtype, target).items()}
+        _span, launches = soe_launches(*shape, v.chunk_size, dtype, target)
+        found = {f"soe_{k}": x for k, x in launches.items()}
         # the entering-state read of sequence parallelism
         return found | {f"soe_entering_{k}": x for k, x in entering_launches(*shape, dtype, target).items()}
     if cfg.kind == "pmnet" and cfg.pmnet.memory_every:
         p = cfg.pmnet
-        found = phasor_launches(1, SEQ_LEN, p.depth + 1, p.memory_dim, p.n_slots, dtype, target)
-        return {f"phasor_{k}": x for k, x in found.items()}
+        _span, launches = phasor_launches(1, SEQ_LEN, p.depth + 1, p.memory_dim, p.n_slots, dtype, target)
+        return {f"phasor_{k}": x for k, x in launches.items()}
     return {}
 
 

@@ -93,23 +93,26 @@ def test_roofline_model_scales_with_the_terms_and_prints_every_kernel(capsys):
     from benchmarks import roofline
 
     rows = {(r["config"], r["kernel"]): r for r in roofline.roofline(["vort-125m", "pl-125m", "pmnet-119m"])}
-    assert set(k for _, k in rows) == {
-        "soe_fwd",
-        "soe_bwd_forward_order",
-        "soe_bwd_reverse_order",
-        "phasor_fwd",
-        "phasor_bwd",
-    }
-    # same heads and blocks, 18 vs 16 SOE terms: the per-term programs make work and traffic scale with S
-    for kernel in ("soe_fwd", "soe_bwd_forward_order", "soe_bwd_reverse_order"):
+    soe = [f"soe_{k}" for k in ("fwd_spans", "fwd_pass", "fwd", "bwd_spans", "bwd_pass", "bwd_forward_order")]
+    soe.append("soe_bwd_reverse_order")
+    phasor = [f"phasor_{k}" for k in ("fwd_spans", "fwd_pass", "fwd", "bwd_spans", "bwd_pass", "bwd")]
+    assert set(k for _, k in rows) == {*soe, *phasor}
+    # same heads, blocks and spans, 18 vs 16 SOE terms: the per-term programs and per-term states make
+    # work and traffic scale with S
+    for kernel in (k for k in soe if not k.endswith("_pass")):
         vort, pl = rows[("vort-125m", kernel)], rows[("pl-125m", kernel)]
         assert vort["flops_per_token"] / pl["flops_per_token"] == pytest.approx(18 / 16)
         assert vort["bytes_per_token"] / pl["bytes_per_token"] == pytest.approx(18 / 16)
+    for kernel in ("soe_fwd_pass", "soe_bwd_pass"):
+        vort, pl = rows[("vort-125m", kernel)], rows[("pl-125m", kernel)]
+        assert vort["flops_per_token"] == 0 and vort["bytes_per_token"] / pl["bytes_per_token"] == pytest.approx(
+            18 / 16
+        )
     for r in rows.values():
         compute, memory = r["flops_per_token"] / roofline.PEAK_FLOPS, r["bytes_per_token"] / roofline.PEAK_BYTES
         assert r["h100_ms_per_64k_tokens_per_layer"] == pytest.approx(max(compute, memory) * 65536 * 1e3)
         assert r["bound"] == ("compute" if compute >= memory else "memory")
     assert roofline.main(["--config", "exp-tiny"]) == 0
-    assert capsys.readouterr().out.count("| exp-tiny |") == 3
+    assert capsys.readouterr().out.count("| exp-tiny |") == 7
     with pytest.raises(ValueError, match="no scan"):
         roofline.roofline(["transformer-tiny"])

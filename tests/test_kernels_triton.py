@@ -51,6 +51,65 @@ def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_term
     _check_soe(soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed=seq_len), chunk_size)
 
 
+@pytest.mark.parametrize(
+    ("seq_len", "target", "spans", "batch", "heads", "dim_v"),
+    [(150, 2, 1, 1, 1, 5), (150, 6, 4, 1, 1, 5), (150, 264, 10, 1, 1, 5), (70, 16, 3, 2, 2, 20)],
+)
+def test_soe_triton_spans_match_reference(monkeypatch, seq_len, target, spans, batch, heads, dim_v):
+    """The span decomposition at several splits (chunks of 16): 150 tokens as one span (the plain
+    sequential walk), as spans of three chunks with a 6-token last span, and as one chunk per span; 70
+    tokens of two sequences and two heads, with two value blocks in the backward, as spans of two
+    chunks. With an initial state, a term that decays fast, and every gradient (q, k, v, coef, log_lam,
+    G0, b0)."""
+    import kernels.span
+    from kernels.soe.triton import soe_launches
+
+    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
+    span, launches = soe_launches(batch, seq_len, heads, 2, 4, dim_v, 16, torch.float32, 80)
+    assert launches["fwd"].grid[2] == spans == math.ceil(seq_len / span)
+    assert {launch.grid[2] for name, launch in launches.items() if "pass" not in name} == {spans}
+    inputs = soe_inputs(batch, seq_len, heads, 4, dim_v, 2, True, seed=7)
+    inputs["log_lam"] = torch.tensor([[-0.01, -3.0]] * heads, dtype=torch.float64)
+    _check_soe(inputs, 16)
+
+
+@pytest.mark.parametrize(("target", "spans"), [(1, 1), (4, 5)])
+def test_phasor_triton_spans_match_reference(monkeypatch, target, spans):
+    """The phasor scan in one span and in five (two chunks each, the last one 6 tokens), with an initial
+    state: reads, final phases, and the gradients of the increments and of the initial state."""
+    import kernels.span
+    from kernels.phasor.triton import phasor_launches
+
+    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
+    inputs, n_slots = phasor_inputs(1, 150, 3, 5, 2, True, seed=11)
+    span, launches = phasor_launches(1, 150, 3, 5, n_slots, torch.float32, 80)
+    assert launches["fwd"].grid[2] == spans == math.ceil(150 / span)
+    (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
+    (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
+    assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi
+    assert angle_err(final, ref_final) <= FWD_TOL * 2 * math.pi
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
+
+
+def test_span_sizes_fill_the_gpu():
+    """Spans give the per-span kernels TARGET_PROGRAMS programs when the sequence has enough chunks (one
+    chunk per span otherwise), and the span pass launches MIN_PROGRAMS programs for states of 264
+    elements or more (the tiny configs' states hold 1,088-11,968)."""
+    from kernels.span import MIN_PROGRAMS, TARGET_PROGRAMS, span_chunks, span_pass_launch
+
+    for seq_len, chunk, per_span in [(65_536, 16, 4), (65_536, 32, 216), (65_536, 16, 300), (100, 16, 4)]:
+        chunks = span_chunks(seq_len, chunk, per_span)
+        n_spans = math.ceil(seq_len / (chunks * chunk))
+        if math.ceil(seq_len / chunk) >= TARGET_PROGRAMS / per_span:
+            assert n_spans * per_span >= TARGET_PROGRAMS
+        else:
+            assert chunks == 1
+    for n in (264, 1_088, 1_360, 11_968, 10**6):
+        launch = span_pass_launch(n, reverse=False, decay=True, wrap=False)
+        assert launch.programs >= MIN_PROGRAMS and launch.programs * launch.constexprs["BLOCK"] >= n
+
+
 def _soe_in_pieces(inputs, bounds):
     x = {n: t.float().to(DEVICE).requires_grad_() for n, t in inputs.items()}
     state, outs = (x["g0"], x["b0"]), []

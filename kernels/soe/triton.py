@@ -1,8 +1,12 @@
 """Triton kernels for the SOE scan (the CUDA path; also runs under TRITON_INTERPRET=1 on CPU tensors).
 
 The same chunked algorithm as kernels/soe/chunk.py, forward and backward, with each SOE term's state
-kept in registers by its own program and the terms' outputs summed by atomic adds. docs/kernels.md,
-"SOE scan: the chunked algorithm", gives the formulas, the program layout and the precision rules.
+kept in registers by its own program and the terms' outputs summed by atomic adds. The sequence is cut
+into spans of whole chunks (kernels/span.py) so that a batch-1 step still launches enough programs:
+per-span state contributions, one pass over the spans for the entering states (and, in reverse, their
+gradients), then the per-span walks. States cross kernels packed as [n_spans + 1, B*H*S, F*D + F]
+(each term's G_s row-major, then b_s). docs/kernels.md, "SOE scan: the chunked algorithm", gives the
+formulas, the program layout and the precision rules.
 """
 
 from __future__ import annotations
@@ -12,23 +16,33 @@ import triton
 import triton.language as tl
 
 from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
+from kernels.span import span_chunks, span_pass_launch
 
 
 @triton.jit
-def _term_tile(H, S, F, DV, BF: tl.constexpr, BD: tl.constexpr):
-    """This program's batch, head, term and value block, and the offsets and mask of its state tile
-    G_s [BF, BD] in a [B, H, S, F, DV] state."""
+def _term_tile(H, S, F, DV, W, SPAN, seq_len, BF: tl.constexpr, BD: tl.constexpr):
+    """This program's batch, head, term, value block and span [lo, hi) of tokens, and the offsets and mask
+    of its state tile G_s [BF, BD] in one slot of a packed [B*H*S, W] state (W = F*DV + F: each term's
+    G_s row-major, then its normaliser b_s)."""
     pid = tl.program_id(0)
     i_d = tl.program_id(1)
+    lo = tl.program_id(2) * SPAN
+    hi = tl.minimum(lo + SPAN, seq_len)
     s = pid % S
     bh = pid // S
     h = bh % H
     b = bh // H
     offs_f = tl.arange(0, BF)
     offs_d = i_d * BD + tl.arange(0, BD)
-    st_off = ((bh * S + s) * F + offs_f[:, None]) * DV + offs_d[None, :]
+    st_off = pid * W + offs_f[:, None] * DV + offs_d[None, :]
     st_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
-    return b, h, s, i_d, offs_f, offs_d, st_off, st_mask
+    return b, h, s, i_d, offs_f, offs_d, st_off, st_mask, lo, hi
+
+
+@triton.jit
+def _slot(states, i, W):
+    """Slot ``i`` of a packed [n_spans + 1, B*H*S, W] state (64-bit offset)."""
+    return states + i.to(tl.int64) * tl.num_programs(0) * W
 
 
 @triton.jit
@@ -77,13 +91,71 @@ def _load_chunk(
 
 
 @triton.jit
-def _normaliser_tile(F, BT: tl.constexpr, BF: tl.constexpr):
-    """The normaliser b_s [BF] of a [B, H, S, F] state is carried by the first value block's program only:
-    a [BT] mask that is all true there and all false elsewhere, and the offsets and mask of b_s (the masks
-    are built from block comparisons, which the interpreter also accepts)."""
+def _normaliser_tile(F, DV, W, BT: tl.constexpr, BF: tl.constexpr):
+    """The normaliser b_s [BF] of a term is carried by the first value block's program only: a [BT] mask
+    that is all true there and all false elsewhere, and the offsets and mask of b_s in the packed state
+    (the masks are built from block comparisons, which the interpreter also accepts)."""
     keep = (tl.program_id(1) == 0).to(tl.int32)
     offs_f = tl.arange(0, BF)
-    return tl.arange(0, BT) < BT * keep, tl.program_id(0) * F + offs_f, offs_f < F * keep
+    return tl.arange(0, BT) < BT * keep, tl.program_id(0) * W + F * DV + offs_f, offs_f < F * keep
+
+
+@triton.jit
+def _soe_span_kernel(
+    x,
+    y,
+    coef,
+    y_norm,
+    log_lam,
+    states,
+    seq_len,
+    SPAN,
+    H,
+    S,
+    F,
+    DV,
+    W,
+    BT: tl.constexpr,
+    BF: tl.constexpr,
+    BD: tl.constexpr,
+    REVERSE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One span's own contribution to the state, from a zero state, into slot ``span + 1`` (forward: x = k,
+    y = v; the state its tokens leave at its end, sum_j lam^(hi-1-j) coef_j k_j v_j^T, and b_s with k
+    alone) or, REVERSE, into slot ``span`` (x = q, y = d_out, y_norm = d_z: the gradient its reads give
+    the state entering it, sum_t lam^(t-lo+1) q_t do_t^T, and b_s's with d_z)."""
+    b, h, s, _i_d, offs_f, offs_d, st_off, st_mask, lo, hi = _term_tile(H, S, F, DV, W, SPAN, seq_len, BF, BD)
+    first, nm_off, nm_mask = _normaliser_tile(F, DV, W, BT, BF)
+    ll = tl.load(log_lam + h * S + s)
+    acc = tl.zeros([BF, BD], dtype=tl.float32)
+    acc_norm = tl.zeros([BF], dtype=tl.float32)
+    n_chunks = tl.cdiv(hi - lo, BT)
+    for i in range(0, n_chunks):
+        if REVERSE:
+            start = lo + (n_chunks - 1 - i) * BT
+        else:
+            start = lo + i * BT
+        base = ((b * seq_len + start) * H + h).to(tl.int64)
+        loc = tl.arange(0, BT) * H
+        mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, start, seq_len, BT)
+        xc = tl.load(_tile(x, base, loc, F, offs_f), mask=mask_t[:, None] & (offs_f < F)[None, :], other=0.0)
+        yc = tl.load(_tile(y, base, loc, DV, offs_d), mask=mask_t[:, None] & (offs_d < DV)[None, :], other=0.0)
+        if REVERSE:
+            scaled = xc.to(tl.float32) * q_dec[:, None]
+            weight = tl.load(y_norm + base + loc, mask=mask_t & first, other=0.0)
+        else:
+            cc = tl.load(coef + base * S + (loc * S + s), mask=mask_t, other=0.0)
+            scaled = xc.to(tl.float32) * (k_dec * cc)[:, None]
+            weight = tl.where(mask_t, 1.0, 0.0)
+        acc = acc * chunk_dec + tl.dot(tl.trans(scaled.to(yc.dtype)), yc, input_precision=PRECISION)
+        acc_norm = acc_norm * chunk_dec + tl.sum(scaled * weight[:, None], axis=0)
+    if REVERSE:
+        out = _slot(states, tl.program_id(2), W)
+    else:
+        out = _slot(states, tl.program_id(2) + 1, W)
+    tl.store(out + st_off, acc, mask=st_mask)
+    tl.store(out + nm_off, acc_norm, mask=nm_mask)
 
 
 @triton.jit
@@ -93,28 +165,30 @@ def _soe_fwd_kernel(
     v,
     coef,
     log_lam,
-    g0,
-    b0,
+    states,
     out,
     z,
-    g_t,
-    b_t,
     seq_len,
+    SPAN,
     H,
     S,
     F,
     DV,
+    W,
     BT: tl.constexpr,
     BF: tl.constexpr,
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    b, h, s, i_d, _offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
-    first, nm_off, nm_mask = _normaliser_tile(F, BT, BF)
-    state = tl.load(g0 + st_off, mask=st_mask, other=0.0)
-    norm = tl.load(b0 + nm_off, mask=nm_mask, other=0.0)
+    """Outputs of one span, one term and one value block, from the state entering the span (slot
+    ``span`` of ``states``), added into o and z by atomics (the S terms of a head share them)."""
+    b, h, s, i_d, _offs_f, offs_d, st_off, st_mask, lo, hi = _term_tile(H, S, F, DV, W, SPAN, seq_len, BF, BD)
+    first, nm_off, nm_mask = _normaliser_tile(F, DV, W, BT, BF)
+    entering = _slot(states, tl.program_id(2), W)
+    state = tl.load(entering + st_off, mask=st_mask, other=0.0)
+    norm = tl.load(entering + nm_off, mask=nm_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
-    for start in range(0, seq_len, BT):
+    for start in range(lo, hi, BT):
         base, loc, _mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
@@ -129,8 +203,6 @@ def _soe_fwd_kernel(
         keys = kc * (k_dec * cc)[:, None]
         state = state * chunk_dec + tl.dot(tl.trans(keys.to(vc.dtype)), vc, input_precision=PRECISION)
         norm = norm * chunk_dec + tl.sum(keys.to(tl.float32), axis=0)
-    tl.store(g_t + st_off, state, mask=st_mask)
-    tl.store(b_t + nm_off, norm, mask=nm_mask)
 
 
 @triton.jit
@@ -140,35 +212,38 @@ def _soe_bwd_forward_order_kernel(
     v,
     coef,
     log_lam,
-    g0,
-    b0,
+    states,
     d_out,
     d_z,
-    d_gt,
-    d_bt,
+    d_states,
     dq,
     dk,
     dv,
     dcoef,
     dll,
     seq_len,
+    SPAN,
     centre,
     H,
     S,
     F,
     DV,
+    W,
     BT: tl.constexpr,
     BF: tl.constexpr,
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    b, h, s, i_d, offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
-    first, nm_off, nm_mask = _normaliser_tile(F, BT, BF)
-    state = tl.load(g0 + st_off, mask=st_mask, other=0.0)
-    norm = tl.load(b0 + nm_off, mask=nm_mask, other=0.0)
+    """One span in token order from its entering state: the query gradients of the cross-chunk reads, all
+    intra-chunk gradients, and the reader half of d log_lam."""
+    b, h, s, i_d, offs_f, offs_d, st_off, st_mask, lo, hi = _term_tile(H, S, F, DV, W, SPAN, seq_len, BF, BD)
+    first, nm_off, nm_mask = _normaliser_tile(F, DV, W, BT, BF)
+    entering = _slot(states, tl.program_id(2), W)
+    state = tl.load(entering + st_off, mask=st_mask, other=0.0)
+    norm = tl.load(entering + nm_off, mask=nm_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     acc_ll = tl.zeros([BT], dtype=tl.float32)
-    for start in range(0, seq_len, BT):
+    for start in range(lo, hi, BT):
         base, loc, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
@@ -198,11 +273,7 @@ def _soe_bwd_forward_order_kernel(
         keys = kf * (k_dec * cc)[:, None]
         state = state * chunk_dec + tl.dot(tl.trans(keys), vf, input_precision=PRECISION)
         norm = norm * chunk_dec + tl.sum(keys, axis=0)
-    d_final = tl.load(d_gt + st_off, mask=st_mask, other=0.0)
-    d_norm = tl.load(d_bt + nm_off, mask=nm_mask, other=0.0)
-    final = tl.sum(tl.sum(state * d_final, axis=1), axis=0) + tl.sum(norm * d_norm, axis=0)
-    total = tl.sum(acc_ll, axis=0) + (seq_len - 1 - centre) * final
-    tl.atomic_add(dll + h * S + s, total)
+    tl.atomic_add(dll + h * S + s, tl.sum(acc_ll, axis=0))
 
 
 @triton.jit
@@ -212,38 +283,40 @@ def _soe_bwd_reverse_order_kernel(
     v,
     coef,
     log_lam,
-    g0,
-    b0,
+    states,
     d_out,
     d_z,
-    d_gt,
-    d_bt,
+    d_states,
     dk,
     dv,
     dcoef,
     dll,
-    dg0,
-    db0,
     seq_len,
+    SPAN,
     centre,
     H,
     S,
     F,
     DV,
+    W,
     BT: tl.constexpr,
     BF: tl.constexpr,
     BD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    b, h, s, i_d, offs_f, offs_d, st_off, st_mask = _term_tile(H, S, F, DV, BF, BD)
-    first, nm_off, nm_mask = _normaliser_tile(F, BT, BF)
-    d_state = tl.load(d_gt + st_off, mask=st_mask, other=0.0)
-    d_norm = tl.load(d_bt + nm_off, mask=nm_mask, other=0.0)
+    """One span in reverse token order from the gradient of the state leaving it (slot ``span + 1`` of
+    ``d_states``): the key, value and coef gradients of the cross-chunk writes and the writer half of
+    d log_lam."""
+    b, h, s, i_d, offs_f, offs_d, st_off, st_mask, lo, hi = _term_tile(H, S, F, DV, W, SPAN, seq_len, BF, BD)
+    first, nm_off, nm_mask = _normaliser_tile(F, DV, W, BT, BF)
+    leaving = _slot(d_states, tl.program_id(2) + 1, W)
+    d_state = tl.load(leaving + st_off, mask=st_mask, other=0.0)
+    d_norm = tl.load(leaving + nm_off, mask=nm_mask, other=0.0)
     ll = tl.load(log_lam + h * S + s)
     acc_ll = tl.zeros([BT], dtype=tl.float32)
-    n_chunks = tl.cdiv(seq_len, BT)
+    n_chunks = tl.cdiv(hi - lo, BT)
     for rev in range(0, n_chunks):
-        start = (n_chunks - 1 - rev) * BT
+        start = lo + (n_chunks - 1 - rev) * BT
         base, loc, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
@@ -266,13 +339,7 @@ def _soe_bwd_reverse_order_kernel(
         qd = qf * q_dec[:, None]
         d_state = d_state * chunk_dec + tl.dot(tl.trans(qd), doc, input_precision=PRECISION)
         d_norm = d_norm * chunk_dec + tl.sum(qd * dzc[:, None], axis=0)
-    tl.store(dg0 + st_off, d_state, mask=st_mask)
-    tl.store(db0 + nm_off, d_norm, mask=nm_mask)
-    init = tl.load(g0 + st_off, mask=st_mask, other=0.0)
-    init_norm = tl.load(b0 + nm_off, mask=nm_mask, other=0.0)
-    entering = tl.sum(tl.sum(init * d_state, axis=1), axis=0) + tl.sum(init_norm * d_norm, axis=0)
-    total = tl.sum(acc_ll, axis=0) + (-1.0 - centre) * entering
-    tl.atomic_add(dll + h * S + s, -total)
+    tl.atomic_add(dll + h * S + s, -tl.sum(acc_ll, axis=0))
 
 
 @triton.jit
@@ -403,43 +470,75 @@ def soe_launches(
     chunk_size: int,
     dtype: torch.dtype,
     capability: int,
-) -> dict[str, Launch]:
-    """The three kernel launches of one scan ("fwd", "bwd_forward_order", "bwd_reverse_order") for q, k, v
-    of ``dtype`` and value width ``width`` on a GPU of compute capability ``capability``. Chunk and feature
-    blocks are powers of two >= 16 (tl.dot's minimum); the chunk size only changes how work is split, not
-    the result. A value block never exceeds the value width rounded up to a power of two, so 64- and
-    16-wide heads are tiled without padding."""
+) -> tuple[int, dict[str, Launch]]:
+    """(span length, launches) of one scan for q, k, v of ``dtype`` and value width ``width`` on a GPU of
+    compute capability ``capability``. Forward: "fwd_spans" (each span's state contribution), "fwd_pass"
+    (the entering states), "fwd" (the outputs); backward: "bwd_spans", "bwd_pass" (the state gradients,
+    in reverse), "bwd_forward_order", "bwd_reverse_order". Chunk and feature blocks are powers of two >=
+    16 (tl.dot's minimum); the chunk size only changes how work is split, not the result. A value block
+    never exceeds the value width rounded up to a power of two, so 64- and 16-wide heads are tiled
+    without padding. Spans are whole chunks of both passes, as many as the smaller of the two grids (the
+    one with the wider value blocks) needs to reach kernels.span.TARGET_PROGRAMS programs."""
     bf = max(16, triton.next_power_of_2(feat))
     table = _TABLE[(capability >= 90, dtype == torch.float32)]
 
-    def shape(kind: str) -> tuple[dict[str, object], tuple[int, int], int, int]:
-        """(constexprs, grid, warps, stages) of the forward ("fwd") or backward ("bwd") kernels."""
+    def blocks(kind: str) -> tuple[int, int, int, int]:
+        """(chunk block, value block, warps, stages) of the forward ("fwd") or backward ("bwd") kernels."""
         bt_max, bd_max, warps, stages = table[kind]
         bt = min(bt_max, max(16, triton.next_power_of_2(chunk_size)))
-        bd = min(bd_max, max(16, triton.next_power_of_2(width)))
-        grid = (batch * heads * n_terms, triton.cdiv(width, bd))
-        return {"BT": bt, "BF": bf, "BD": bd, "PRECISION": _precision(dtype)}, grid, warps, stages
+        return bt, min(bd_max, max(16, triton.next_power_of_2(width))), warps, stages
 
-    ints = {"seq_len": "i32", "H": "i32", "S": "i32", "F": "i32", "DV": "i32"}
-    inputs = dict.fromkeys(("q", "k", "v"), triton_type(dtype)) | dict.fromkeys(("coef", "log_lam", "g0", "b0"), "fp32")
-    grads = ("d_out", "d_z", "d_gt", "d_bt")
+    fwd, bwd = blocks("fwd"), blocks("bwd")
+    step = max(fwd[0], bwd[0])
+    per_span = batch * heads * n_terms * min(triton.cdiv(width, fwd[1]), triton.cdiv(width, bwd[1]))
+    span = step * span_chunks(seq_len, step, per_span)
+    n_spans = triton.cdiv(seq_len, span)
+    ints = {"seq_len": "i32", "SPAN": "i32", "H": "i32", "S": "i32", "F": "i32", "DV": "i32", "W": "i32"}
+    inputs = dict.fromkeys(("q", "k", "v"), triton_type(dtype)) | dict.fromkeys(("coef", "log_lam", "states"), "fp32")
+    grads = ("d_out", "d_z", "d_states")
+    backward_ints = ints | {"centre": "fp32"}
     made = {
-        "fwd": (_soe_fwd_kernel, ("out", "z", "g_t", "b_t"), ints),
+        "fwd": (_soe_fwd_kernel, inputs | dict.fromkeys(("out", "z"), "fp32"), ints, fwd, {}),
+        "fwd_spans": (
+            _soe_span_kernel,
+            {"x": triton_type(dtype), "y": triton_type(dtype)}
+            | dict.fromkeys(("coef", "y_norm", "log_lam", "states"), "fp32"),
+            ints,
+            fwd,
+            {"REVERSE": False},
+        ),
+        "bwd_spans": (
+            _soe_span_kernel,
+            {"x": triton_type(dtype)} | dict.fromkeys(("y", "coef", "y_norm", "log_lam", "states"), "fp32"),
+            ints,
+            bwd,
+            {"REVERSE": True},
+        ),
         "bwd_forward_order": (
             _soe_bwd_forward_order_kernel,
-            (*grads, "dq", "dk", "dv", "dcoef", "dll"),
-            ints | {"centre": "fp32"},
+            inputs | dict.fromkeys((*grads, "dq", "dk", "dv", "dcoef", "dll"), "fp32"),
+            backward_ints,
+            bwd,
+            {},
         ),
         "bwd_reverse_order": (
             _soe_bwd_reverse_order_kernel,
-            (*grads, "dk", "dv", "dcoef", "dll", "dg0", "db0"),
-            ints | {"centre": "fp32"},
+            inputs | dict.fromkeys((*grads, "dk", "dv", "dcoef", "dll"), "fp32"),
+            backward_ints,
+            bwd,
+            {},
         ),
     }
-    return {
-        name: Launch(kernel, inputs | dict.fromkeys(outs, "fp32"), scalars, *shape(name[:3]))
-        for name, (kernel, outs, scalars) in made.items()
-    }
+    launches = {}
+    for name, (kernel, pointers, scalars, (bt, bd, warps, stages), extra) in made.items():
+        constexprs = {"BT": bt, "BF": bf, "BD": bd} | extra | {"PRECISION": _precision(dtype)}
+        grid = (batch * heads * n_terms, triton.cdiv(width, bd), n_spans)
+        launches[name] = Launch(kernel, pointers, scalars, constexprs, grid, warps, stages)
+    n_state = batch * heads * n_terms * feat * (width + 1)
+    launches["fwd_pass"] = span_pass_launch(n_state, reverse=False, decay=True, wrap=False)
+    launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
+    order = ("fwd_spans", "fwd_pass", "fwd", "bwd_spans", "bwd_pass", "bwd_forward_order", "bwd_reverse_order")
+    return span, {name: launches[name] for name in order}  # in the order they run
 
 
 # The entering-state read (sequence parallelism): per target and pass, (chunk block, largest value block,
@@ -513,8 +612,25 @@ class SoeEnteringTriton(torch.autograd.Function):
         return tuple(x.to(d) for x, d in zip((dq, dll, dg, db), ctx.dtypes))
 
 
+def _pack(g: torch.Tensor, b: torch.Tensor, n_spans: int, slot: int) -> torch.Tensor:
+    """A zeroed fp32 [n_spans + 1, B*H*S, F*D + F] buffer of packed states with (g, b) in ``slot``."""
+    rows, feat = g.shape[0] * g.shape[1] * g.shape[2], g.shape[3]
+    out = torch.zeros(n_spans + 1, rows, feat * (g.shape[4] + 1), dtype=torch.float32, device=g.device)
+    out[slot, :, : g[0, 0, 0].numel()] = g.reshape(rows, -1)
+    out[slot, :, g[0, 0, 0].numel() :] = b.reshape(rows, feat)
+    return out
+
+
+def _unpack(packed: torch.Tensor, like_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One slot [B*H*S, F*D + F] of a packed buffer as (G [B, H, S, F, D], b [B, H, S, F]), copies."""
+    n = like_g[0, 0, 0].numel()
+    return packed[:, :n].reshape(like_g.shape).clone(), packed[:, n:].reshape(like_g.shape[:4]).clone()
+
+
 class SoeScanTriton(torch.autograd.Function):
-    """Triton forward and backward; saves only the inputs (states are recomputed in the backward)."""
+    """Triton forward and backward in spans (kernels/span.py). Saves the inputs and the states entering
+    the spans (a few MB: there are only as many spans as the grid needs); the backward recomputes the
+    rest and derives the state gradients at the span boundaries with one reverse pass."""
 
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
@@ -523,40 +639,62 @@ class SoeScanTriton(torch.autograd.Function):
         check_triton_inputs(q, _soe_fwd_kernel)
         q, k, v, coef = q.contiguous(), k.contiguous(), v.contiguous(), coef.contiguous()
         ll = log_lam.float().contiguous()
-        g0f, b0f = g0.float().contiguous(), b0.float().contiguous()
+        span, launches = soe_launches(
+            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q)
+        )
+        n_spans = triton.cdiv(seq_len, span)
+        states = _pack(g0.float(), b0.float(), n_spans, 0)
         out = torch.zeros(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
         z = torch.zeros(batch, seq_len, heads, dtype=torch.float32, device=q.device)
-        g_t, b_t = torch.empty_like(g0f), torch.empty_like(b0f)
-        launches = soe_launches(batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q))
-        launches["fwd"].run(q, k, v, coef, ll, g0f, b0f, out, z, g_t, b_t, seq_len, heads, n_terms, feat, width)
-        ctx.save_for_backward(q, k, v, coef, ll, g0f, b0f)
+        sizes = (heads, n_terms, feat, width, states.shape[-1])
+        launches["fwd_spans"].run(k, v, coef, coef, ll, states, seq_len, span, *sizes)
+        launches["fwd_pass"].run(
+            states, ll, n_spans, seq_len, span, states[0].numel(), states.shape[-1], heads * n_terms
+        )
+        launches["fwd"].run(q, k, v, coef, ll, states, out, z, seq_len, span, *sizes)
+        g_t, b_t = _unpack(states[n_spans], g0)
+        ctx.save_for_backward(q, k, v, coef, ll, states)
         ctx.set_materialize_grads(False)
         ctx.meta = (chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)])
         return out.to(q.dtype), z.to(q.dtype), g_t, b_t
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
-        q, k, v, coef, ll, g0, b0 = ctx.saved_tensors
+        q, k, v, coef, ll, states = ctx.saved_tensors
         chunk_size, dtypes = ctx.meta
         batch, seq_len, heads, feat = q.shape
         n_terms, width = ll.shape[-1], v.shape[-1]
+        f32 = torch.float32
 
-        def fp32(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-            f32 = torch.float32
-            return torch.zeros(like.shape, dtype=f32, device=q.device) if grad is None else grad.to(f32).contiguous()
+        def fp32(grad: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.zeros(shape, dtype=f32, device=q.device) if grad is None else grad.to(f32).contiguous()
 
-        d_out, d_zz, d_gt, d_bt = fp32(d_o, v), fp32(d_z, q[..., 0]), fp32(d_g, g0), fp32(d_b, b0)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        d_out, d_zz = fp32(d_o, v.shape), fp32(d_z, q.shape[:3])
+        g_shape = (batch, heads, n_terms, feat, width)
+        span, launches = soe_launches(
+            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q)
+        )
+        n_spans = triton.cdiv(seq_len, span)
+        d_states = _pack(fp32(d_g, g_shape), fp32(d_b, g_shape[:4]), n_spans, n_spans)
+        dq = torch.zeros(q.shape, dtype=f32, device=q.device)
         dk = torch.zeros_like(dq)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        dcoef = torch.zeros(coef.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=f32, device=q.device)
+        dcoef = torch.zeros(coef.shape, dtype=f32, device=q.device)
         dll = torch.zeros_like(ll)
-        dg0, db0 = torch.empty_like(g0), torch.empty_like(b0)
         centre = (seq_len - 1) / 2.0
-        launches = soe_launches(batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q))
-        common = (q, k, v, coef, ll, g0, b0, d_out, d_zz, d_gt, d_bt)
-        sizes = (heads, n_terms, feat, width)
-        launches["bwd_forward_order"].run(*common, dq, dk, dv, dcoef, dll, seq_len, centre, *sizes)
-        launches["bwd_reverse_order"].run(*common, dk, dv, dcoef, dll, dg0, db0, seq_len, centre, *sizes)
+        sizes = (heads, n_terms, feat, width, states.shape[-1])
+        launches["bwd_spans"].run(q, d_out, coef, d_zz, ll, d_states, seq_len, span, *sizes)
+        n_state = states[0].numel()
+        launches["bwd_pass"].run(d_states, ll, n_spans, seq_len, span, n_state, states.shape[-1], heads * n_terms)
+        common = (q, k, v, coef, ll, states, d_out, d_zz, d_states)
+        launches["bwd_forward_order"].run(*common, dq, dk, dv, dcoef, dll, seq_len, span, centre, *sizes)
+        launches["bwd_reverse_order"].run(*common, dk, dv, dcoef, dll, seq_len, span, centre, *sizes)
+        # The decay gradient's boundary terms: the final state is read at position T - 1 and the
+        # initial state written at -1, each (position - centre) times <state, its gradient>.
+        boundary = (states[-1] * d_states[-1] * centre + states[0] * d_states[0] * (centre + 1)).view(
+            batch, heads * n_terms, -1
+        )
+        dll += boundary.sum((0, 2)).view_as(dll)
+        dg0, db0 = _unpack(d_states[0], torch.empty(g_shape, device="meta"))
         grads = (dq, dk, dv, dcoef, dll, dg0, db0)
         return (*(g.to(d) for g, d in zip(grads, dtypes)), None)
