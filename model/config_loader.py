@@ -189,9 +189,26 @@ def _source_of(key: str, sources: dict[str, str]) -> str:
     return "<defaults>"
 
 
+def yaml_key(field: dataclasses.Field) -> str:
+    """The key a field has in YAML: its name, or `metadata["yaml"]` where the name cannot be a Python
+    identifier (`init.from` is the field `from_`)."""
+    return field.metadata.get("yaml", field.name)
+
+
+def to_plain(config: Any) -> Any:
+    """A config dataclass as plain nested data with its YAML keys; `build_config` reads it back."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {yaml_key(f): to_plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (list, tuple)):
+        return type(config)(to_plain(v) for v in config)
+    if isinstance(config, dict):
+        return {k: to_plain(v) for k, v in config.items()}
+    return config
+
+
 def _build(cls: type, tree: dict, prefix: str, sources: dict[str, str]) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {yaml_key(f): f for f in dataclasses.fields(cls) if f.init}
     for key in tree:
         if key not in fields:
             dotted = f"{prefix}.{key}" if prefix else str(key)
@@ -201,8 +218,9 @@ def _build(cls: type, tree: dict, prefix: str, sources: dict[str, str]) -> Any:
                 f"{cls.__name__} {'section ' + prefix + ' ' if prefix else ''}accepts: {known}"
             )
     kwargs = {}
-    for name, value in tree.items():
-        dotted = f"{prefix}.{name}" if prefix else name
+    for key, value in tree.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        name = fields[key].name
         kwargs[name] = _convert(hints[name], value, dotted, sources)
     try:
         return cls(**kwargs)

@@ -16,7 +16,7 @@ import yaml
 from data_pipeline import synthetic
 from model.config import ModelConfig
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
-from model.config_loader import build_config, read_tree
+from model.config_loader import build_config, read_tree, to_plain
 from model.vort import VORT_KINDS
 
 
@@ -190,7 +190,7 @@ class InitSection:
     stream start fresh, so seq_len, data mixture, engine and world size may all differ. A run that
     resumes from its own checkpoint ignores it."""
 
-    from_: str | None = None
+    from_: str | None = dataclasses.field(default=None, metadata={"yaml": "from"})
 
     def __post_init__(self) -> None:
         if self.from_ is not None and not self.from_.strip():
@@ -261,10 +261,6 @@ class RunConfig:
 def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunConfig:
     """Validate a plain nested dict (e.g. a resolved config read back from a run directory)."""
     sources = sources if sources is not None else {}
-    init = tree.get("init")
-    if isinstance(init, dict) and "from" in init:  # `from` is a Python keyword: the field is `from_`
-        tree = {**tree, "init": {("from_" if k == "from" else k): v for k, v in init.items()}}
-        sources = {("init.from_" if k == "init.from" else k): v for k, v in sources.items()}
     config = build_config(RunConfig, tree, sources)
     problem = sequence_parallel_problem(config)
     if problem:
@@ -318,10 +314,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def config_to_dict(config: Any) -> dict:
     """The resolved config as plain data (for run directories, checkpoints and exports), with the
     YAML key names (`init.from`)."""
-    tree = dataclasses.asdict(config)
-    if isinstance(config, RunConfig):
-        tree["init"] = {"from": tree["init"].pop("from_")}
-    return tree
+    return to_plain(config)
 
 
 def config_text(config: RunConfig) -> str:

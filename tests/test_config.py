@@ -144,3 +144,15 @@ def test_model_entry_points_share_the_typed_reader(tmp_path: Path, base: Path) -
         load_model_config(bad)
     with pytest.raises(ConfigError, match=r"expected a `model:` mapping"):
         load_model_config(write(tmp_path / "none.yaml", "train:\n  steps: 5\n"))
+
+
+def test_a_key_that_is_a_python_keyword_keeps_its_yaml_name(tmp_path: Path, base: Path) -> None:
+    """`init.from` is the field `from_`: the file, errors and the resolved config all say `from`."""
+    cfg = load_config(base, ["init.from=runs/short"])
+    assert cfg.init.from_ == "runs/short"
+    dump_config(cfg, tmp_path / "resolved.yaml")
+    assert yaml.safe_load((tmp_path / "resolved.yaml").read_text())["init"] == {"from": "runs/short"}
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+    for wrong in ("init.from_=runs/short", "init.form=runs/short"):
+        with pytest.raises(ConfigError, match=r"unknown key; InitSection section init accepts: from$"):
+            load_config(base, [wrong])
