@@ -1,6 +1,16 @@
-"""Shared fixtures: tiny byte-level shard sets built from the repository's demo corpus."""
+"""Shared fixtures: tiny byte-level shard sets built from the repository's demo corpus.
+
+The whole test process runs Triton kernels in the interpreter, on CPU tensors: TRITON_INTERPRET must be
+set before any Triton kernel is decorated, and test modules import kernel modules at collection in an
+order nothing controls (benchmarks.kernel_compile imports kernels.span, say). The compile gate compiles
+real GPU kernels in a subprocess that drops the variable (tests/test_kernels_compile.py).
+"""
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path
 

@@ -1,16 +1,11 @@
 """The Triton kernels against the sequential reference, run by the Triton interpreter on CPU tensors.
 
-TRITON_INTERPRET must be set before the kernels are decorated, i.e. before kernels.soe.triton and
-kernels.phasor.triton are first imported; the package imports them only when the triton backend is used,
-so setting it here (at collection, before any test runs) is enough. Shapes are small and fp32: the
-interpreter is slow and computes bf16 tl.dot wrongly. On a CUDA machine the bf16 test runs as well.
+tests/conftest.py sets TRITON_INTERPRET for the whole test process, before any kernel is decorated.
+Shapes are small and fp32: the interpreter is slow and computes bf16 tl.dot wrongly. On a CUDA machine
+the bf16 test runs as well.
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import itertools
 import math
