@@ -57,6 +57,8 @@ def _model_worker(
     try:
         torch.manual_seed(0)
         model = build_model(dataclasses.replace(MODELS[kind], max_seq_len=max(256, length)))
+        for memory in getattr(model, "memories", list)():  # PMNet's read-out starts at zero: wake it so that
+            torch.nn.init.normal_(memory.out.weight, std=0.1)  # the memory's terms reach the loss and gradients
         model.activation_checkpointing = checkpointing
         routed = hasattr(model, "record_routes")
         if routed:
