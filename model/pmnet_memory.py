@@ -118,6 +118,9 @@ class PhasorMemory(nn.Module):
         self.register_buffer("level_offsets", torch.tensor(offsets), persistent=False)
         self.query = nn.Linear(d_model, memory_dim, bias=False)
         self.write = nn.Linear(d_model, memory_dim, bias=False)
+        # Per-component gain of the writes, inside the squash; zero at first, so the memory starts
+        # static (docs/pmnet.md, "writes start at zero").
+        self.write_gain = nn.Parameter(torch.zeros(memory_dim))
         self.out = nn.Linear(self.n_levels * 2 * memory_dim, d_model, bias=False)
         # A learned routing key per slot in the space of the query phasor [cos, sin]: routing compares
         # queries with these alone (docs/pmnet.md, "routing on the anchors").
@@ -139,7 +142,7 @@ class PhasorMemory(nn.Module):
         projection starts at zero, so at initialisation the block computes exactly what it computes
         without the memory; the memory's read enters the residual stream only as training finds it
         useful (a full-scale read of nearly random phases is noise the rest of the network must first
-        learn to drown).
+        learn to drown). The write gain is created at zero (write_increments says why).
         """
         nn.init.normal_(self.query.weight, std=self.d_model**-0.5)
         nn.init.zeros_(self.out.weight)
@@ -148,13 +151,16 @@ class PhasorMemory(nn.Module):
         return MemoryState(torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32))
 
     def write_increments(self, h: torch.Tensor) -> torch.Tensor:
-        """Phase increments pi * tanh(W_w h), fp32 [B, T, M]: every component in (-pi, pi).
+        """Phase increments pi * tanh(g * W_w h), fp32 [B, T, M]: every component in (-pi, pi).
 
         A phase is known only modulo 2*pi, so an increment beyond +-pi is indistinguishable from a
         smaller one of the other sign; the squash keeps each write inside the range where the phase
-        it adds is the one the gradient sees, and bounds how far one token can turn a slot.
+        it adds is the one the gradient sees, and bounds how far one token can turn a slot. The gain
+        g (one per component, starting at 0) lets the writes grow only as far as they help: each
+        component's gain is moved by the gradient summed over every token and slot, where the
+        write weights' own gradients are mostly noise that Adam would turn into steps of full size.
         """
-        return math.pi * torch.tanh(self.write(h).float())
+        return math.pi * torch.tanh(self.write_gain.float() * self.write(h).float())
 
     def slot_keys(self) -> torch.Tensor:
         """Unit routing keys [n_slots, 2M]: the anchors, normalised (fp32)."""

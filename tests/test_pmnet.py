@@ -39,16 +39,21 @@ def tiny(**pmnet: object) -> ModelConfig:
     return ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, mlp_ratio=2.0, pmnet=PMNetConfig(**fields))
 
 
+def wake(memory: PhasorMemory, read_std: float = 0.1) -> None:
+    """What training does to a new memory after its first steps: a random read-out instead of zeros,
+    writes switched on (gain 1 instead of 0), so that the tests of its contracts are not vacuous."""
+    torch.nn.init.normal_(memory.out.weight, std=read_std)
+    torch.nn.init.ones_(memory.write_gain)
+
+
 def make_model(seed: int = 0, awake: bool = True, **pmnet: object) -> PMNet:
-    """The tiny PMNet; `awake` replaces the zero-initialised output projections with random ones, as
-    training does after its first steps, so that the memory's reads reach the logits and the tests of
-    its contracts are not vacuous."""
+    """The tiny PMNet, `awake` (see wake) unless asked for as initialised."""
     torch.manual_seed(seed)
     model = build_model(tiny(**pmnet))
     assert isinstance(model, PMNet)
     if awake:
         for memory in model.memories():
-            torch.nn.init.normal_(memory.out.weight, std=0.1)
+            wake(memory)
     return model
 
 
@@ -123,25 +128,32 @@ def test_reference_equals_triton_path_under_the_interpreter() -> None:
 
 
 def test_memory_starts_as_a_no_op() -> None:
-    """At initialisation the output projections are zero: logits with memory updates on equal, bit for
-    bit, those with updates off (training and inference), although the memory did write."""
+    """At initialisation the read-out is zero (and so is the write gain): logits with memory updates on
+    equal, bit for bit, those with updates off (training and inference), and still do once the
+    memory writes, as long as the read-out is zero."""
     ids = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(11))
     updating, frozen = make_model(seed=12, awake=False), make_model(seed=12, awake=False, update_memory_train=False,
                                                                      update_memory_eval=False)
     for memory in updating.memories():
         assert float(memory.out.weight.detach().abs().max()) == 0.0
+        assert float(memory.write_gain.detach().abs().max()) == 0.0
         assert float(memory.query.weight.detach().std()) > 0.1  # its own init survived StackedLM's, which comes first
-    for mode in ("train", "eval"):
-        a, a_state = getattr(updating, mode)()(ids)
-        b, b_state = getattr(frozen, mode)()(ids)
-        assert torch.equal(a, b), mode
-        assert all(float(s.memory.memory.abs().max()) > 0 for s in a_state)
-        assert all(float(s.memory.memory.abs().max()) == 0 for s in b_state)
+    for writing in (False, True):
+        if writing:
+            for memory in updating.memories():
+                torch.nn.init.ones_(memory.write_gain)
+        for mode in ("train", "eval"):
+            a, a_state = getattr(updating, mode)()(ids)
+            b, b_state = getattr(frozen, mode)()(ids)
+            assert torch.equal(a, b), (writing, mode)
+            assert all((float(s.memory.memory.abs().max()) > 0) == writing for s in a_state)
+            assert all(float(s.memory.memory.abs().max()) == 0 for s in b_state)
 
 
 def test_writes_are_bounded_for_huge_inputs() -> None:
     torch.manual_seed(13)
     memory = PhasorMemory(16, PMNetConfig(memory_dim=8))
+    wake(memory)
     h = torch.randn(2, 50, 16) * 1e6
     h[0, 0] = float("1e30")
     h.requires_grad_(True)
@@ -160,7 +172,7 @@ def test_routing_learns_from_the_children_not_picked() -> None:
     config = PMNetConfig(memory_dim=4, branching=3, depth=2, scan_backend="torch")
     memory = PhasorMemory(8, config)
     memory.init_weights()
-    torch.nn.init.normal_(memory.out.weight, std=0.5)
+    wake(memory, read_std=0.5)
     h = torch.randn(1, 2, 8)  # two paths leave at least one level-1 node, and its children, unvisited
     initial = (torch.rand(1, config.n_slots, 4) * 6).requires_grad_(True)
     memory.record_routes = True
@@ -330,6 +342,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_stats() -> None:
 def test_state_is_unit_phasor_at_any_length(seq_len: int) -> None:
     torch.manual_seed(6)
     memory = PhasorMemory(16, PMNetConfig(memory_dim=8, segment_len=4096, scan_backend="torch"))
+    wake(memory)
     torch.nn.init.normal_(memory.write.weight, std=3.0)  # large increments: many wraps
     state = memory.init_state(1)
     with torch.no_grad():
@@ -404,12 +417,13 @@ def test_configs_load_through_the_run_config(name: str) -> None:
 def memory_grad_norm(seq_len: int) -> float:
     """Gradient norm of all memory parameters for mean next-byte loss on a structured byte stream.
 
-    The read-out gets the generic N(0, 0.02^2) init instead of its zeros: with zeros no gradient
-    reaches the writes, whose accumulation over the sequence this measures."""
+    The read-out gets the generic N(0, 0.02^2) init instead of its zeros and the write gain 1 instead
+    of 0: as initialised no gradient reaches the writes, whose accumulation over the sequence this
+    measures."""
     torch.manual_seed(8)
     model = build_model(load_model_config(CONFIGS / "pmnet-tiny.yaml"))
     for memory in model.memories():
-        torch.nn.init.normal_(memory.out.weight, std=0.02)
+        wake(memory, read_std=0.02)
     gen = torch.Generator().manual_seed(9)
     motif = torch.randint(0, 256, (300,), generator=gen)
     stream = motif.repeat(seq_len // 300 + 2)[: seq_len + 1].clone()
