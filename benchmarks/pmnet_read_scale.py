@@ -1,11 +1,13 @@
-"""How loud PMNet's memory read is: its RMS against the residual stream entering each memory block.
+"""How loud PMNet's memory read is: its RMS against the residual stream entering each memory block,
+and how far its write gain has grown.
 
-    python -m benchmarks.pmnet_read_scale --config configs/experiments/text.yaml --readout generic
+    python -m benchmarks.pmnet_read_scale --config configs/experiments/text.yaml --init before
     python -m benchmarks.pmnet_read_scale --run runs/experiments/runs/text/pmnet/seed0
 
-With --config the model is freshly initialised: `--readout zero` as PMNet builds it (the read-out
-projection at zero), `--readout generic` with the N(0, 0.02^2) init every other Linear gets (what the
-read-out had before 2026-12-01). With --run the trained run's final checkpoint is loaded. Scored on
+With --config the model is freshly initialised: `--init now` as PMNet builds it (read-out projection
+and write gain at zero), `--init before` as the memory started before 2026-12-01 (the read-out with
+the N(0, 0.02^2) init every other Linear gets, writes on: gain 1). With --run the trained run's final
+checkpoint is loaded. Scored on
 windows of the held-out demo novel (never trained on); prints one line per memory block.
 """
 
@@ -50,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", type=Path, help="a config with a `model:` section (a fresh model)")
     source.add_argument("--run", type=Path, help="a run directory: its final checkpoint")
-    parser.add_argument("--readout", choices=("zero", "generic"), default="zero", help="with --config")
+    parser.add_argument("--init", choices=("now", "before"), default="now", help="with --config")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -60,16 +62,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = consolidate(resolve_checkpoint(args.run), load_config(args.run / "config.yaml"))
     else:
         model = build_model(load_model_config(args.config))
-        if args.readout == "generic":
+        if args.init == "before":
             for memory in model.memories():
                 torch.nn.init.normal_(memory.out.weight, std=0.02)
+                torch.nn.init.ones_(memory.write_gain)
     if not isinstance(model, PMNet) or not model.memories():
         raise SystemExit("not a PMNet with memory")
     text = HELD_OUT.read_bytes()
     stride = len(text) // args.windows
     ids = torch.tensor([list(text[i * stride : i * stride + args.length]) for i in range(args.windows)])
-    for layer, (read, residual) in enumerate(read_scale(model, ids)):
-        print(f"memory block {layer}: read RMS {read:.4f}, residual RMS {residual:.4f}, ratio {read / residual:.2f}")
+    for layer, ((read, residual), memory) in enumerate(zip(read_scale(model, ids), model.memories())):
+        gain = memory.write_gain.detach().abs()
+        print(f"memory block {layer}: read RMS {read:.4f}, residual RMS {residual:.4f}, ratio {read / residual:.2f}; "
+              f"write gain |g| mean {float(gain.mean()):.4f}, max {float(gain.max()):.4f}")
 
 
 if __name__ == "__main__":
