@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from experiments import extrapolation, orders, phasor, retrieval
+from experiments import extrapolation, mqar, orders, phasor, retrieval
 from experiments.runner import Experiment
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
-    for e in (*retrieval.EXPERIMENTS, *phasor.EXPERIMENTS, *orders.EXPERIMENTS, *extrapolation.EXPERIMENTS)
+    for e in (*retrieval.EXPERIMENTS, *phasor.EXPERIMENTS, *orders.EXPERIMENTS, *extrapolation.EXPERIMENTS,
+              *mqar.EXPERIMENTS)
 }
 
 __all__ = ["EXPERIMENTS", "Experiment"]

@@ -86,6 +86,15 @@ class Experiment:
         """A PNG of the results."""
         raise NotImplementedError
 
+    def families_for(self, quick: bool) -> tuple[Family, ...]:
+        """The families a run trains (all of them; an experiment with a grid may trim --quick's)."""
+        return self.families
+
+    def comparable_groups(self) -> list[tuple[Family, ...]]:
+        """Families that must share size, budget and optimizer (all of them, unless a grid varies
+        size or length on purpose)."""
+        return [self.families]
+
     # ------------------------------------------------------------------ shared
 
     def run_config(self, family: Family, seed: int, out: Path, quick: bool) -> tuple[Path, RunConfig]:
@@ -144,7 +153,7 @@ class Experiment:
         seeds = 1 if quick and seeds is None else (seeds or self.seeds)
         self.prepare(out, quick)
         started = time.time()
-        pairs = [(family, seed) for family in self.families for seed in range(seeds)]
+        pairs = [(family, seed) for family in self.families_for(quick) for seed in range(seeds)]
         runs = self.train_all(pairs, out, quick, parallel)
         log(f"[{self.name}] {len(runs)} runs trained in {time.time() - started:.0f}s")
         records = []
@@ -177,7 +186,7 @@ class Experiment:
             "date": datetime.date.today().isoformat(),
             "quick": quick,
             "config": f"configs/experiments/{self.config}",
-            "families": {f.name: list(f.overrides) for f in self.families},
+            "families": {f.name: list(f.overrides) for f in self.families_for(quick)},
             "paper": self.paper,
             "summary": aggregate(records),
             "runs": records,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -55,3 +57,55 @@ def decay(log_power: torch.Tensor) -> torch.Tensor:
 def decay_cutoff(dtype: torch.dtype) -> float:
     """The log power below which :func:`decay` returns exactly 0 in ``dtype``."""
     return -300.0 if dtype == torch.float64 else -40.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One Triton kernel launch, known without running it.
+
+    The autograd Functions launch exactly these (``run``), and the compile gate
+    (benchmarks/kernel_compile.py) compiles them ahead of time for a GPU target: one description, so
+    the gate checks the block sizes, warps, stages and grid that run. ``pointers`` maps each pointer
+    argument to its element type ("fp32", "bf16", "i32"); ``scalars`` each scalar argument to its type
+    ("i32", "fp32"); ``constexprs`` holds the compile-time arguments.
+    """
+
+    kernel: Any
+    pointers: dict[str, str]
+    scalars: dict[str, str]
+    constexprs: dict[str, Any]
+    grid: tuple[int, ...]
+    num_warps: int
+    num_stages: int
+
+    @property
+    def programs(self) -> int:
+        """Programs launched: the product of the grid."""
+        return math.prod(self.grid)
+
+    def signature(self) -> dict[str, str]:
+        """The argument types in the form triton's ASTSource takes."""
+        types = {**{n: "*" + t for n, t in self.pointers.items()}, **self.scalars}
+        types.update({n: "constexpr" for n in self.constexprs})
+        missing = set(self.kernel.arg_names) - types.keys()
+        if missing:
+            raise ValueError(f"{self.kernel.__name__}: no type for {sorted(missing)}")
+        return {n: types[n] for n in self.kernel.arg_names}
+
+    def run(self, *args: Any) -> None:
+        """Launch the kernel on ``args`` (the non-constexpr arguments, in order)."""
+        self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def triton_type(dtype: torch.dtype) -> str:
+    """Triton's name of a torch element type."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32"}[dtype]
+
+
+def device_capability(x: torch.Tensor) -> int:
+    """Compute capability of x's GPU as 10 * major + minor (80 for an A100); 80 for CPU tensors, whose
+    kernels the interpreter runs, so they run the A100 launch table."""
+    if not x.is_cuda:
+        return 80
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return 10 * major + minor

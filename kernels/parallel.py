@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from kernels._common import decay, decay_cutoff, wrap_angle
+from kernels._common import decay, decay_cutoff, resolve_backend, wrap_angle
 from kernels.phasor import phasor_scan
 from kernels.soe import soe_scan
 
@@ -209,7 +209,12 @@ def soe_scan_sequence_parallel(
         weight = 1.0 if source < rank else 0.0
         g, b = decayed(sum(lengths[source + 1 : rank]), g_all[source], b_all[source])
         g_in, b_in = g_in + weight * g, b_in + weight * b
-    o_in, z_in = _SoeStateCorrection.apply(q, log_lam, g_in, b_in, chunk_size)
+    if resolve_backend(backend, q) == "triton":
+        from kernels.soe.triton import SoeEnteringTriton
+
+        o_in, z_in = SoeEnteringTriton.apply(q, log_lam, g_in, b_in)
+    else:
+        o_in, z_in = _SoeStateCorrection.apply(q, log_lam, g_in, b_in, chunk_size)
     o, z = o + o_in.to(o.dtype), z + z_in.to(z.dtype)
     if not output_final_state:
         return o, z, None
@@ -274,7 +279,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x, grad_received):
-        from_next = torch.zeros_like(grad_x)
+        from_next = torch.zeros_like(grad_x, memory_format=torch.contiguous_format)  # irecv fills dense buffers
         outgoing = torch.zeros_like(grad_x) if grad_received is None else grad_received
         _swap(outgoing, _peer(ctx.group, -1), from_next, _peer(ctx.group, 1))
         return None, grad_x + from_next

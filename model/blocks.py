@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.parallel import exchange_with_neighbours
 from model.config import ModelConfig
-from model.interface import CausalLM, LMOutput, SequenceParallel
+from model.interface import CausalLM, LMHead, LMOutput, SequenceParallel
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +43,50 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class ShortConvolution(nn.Module):
+    """Causal depthwise convolution over time: y_t = sum_j w[c, j] x_{t-K+1+j} per channel c.
+
+    Every family can put one before its sequence mixer (`model.short_conv: K`). It hands the mixer
+    each token mixed with the K-1 before it, which is the previous-token step of an induction head
+    (match the token after an earlier copy of the current one) for free, the reason Zoology's
+    attention baseline, Mamba, GLA and flash-linear-attention's `ShortConvolution` carry one. The
+    state is the last K-1 inputs: a call continues from the previous call's tail, and a
+    sequence-parallel piece receives the previous rank's tail (a halo, as the sliding-window
+    attention's keys) and sends that tail's gradient back.
+    """
+
+    def __init__(self, dim: int, kernel: int):
+        super().__init__()
+        self.kernel = kernel
+        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, bias=False)
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The last K-1 inputs before the first token: zeros [B, K-1, dim]."""
+        return torch.zeros(batch_size, self.kernel - 1, self.conv.in_channels, device=device)
+
+    def forward(
+        self, x: torch.Tensor, tail: torch.Tensor | None, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, dim] after the inputs in `tail` [B, K-1, dim] (zeros when None) -> (y [B, T, dim],
+        the new tail). With ``sequence_parallel`` the tail comes from the previous rank instead."""
+        n = self.kernel - 1
+        if sequence_parallel is not None and n > 0:
+            if x.shape[1] < n:
+                raise ValueError(f"a sequence-parallel piece of {x.shape[1]} tokens is shorter than the halo of {n}")
+            own, tail = exchange_with_neighbours(x[:, -n:], sequence_parallel.group)
+            x = torch.cat((x[:, :-n], own), dim=1)
+        if tail is None:
+            tail = x.new_zeros(x.shape[0], n, x.shape[2])
+        padded = torch.cat((tail.to(x.dtype), x), dim=1)
+        y = self.conv(padded.transpose(1, 2)).transpose(1, 2)
+        return y, padded[:, padded.shape[1] - n :]
+
+
+def short_convolution(config: ModelConfig) -> ShortConvolution | None:
+    """The block's short convolution when `config.short_conv` > 0, else None."""
+    return ShortConvolution(config.d_model, config.short_conv) if config.short_conv > 0 else None
+
+
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [T, head_dim/2] for absolute positions (any offset, so streaming works)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
@@ -70,7 +115,7 @@ class StackedLM(CausalLM):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(make_block(i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head = LMHead(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.activation_checkpointing = False
@@ -91,6 +136,12 @@ class StackedLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, state: list[Any] | None = None, sequence_parallel: SequenceParallel | None = None
     ) -> LMOutput:
+        hidden, new_states = self.hidden_states(input_ids, state, sequence_parallel)
+        return LMOutput(self.head(hidden), new_states)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, state: list[Any] | None = None, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, list[Any]]:
         if sequence_parallel is not None:
             if not self.supports_sequence_parallel:
                 raise ValueError(f"model kind {self.config.kind!r} does not run sequence-parallel")
@@ -105,7 +156,7 @@ class StackedLM(CausalLM):
             else:
                 x, block_state = block(x, block_state, sequence_parallel)
             new_states.append(block_state)
-        return LMOutput(self.head(self.norm(x)), new_states)
+        return self.norm(x), new_states
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (the embedding lookup does not)."""

@@ -111,8 +111,9 @@ class PMNetConfig:
 class ModelConfig:
     """Architecture of one causal language model.
 
-    `kind` picks the family; the shared fields size it. Family-specific settings live in their own
-    sections so that a config names only what it changes.
+    `kind` picks the family; the shared fields size it. `short_conv` (K tokens, 0 = none) puts a
+    causal depthwise convolution before every block's sequence mixer (model/blocks.py). Family-specific
+    settings live in their own sections so that a config names only what it changes.
     """
 
     kind: ModelKind = "transformer"
@@ -126,6 +127,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    short_conv: int = 0
     vort: VortConfig = dataclasses.field(default_factory=VortConfig)
     pmnet: PMNetConfig = dataclasses.field(default_factory=PMNetConfig)
 
@@ -140,6 +142,8 @@ class ModelConfig:
             raise ValueError(f"n_heads: head dim d_model/n_heads must be even (rotary), got {self.n_heads}")
         if self.mlp_ratio <= 0:
             raise ValueError(f"mlp_ratio: must be > 0, got {self.mlp_ratio}")
+        if self.short_conv < 0:
+            raise ValueError(f"short_conv: must be a kernel size >= 1, or 0 for none, got {self.short_conv}")
         if self.init_std <= 0:
             raise ValueError(f"init_std: must be > 0, got {self.init_std}")
 

@@ -14,6 +14,101 @@ from model.config import ModelConfig
 IGNORE_INDEX = -100
 """Label value of positions that are not scored (PyTorch cross-entropy's default ignore_index)."""
 
+LOSS_CHUNK_ELEMENTS = 2**25
+"""Logits the loss holds at once: tokens per chunk = this // vocabulary (128 MiB of fp32 logits)."""
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the cross-entropy for this vocabulary size."""
+    return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
+
+
+def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """fp32 log-probabilities of tokens [start, end): the logits in the weights' dtype, then fp32, as
+    the plain loss computes them, so that values and gradients round as F.cross_entropy's do."""
+    return torch.log_softmax((hidden[start:end] @ weight.t()).float(), dim=-1)
+
+
+def _token_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token negative log-likelihood, fp32 [N] (0 at ignored labels), with the logits of one chunk
+    of tokens alive at a time."""
+    nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    step = loss_chunk_tokens(weight.shape[0])
+    for start in range(0, hidden.shape[0], step):
+        end = start + step
+        target = labels[start:end]
+        picked = _chunk_log_probs(hidden, weight, start, end).gather(1, target.clamp_min(0)[:, None])[:, 0]
+        nll[start:end] = torch.where(target != IGNORE_INDEX, -picked, 0.0)
+    return nll
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of hidden [N, D] @ weight [V, D]^T against labels [N]; the backward
+    recomputes each chunk's logits from the saved hidden states, so neither pass holds more than one
+    chunk's [tokens x vocabulary] logits."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight, labels)
+        return _token_nll(hidden, weight, labels).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        hidden, weight, labels = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        step = loss_chunk_tokens(weight.shape[0])
+        for start in range(0, hidden.shape[0], step):
+            end = start + step
+            target = labels[start:end]
+            # d(nll)/d(logits) = (softmax - one_hot(label)) x upstream gradient, zero on ignored rows;
+            # scaled before the one-hot is subtracted, in the order of log_softmax's own backward
+            scale = (target != IGNORE_INDEX).float() * grad_total
+            grad_logits = _chunk_log_probs(hidden, weight, start, end).exp_().mul_(scale[:, None])
+            rows = torch.arange(target.shape[0], device=target.device)
+            grad_logits[rows, target.clamp_min(0)] -= scale
+            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if ctx.needs_input_grad[1]:
+                grad_weight += (grad_logits.t() @ hidden[start:end]).float()
+        return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits hidden @ weight^T, summed over labels != IGNORE_INDEX (fp32
+    scalar), computed in chunks of tokens: equal to F.cross_entropy(..., reduction="sum") on the
+    fp32 logits in value and gradient without ever materialising [tokens x vocabulary] logits. Tokens
+    that fit in one chunk take the plain loss itself: the same bound, and the plain loss's rounding,
+    which the sequence-parallel tests compare step by step."""
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if hidden.shape[0] <= loss_chunk_tokens(weight.shape[0]):
+        logits = (hidden @ weight.t()).float()
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _ChunkedCrossEntropy.apply(hidden, weight, labels)
+
+
+def token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy [..., T] of hidden [..., T, D] @ weight^T (0 at ignored labels), in chunks;
+    for evaluation (no gradient)."""
+    with torch.no_grad():
+        nll = _token_nll(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1))
+    return nll.view(labels.shape)
+
+
+class LMHead(nn.Linear):
+    """The output projection: logits of hidden states, or given labels, their chunked summed
+    cross-entropy (called through forward, so that engines that gather a module's weights in its
+    forward hooks, ZeRO-3 and FSDP2, see the loss use them)."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        return chunked_cross_entropy(hidden, self.weight, labels)
+
 
 class LMOutput(NamedTuple):
     """Next-token logits [B, T, V] and the recurrent state after the last token (None if stateless)."""
@@ -46,6 +141,7 @@ class CausalLM(nn.Module):
     """
 
     config: ModelConfig
+    head: LMHead
     streams_exactly: ClassVar[bool] = True
     """Whether the state carries all a later call needs from earlier tokens, so that a sequence fed
     piece by piece gives the outputs of the whole; False for a model that forgets across calls."""
@@ -60,17 +156,36 @@ class CausalLM(nn.Module):
         other ranks)."""
         raise NotImplementedError
 
+    def hidden_states(
+        self, input_ids: torch.Tensor, state: Any = None, sequence_parallel: SequenceParallel | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """What `forward` computes before `head`: the final hidden states [B, T, D] and the new state."""
+        raise NotImplementedError
+
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> Any:
         """The state before the first token; None for models without recurrent memory."""
         return None
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
         """Mean next-token cross-entropy in nats over labels != IGNORE_INDEX, and the new state."""
-        logits, new_state = self(input_ids, state)
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
-        )
-        return loss, new_state
+        total, count, new_state = self.summed_loss(input_ids, labels, state)
+        return total / count.clamp_min(1), new_state
+
+    def summed_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None,
+        sequence_parallel: SequenceParallel | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(cross-entropy summed over labels != IGNORE_INDEX, their count, the new state), chunked over
+        tokens so that no [tokens x vocabulary] fp32 logits are held (see `chunked_cross_entropy`)."""
+        hidden, new_state = self.hidden_states(input_ids, state, sequence_parallel)
+        return self.head(hidden, labels), (labels != IGNORE_INDEX).sum(), new_state
+
+    def token_losses(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Per-token cross-entropy [B, T] (0 at ignored labels) and the new state, without gradients."""
+        hidden, new_state = self.hidden_states(input_ids, state)
+        return token_cross_entropy(hidden, self.head.weight, labels), new_state
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at the given context length."""

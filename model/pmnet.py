@@ -15,19 +15,21 @@ import torch
 from torch import nn
 
 from model.attention_window import SlidingWindowAttention
-from model.blocks import RMSNorm, StackedLM, SwiGLU
+from model.blocks import RMSNorm, StackedLM, SwiGLU, short_convolution
 from model.config import ModelConfig, PMNetConfig
 from model.interface import SequenceParallel
 from model.pmnet_memory import MemoryState, PhasorMemory
 
 
 class PMNetBlockState(NamedTuple):
-    """What one block carries between calls (keys/values None before the first token)."""
+    """What one block carries between calls (keys/values None before the first token; conv, the
+    short convolution's last inputs, None without one)."""
 
     position: int
     keys: torch.Tensor | None
     values: torch.Tensor | None
     memory: MemoryState | None
+    conv: torch.Tensor | None = None
 
 
 def has_memory(layer: int, config: PMNetConfig) -> bool:
@@ -36,12 +38,14 @@ def has_memory(layer: int, config: PMNetConfig) -> bool:
 
 
 class PMNetBlock(nn.Module):
-    """Pre-norm residual block: sliding-window attention, optional phasor memory, SwiGLU MLP."""
+    """Pre-norm residual block: (short convolution,) sliding-window attention, optional phasor
+    memory, SwiGLU MLP."""
 
     def __init__(self, config: ModelConfig, with_memory: bool):
         super().__init__()
         pm = config.pmnet
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.short_conv = short_convolution(config)
         self.attn = SlidingWindowAttention(config.d_model, config.n_heads, pm.window, config.rope_base)
         self.memory_norm = RMSNorm(config.d_model, config.norm_eps) if with_memory else None
         self.memory = PhasorMemory(config.d_model, pm) if with_memory else None
@@ -50,7 +54,8 @@ class PMNetBlock(nn.Module):
 
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> PMNetBlockState:
         memory = self.memory.init_state(batch_size, device) if self.memory is not None else None
-        return PMNetBlockState(0, None, None, memory)
+        conv = self.short_conv.init_state(batch_size, device) if self.short_conv is not None else None
+        return PMNetBlockState(0, None, None, memory, conv)
 
     def forward(
         self, x: torch.Tensor, state: PMNetBlockState | None, sequence_parallel: SequenceParallel | None = None
@@ -60,14 +65,17 @@ class PMNetBlock(nn.Module):
             state = self.init_state(x.shape[0], x.device)
         if sp is not None:
             state = state._replace(position=sp.offset)
-        attended, keys, values = self.attn(self.attn_norm(x), state.keys, state.values, state.position, sp)
+        h, conv = self.attn_norm(x), None
+        if self.short_conv is not None:
+            h, conv = self.short_conv(h, state.conv, sp)
+        attended, keys, values = self.attn(h, state.keys, state.values, state.position, sp)
         x = x + attended
         memory = state.memory
         if self.memory is not None:
             read, memory = self.memory(self.memory_norm(x), memory, state.position, sp)
             x = x + read
         x = x + self.mlp(self.mlp_norm(x))
-        return x, PMNetBlockState(state.position + x.shape[1], keys, values, memory)
+        return x, PMNetBlockState(state.position + x.shape[1], keys, values, memory, conv)
 
 
 class PMNet(StackedLM):

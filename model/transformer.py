@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables
+from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables, short_convolution
 from model.config import ModelConfig
 
 
@@ -36,16 +36,25 @@ class CausalSelfAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm residual block: (short convolution,) attention, SwiGLU MLP.
+
+    Like the attention, the short convolution starts afresh at each call (zeros before its first
+    token): the baseline forgets across calls as a whole."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.short_conv = short_convolution(config)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
     def forward(self, x: torch.Tensor, state: Any, sequence_parallel: None = None) -> tuple[torch.Tensor, int]:
         offset = 0 if state is None else int(state)
-        x = x + self.attn(self.attn_norm(x), offset)
+        h = self.attn_norm(x)
+        if self.short_conv is not None:
+            h, _ = self.short_conv(h, None)
+        x = x + self.attn(h, offset)
         x = x + self.mlp(self.mlp_norm(x))
         return x, offset + x.shape[1]
 

@@ -21,7 +21,7 @@ from torch import nn
 import kernels
 from kernels.parallel import soe_scan_sequence_parallel
 from model import soe
-from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables
+from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables, short_convolution
 from model.config import ModelConfig, VortConfig
 from model.entity_labels import capitalised_word_mask
 from model.interface import SequenceParallel
@@ -32,11 +32,13 @@ CERTIFIED_KINDS = ("vort", "pl")
 
 
 class VortState(NamedTuple):
-    """What one VORT layer carries between calls: the scan's per-term state and the position."""
+    """What one VORT block carries between calls: the scan's per-term state, the position and, with
+    `short_conv`, the convolution's last inputs."""
 
     G: torch.Tensor  # [B, H, S, F, D] fp32 (fp64 in a float64 run)
     b: torch.Tensor  # [B, H, S, F]
     offset: int  # tokens seen so far (rotary positions continue from here)
+    conv: torch.Tensor | None = None  # [B, K-1, d]; None without a short convolution
 
 
 def certified_kernel(banks: tuple[float, ...], horizon: int, eps: float) -> soe.SOEKernel:
@@ -371,24 +373,32 @@ class VortLayer(nn.Module):
 
 
 class VortBlock(nn.Module):
-    """Pre-norm residual block: x + layer(norm(x)), then x + SwiGLU(norm(x)) (as the Transformer)."""
+    """Pre-norm residual block: x + layer(conv(norm(x))), then x + SwiGLU(norm(x)) (as the
+    Transformer); the short convolution only with `short_conv`."""
 
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.mix_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.short_conv = short_convolution(config)
         self.mixer = VortLayer(config, layer_index)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> VortState:
-        return self.mixer.init_state(batch_size, device)
+        state = self.mixer.init_state(batch_size, device)
+        if self.short_conv is None:
+            return state
+        return state._replace(conv=self.short_conv.init_state(batch_size, device))
 
     def forward(
         self, x: torch.Tensor, state: VortState | None, sequence_parallel: SequenceParallel | None = None
     ) -> tuple[torch.Tensor, VortState]:
-        h, state = self.mixer(self.mix_norm(x), state, sequence_parallel)
+        h, conv = self.mix_norm(x), None
+        if self.short_conv is not None:
+            h, conv = self.short_conv(h, None if state is None else state.conv, sequence_parallel)
+        h, state = self.mixer(h, state, sequence_parallel)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), state
+        return x + self.mlp(self.mlp_norm(x)), state._replace(conv=conv)
 
 
 class VortLM(StackedLM):

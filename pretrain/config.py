@@ -184,6 +184,20 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass
+class InitSection:
+    """Where a fresh run's weights come from (YAML key `init.from`): a run directory, a checkpoint
+    (step) directory or an export directory. Weights only: the optimizer, step counter and data
+    stream start fresh, so seq_len, data mixture, engine and world size may all differ. A run that
+    resumes from its own checkpoint ignores it."""
+
+    from_: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.from_ is not None and not self.from_.strip():
+            raise ValueError("from: must name a run, checkpoint or export directory, or be null")
+
+
+@dataclasses.dataclass
 class EvalSection:
     """Periodic held-out evaluation."""
 
@@ -240,12 +254,17 @@ class RunConfig:
     engine: EngineSection = dataclasses.field(default_factory=EngineSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    init: InitSection = dataclasses.field(default_factory=InitSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
 
 
 def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunConfig:
     """Validate a plain nested dict (e.g. a resolved config read back from a run directory)."""
     sources = sources if sources is not None else {}
+    init = tree.get("init")
+    if isinstance(init, dict) and "from" in init:  # `from` is a Python keyword: the field is `from_`
+        tree = {**tree, "init": {("from_" if k == "from" else k): v for k, v in init.items()}}
+        sources = {("init.from_" if k == "init.from" else k): v for k, v in sources.items()}
     config = build_config(RunConfig, tree, sources)
     problem = sequence_parallel_problem(config)
     if problem:
@@ -297,8 +316,12 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def config_to_dict(config: Any) -> dict:
-    """The resolved config as plain data (for run directories, checkpoints and exports)."""
-    return dataclasses.asdict(config)
+    """The resolved config as plain data (for run directories, checkpoints and exports), with the
+    YAML key names (`init.from`)."""
+    tree = dataclasses.asdict(config)
+    if isinstance(config, RunConfig):
+        tree["init"] = {"from": tree["init"].pop("from_")}
+    return tree
 
 
 def config_text(config: RunConfig) -> str:

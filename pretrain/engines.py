@@ -4,7 +4,8 @@ Every engine offers the same operations to the trainer:
   - `train_step(micro_batches, lr)`: forward and backward of this rank's micro-batches, gradients
     averaged over the global batch, clipping, and the optimizer update (skipped when the loss or
     gradients are not finite on any rank); returns a StepInfo.
-  - `eval_loss(input_ids, labels)`: the loss without gradients (sharded engines gather weights).
+  - `eval_loss(input_ids, labels, state)`: the loss without gradients (sharded engines gather
+    weights) and the state after the piece, so that long contexts are evaluated piece by piece.
   - `save(path)` / `load(path, scratch)`: the engine-native checkpoint of model and optimizer
     (formats in pretrain/engine_checkpoint.py; the files around it, trainer state and RNG, are
     pretrain/checkpoint.py's).
@@ -96,7 +97,7 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo: ...
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]: ...
 
     def save(self, path: str) -> None:
         """Collective: write model and optimizer state under `path` (a directory every rank sees)."""
@@ -156,9 +157,13 @@ def grad_accumulation_steps(cfg: RunConfig, world: int) -> int:
 
 
 def _adamw(cfg: RunConfig, module: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with the fused CUDA kernel when the weights are on a GPU, else the multi-tensor
+    (foreach) implementation: one kernel per group of tensors instead of a loop over parameters."""
     t = cfg.train
+    on_cuda = next(module.parameters()).is_cuda
+    implementation = {"fused": True} if on_cuda else {"foreach": True}
     return torch.optim.AdamW(
-        param_groups(module, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False
+        param_groups(module, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **implementation
     )
 
 
@@ -168,13 +173,15 @@ def _all_finite(value: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def _eval_loss(module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The loss in eval mode without gradients (through the wrapper, so sharded weights are
-    gathered); the module is back in train mode afterwards."""
+def eval_loss(
+    module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, state: Any
+) -> tuple[torch.Tensor, Any]:
+    """The loss in eval mode without gradients, starting from the carried `state`, and the state after
+    (through the wrapper, so sharded weights are gathered); the module is back in train mode afterwards."""
     module.eval()
-    loss = module(input_ids, labels)
+    loss, new_state = module(input_ids, labels, state)
     module.train()
-    return loss
+    return loss, new_state
 
 
 class _TorchOptimizerEngine:
@@ -188,8 +195,8 @@ class _TorchOptimizerEngine:
     def _set_sync(self, last: bool) -> None:
         """FSDP reduces gradients only on the last micro-batch of a step."""
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _eval_loss(self.module, input_ids, labels)
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        return eval_loss(self.module, input_ids, labels, state)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo:
         losses, states = [], []
@@ -203,7 +210,7 @@ class _TorchOptimizerEngine:
         finite = _all_finite(local_loss)
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         norm_value = float(norm)
@@ -259,10 +266,14 @@ class DeepSpeedEngine:
 
         self.cfg, self.gas = cfg, gas
         self.optimizer = _adamw(cfg, module)
-        self.ds_config = deepspeed_config(cfg, gas, dist.get_world_size() if dist.is_initialized() else 1)
+        n_params = sum(p.numel() for p in module.parameters())
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.ds_config = deepspeed_config(cfg, gas, world, n_params)
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=self.optimizer, config=self.ds_config, dist_init_required=False
         )
+        if cfg.train.compile:
+            self.engine.compile()  # torch.compile of the wrapped module, DeepSpeed's hooks kept outside the graph
 
     @property
     def model(self) -> CausalLM:
@@ -294,8 +305,8 @@ class DeepSpeedEngine:
         applied = bool(self.engine.was_step_applied()) and math.isfinite(norm_value)
         return StepInfo(float(torch.stack(losses).mean()), norm_value, applied, states)
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _eval_loss(self.engine, input_ids, labels)
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        return eval_loss(self.engine, input_ids, labels, state)
 
     def _grad_norm(self) -> float:
         """Global gradient norm at stage 0, where DeepSpeed's data-parallel gradients are whole."""
@@ -309,9 +320,27 @@ class DeepSpeedEngine:
         load_deepspeed(self.engine, path, self.cfg.engine.zero_stage, scratch)
 
 
-def deepspeed_config(cfg: RunConfig, gas: int, world: int) -> dict[str, Any]:
+DEEPSPEED_MAX_BUCKET = 500_000_000
+"""DeepSpeed's default reduce/all-gather bucket (elements): the cap of `deepspeed_bucket_elements`."""
+
+
+def deepspeed_bucket_elements(n_params: int) -> int:
+    """Gradient-reduction and all-gather bucket size (elements) for a model of `n_params`: a quarter
+    of the weights, so that a backward pass fills about four buckets and each one's reduction overlaps
+    the rest of the backward (`overlap_comm`), between 2^20 and DeepSpeed's default of 5e8 (whose
+    buffer alone is 1 GiB in bf16, several times a 125M model's gradients per rank)."""
+    return int(min(DEEPSPEED_MAX_BUCKET, max(2**20, n_params // 4)))
+
+
+def deepspeed_config(cfg: RunConfig, gas: int, world: int, n_params: int) -> dict[str, Any]:
     """The DeepSpeed JSON section, generated so that it can never disagree with our config."""
-    zero: dict[str, Any] = {"stage": cfg.engine.zero_stage}
+    bucket = deepspeed_bucket_elements(n_params)
+    zero: dict[str, Any] = {
+        "stage": cfg.engine.zero_stage,
+        "overlap_comm": cfg.engine.zero_stage >= 1,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+    }
     if cfg.engine.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {
@@ -331,7 +360,8 @@ def build_engine(
     cfg: RunConfig, model: CausalLM, world: int, sequence_parallel: SequenceParallel | None = None
 ) -> Engine:
     """The engine named by `engine.kind` around `model` (already on its device); `world` is the
-    number of ranks, sequences are split over `sequence_parallel`'s group."""
+    number of ranks, sequences are split over `sequence_parallel`'s group. The config has passed
+    pretrain.trainer.check_start at this world size."""
     gas = grad_accumulation_steps(cfg, world // cfg.engine.sequence_parallel)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     module = TrainModule(model, sequence_parallel)
@@ -341,6 +371,4 @@ def build_engine(
         if not dist.is_initialized():
             raise ValueError("engine.kind=fsdp needs a distributed launch (torchrun); use engine.kind=single")
         return FSDPEngine(cfg, module, gas)
-    if world > 1:
-        raise ValueError(f"engine.kind=single runs one process, but WORLD_SIZE={world}; use deepspeed or fsdp")
     return SingleEngine(cfg, module, gas)

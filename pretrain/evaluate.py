@@ -27,7 +27,6 @@ from typing import Any
 import fsspec
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from data_pipeline import synthetic
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
@@ -147,9 +146,12 @@ def evaluate_context(
     for w in range(n_windows):
         window = torch.from_numpy(text.ids[w * context : (w + 1) * context + 1]).to(device)
         inputs, targets = window[None, :-1], window[1:]
-        for start, logits in stream_logits(model, inputs, chunk):
-            n = logits.shape[1]
-            nll = F.cross_entropy(logits[0].float(), targets[start : start + n], reduction="none").double().cpu()
+        state = model.init_state(1, device)
+        for start in range(0, context, chunk):
+            piece = slice(start, start + chunk)
+            losses, state = model.token_losses(inputs[:, piece], targets[None, piece], state)
+            nll = losses[0].double().cpu()
+            n = nll.shape[0]
             buckets = bucket_of[start : start + n]
             sums.index_add_(0, buckets, nll)
             counts.index_add_(0, buckets, torch.ones_like(nll))

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from model import IGNORE_INDEX, CausalLM, SequenceParallel
+from model import CausalLM, SequenceParallel
 from pretrain.config import ConfigError, RunConfig
 
 
@@ -83,10 +82,7 @@ def sequence_parallel_loss(
     model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, sp: SequenceParallel
 ) -> torch.Tensor:
     """N x (this piece's summed cross-entropy) / (non-ignored tokens of the whole micro-batch)."""
-    logits, _ = model(input_ids, sequence_parallel=sp)
-    total = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    count = (labels != IGNORE_INDEX).sum().to(total.dtype)
+    total, count, _ = model.summed_loss(input_ids, labels, sequence_parallel=sp)
+    count = count.to(total.dtype)
     dist.all_reduce(count, group=sp.group)
     return total * sp.size / count.clamp_min(1.0)

@@ -1,10 +1,12 @@
-"""Per-rank memory plan of a run: will it fit?
+"""Per-rank memory plan of a run: can it start, and will it fit, training and evaluation?
 
-    python -m pretrain.plan --config configs/vort-125m-128k.yaml [--world 8] [--gpu-mem 80GiB] [--measure]
+    python -m pretrain.plan --config configs/vort-125m-128k.yaml [--world 64] [--gpu-mem 80GiB] [--measure]
 
-Weights and optimizer state are computed from the engine's sharding, activations measured on this
-CPU and scaled to the rank's length, scan states and sequence-parallel buffers computed from their
-shapes. docs/sequence_parallel.md, "Memory plan", explains the method and its limits.
+First the trainer's own start-up rules (pretrain.trainer.check_start) at this world size: a config
+that cannot start exits with their message. Then weights and optimizer state from the engine's
+sharding, activations of training and of the periodic evaluation measured on this CPU in the run's
+precision and extrapolated to the rank's length, scan states and sequence-parallel buffers from
+their shapes. docs/sequence_parallel.md, "Memory plan", explains the method and its limits.
 """
 
 from __future__ import annotations
@@ -14,38 +16,42 @@ import multiprocessing
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 from model import CausalLM, build_model
 from model.vort import VORT_KINDS
 from pretrain.config import ConfigError, RunConfig, load_config
+from pretrain.engines import TrainModule, deepspeed_bucket_elements, eval_loss
+from pretrain.trainer import check_start, eval_piece_tokens, streamed_loss
 
 GIB = 2**30
 PROBE_TOKENS = 2048
-# DeepSpeed's default reduce_bucket_size (elements; our generated config keeps it). ZeRO 1-3 allocate one
-# gradient-reduction buffer of this many elements, in the weights' dtype, whatever the model's size.
-DEEPSPEED_REDUCE_BUCKET = 500_000_000
+MODES = ("train", "eval")
 
 
 @dataclass
 class Plan:
-    """Bytes per rank by category."""
+    """Bytes per rank by category; activations of a training step and of the periodic evaluation,
+    which run one after the other, so the peak holds the larger of the two."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    eval_activations: float
     states: float
     buffers: float
     reduce_bucket: float
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.activations + self.states + self.buffers
-                + self.reduce_bucket)
+        return (self.params + self.grads + self.optimizer + max(self.activations, self.eval_activations)
+                + self.states + self.buffers + self.reduce_bucket)
 
 
 def parse_bytes(text: str) -> float:
@@ -78,8 +84,15 @@ def state_and_buffer_bytes(model: CausalLM, cfg: RunConfig) -> tuple[float, floa
     return states, buffers
 
 
+def extrapolate(short: float, long: float, probe: int, tokens: int) -> float:
+    """Bytes at `tokens` on the line through the measurements at `probe` and 2 x `probe` tokens: the
+    per-token growth plus what does not grow with length (the loss's chunk of logits, workspaces)."""
+    per_token = max(long - short, 0.0) / probe
+    return max(short + per_token * (tokens - probe), 0.0)
+
+
 def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int = PROBE_TOKENS) -> tuple[Plan, Plan]:
-    """(without, with) activation checkpointing, per rank."""
+    """(without, with) activation checkpointing, per rank, at `world` ranks."""
     model = model if model is not None else build_model(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     bf16 = cfg.engine.precision == "bf16"
@@ -92,15 +105,20 @@ def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int =
         params += sum(p.numel() for p in model.blocks[0].parameters()) * weight_bytes
     grads = n_params * weight_bytes / (world if stage >= 2 else 1)
     optimizer = n_params * (8 + master) / shard
-    bucket = DEEPSPEED_REDUCE_BUCKET * weight_bytes if cfg.engine.kind == "deepspeed" and stage >= 1 else 0.0
+    bucket = 0.0
+    if cfg.engine.kind == "deepspeed" and stage >= 1:  # overlap_comm: two reduction buffers in flight
+        bucket = 2 * deepspeed_bucket_elements(n_params) * weight_bytes
     tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.engine.sequence_parallel
+    piece = max(eval_piece_tokens(cfg, model, context) for context in cfg.eval.contexts) if cfg.eval.every else 0
+    evaluation = 0.0
+    if piece:
+        evaluation = extrapolate(*(measure(cfg, False, probe * k, 1, "eval") for k in (1, 2)), probe, piece)
     states, buffers = state_and_buffer_bytes(model, cfg)
-    scale = 0.5 if bf16 else 1.0  # activations are measured in fp32 on the CPU
     plans = []
     for checkpointing in (False, True):
-        short, long = (measure(cfg, checkpointing, probe * k, batch=1) for k in (1, 2))
-        per_token = max(long - short, 0.0) / probe
-        plans.append(Plan(params, grads, optimizer, per_token * tokens * scale, states, buffers, bucket))
+        short, long = (measure(cfg, checkpointing, probe * k, 1) for k in (1, 2))
+        activations = extrapolate(short, long, probe, tokens)
+        plans.append(Plan(params, grads, optimizer, activations, evaluation, states, buffers, bucket))
     return plans[0], plans[1]
 
 
@@ -113,19 +131,37 @@ def _resident_kib(field: str) -> int:
     return int(match.group(1))
 
 
-def _measure_in_child(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, out: Connection) -> None:
+def _model_step(
+    cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str, context: int
+) -> Callable[[], None]:
+    """Build and warm the model (one-time allocations out of the way); return the step to measure."""
     torch.manual_seed(0)
     model = build_model(cfg.model)
+    if cfg.engine.precision == "bf16":  # as DeepSpeed and FSDP2 run it: what the model keeps in fp32 stays fp32
+        model = model.to(torch.bfloat16)
     model.activation_checkpointing = checkpointing
-    warm = torch.randint(0, cfg.model.vocab_size, (1, 257))  # one-time allocations first
+    warm = torch.randint(0, cfg.model.vocab_size, (1, 257))
     model.loss(warm[:, :-1], warm[:, 1:])[0].backward()
     model.zero_grad(set_to_none=True)
-    ids = torch.randint(0, cfg.model.vocab_size, (batch, tokens + 1))
+    ids = torch.randint(0, cfg.model.vocab_size, (batch, context + 1))
+
+    def train_step() -> None:
+        loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+
+    def evaluation() -> None:  # the trainer's periodic evaluation of one sequence, through the engine's wrapper
+        module = TrainModule(model)
+        streamed_loss(lambda i, t, s: eval_loss(module, i, t, s), model, ids[:, :-1], ids[:, 1:], tokens)
+
+    return train_step if mode == "train" else evaluation
+
+
+def _peak_child(setup: Callable[..., Callable[[], None]], args: tuple[Any, ...], out: Connection) -> None:
+    step = setup(*args)
     with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # resets the high-water mark to the current resident size: build and warm-up drop out
+        clear.write("5")  # resets the high-water mark to the current resident size: the setup drops out
     before = _resident_kib("VmRSS")
-    loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
-    loss.backward()
+    step()
     out.send((_resident_kib("VmHWM") - before) * 1024)
 
 
@@ -135,12 +171,13 @@ def _measure_in_child(cfg: RunConfig, checkpointing: bool, tokens: int, batch: i
 PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10), "THP_MEM_ALLOC_ENABLE": "0"}
 
 
-def measure(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int) -> float:
-    """Peak resident growth (bytes) of one fp32 forward+backward of batch x tokens on this CPU (gradients
-    included), read exactly from the kernel's high-water mark in a fresh process."""
+def peak_growth(setup: Callable[..., Callable[[], None]], *args: Any, what: str) -> float:
+    """Peak resident growth (bytes) of the step that `setup(*args)` returns, run in a fresh process and
+    read exactly from the kernel's high-water mark (reset after the setup); `what` names the probe in
+    the error raised when the process dies before reporting."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_measure_in_child, args=(cfg, checkpointing, tokens, batch, send))
+    child = context.Process(target=_peak_child, args=(setup, args, send))
     saved = {key: os.environ.get(key) for key in PROBE_ENV}
     os.environ.update(PROBE_ENV)  # the spawned interpreter's glibc reads these at its start
     try:
@@ -156,10 +193,22 @@ def measure(cfg: RunConfig, checkpointing: bool, tokens: int, batch: int) -> flo
         result = receive.recv()
     except EOFError:  # the child died before sending: its traceback is on stderr
         child.join()
-        raise RuntimeError(f"the memory probe of {batch} x {tokens} tokens (activation checkpointing "
-                           f"{checkpointing}) exited with code {child.exitcode} before reporting") from None
+        raise RuntimeError(f"{what} exited with code {child.exitcode} before reporting") from None
     child.join()
     return float(result)
+
+
+def measure(
+    cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str = "train", context: int | None = None
+) -> float:
+    """Peak resident growth (bytes) on this CPU, in the run's precision: mode "train", one
+    forward+backward of batch x tokens (gradients included); mode "eval", the periodic evaluation of
+    one sequence of `context` tokens (default: `tokens`) streamed `tokens` at a time."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    context = tokens if context is None else context
+    what = f"the memory probe of {batch} x {tokens} tokens ({mode}, activation checkpointing {checkpointing})"
+    return peak_growth(_model_step, cfg, checkpointing, tokens, batch, mode, context, what=what)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--world", type=int, default=None, help="ranks (default: engine.sequence_parallel)")
     parser.add_argument("--gpu-mem", default="80GiB", help="memory per accelerator, e.g. 80GiB")
-    parser.add_argument("--measure", action="store_true", help="also measure one fwd+bwd on this CPU")
+    parser.add_argument("--measure", action="store_true",
+                        help="also measure, on this CPU, one training step at the rank's length and the "
+                             "evaluation of the longest eval.contexts")
     parser.add_argument("--probe-tokens", type=int, default=PROBE_TOKENS,
                         help="activations per token from fwd+bwd at this length and twice it")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=262144")
@@ -175,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         world = args.world or cfg.engine.sequence_parallel
-        if world % cfg.engine.sequence_parallel:
-            n = cfg.engine.sequence_parallel
-            raise ConfigError(f"--world {world} is not a multiple of engine.sequence_parallel={n}")
+        dims, gas = check_start(cfg, world)
         capacity = parse_bytes(args.gpu_mem)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -187,20 +236,34 @@ def main(argv: list[str] | None = None) -> int:
     plain, checkpointed = plan(cfg, world, model, args.probe_tokens)
     n = cfg.engine.sequence_parallel
     engine = f"{cfg.engine.kind}" + (f" ZeRO-{cfg.engine.zero_stage}" if cfg.engine.kind == "deepspeed" else "")
+    longest = max(cfg.eval.contexts)
+    piece = eval_piece_tokens(cfg, model, longest)
     print(f"{args.config}: {cfg.model.kind}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"seq_len {cfg.data.seq_len} over {n} rank(s) = {cfg.data.seq_len // n} tokens per rank, "
-          f"micro_batch {cfg.train.micro_batch}, {engine}, {cfg.engine.precision}, world {world}")
+          f"micro_batch {cfg.train.micro_batch}, {engine}, {cfg.engine.precision}, world {world} "
+          f"(data-parallel {dims.data_parallel}, {gas} micro-batch(es) per step, "
+          f"{cfg.train.global_batch * cfg.data.seq_len:,} tokens per step)")
+    if cfg.eval.every:
+        print(f"evaluation every {cfg.eval.every} steps at contexts {cfg.eval.contexts}, in pieces of {piece} tokens")
     print(f"{'GiB per rank':<28}{'no checkpointing':>18}{'checkpointing':>16}")
-    for field in ("params", "grads", "optimizer", "activations", "states", "buffers", "reduce_bucket", "total"):
+    fields = ("params", "grads", "optimizer", "activations", "eval_activations", "states", "buffers",
+              "reduce_bucket", "total")
+    for field in fields:
         print(f"{field:<28}{getattr(plain, field) / GIB:>18.2f}{getattr(checkpointed, field) / GIB:>16.2f}")
     fits = ["fits" if p.total <= capacity else "does NOT fit" for p in (plain, checkpointed)]
     print(f"{'in ' + args.gpu_mem:<28}{fits[0]:>18}{fits[1]:>16}")
     if args.measure:
         for label, chosen, flag in (("no checkpointing", plain, False), ("checkpointing", checkpointed, True)):
-            predicted = chosen.activations / (0.5 if cfg.engine.precision == "bf16" else 1.0)
             measured = measure(cfg, flag, cfg.data.seq_len // n, cfg.train.micro_batch)
-            print(f"measured on this CPU ({label}): activations predicted {predicted / GIB:.3f} GiB, "
-                  f"peak growth {measured / GIB:.3f} GiB, error {predicted / max(measured, 1) - 1:+.0%}")
+            print(f"measured on this CPU, training ({label}): activations predicted "
+                  f"{chosen.activations / GIB:.3f} GiB, peak growth {measured / GIB:.3f} GiB, "
+                  f"error {chosen.activations / max(measured, 1) - 1:+.0%}")
+        if cfg.eval.every:
+            measured = measure(cfg, False, piece, 1, "eval", context=longest)
+            predicted = plain.eval_activations
+            print(f"measured on this CPU, evaluation of {longest} tokens in pieces of {piece}: predicted "
+                  f"{predicted / GIB:.3f} GiB, peak growth {measured / GIB:.3f} GiB, "
+                  f"error {predicted / max(measured, 1) - 1:+.0%}")
     return 0
 
 

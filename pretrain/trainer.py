@@ -12,7 +12,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,16 +24,17 @@ from data_pipeline.shards import ManifestError, load_manifest
 from data_pipeline.stream import PackedStream, StreamLoader
 from data_pipeline.synthetic import TaskBatches, make_task
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
-from model import CausalLM, build_model
+from model import IGNORE_INDEX, CausalLM, build_model
 from pretrain import carry
 from pretrain.checkpoint import Checkpointer
-from pretrain.config import RunConfig, config_text, config_to_dict, dump_config
+from pretrain.config import ConfigError, RunConfig, config_text, config_to_dict, dump_config
 from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
 from pretrain.engines import Engine, build_engine, device_for_rank, grad_accumulation_steps, init_distributed
+from pretrain.init_from import load_initial_weights
 from pretrain.log import get_logger
 from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
-from pretrain.parallel_dims import dims_for, local_slice
+from pretrain.parallel_dims import ParallelDims, dims_for, local_slice
 
 EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
 EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
@@ -103,6 +104,17 @@ def check_data(cfg: RunConfig) -> None:
             raise DataError(f"data.valid[{i}]: {err}") from err
 
 
+def check_start(cfg: RunConfig, world: int) -> tuple[ParallelDims, int]:
+    """The start-up rules that depend only on the config and the world size (no data, no devices):
+    the (data x sequence)-parallel mesh and the micro-batches per data-parallel rank per step, or a
+    ConfigError naming the key. `train` and `python -m pretrain.plan` both run this function."""
+    carry.check_config(cfg)
+    if cfg.engine.kind == "single" and world > 1:
+        raise ConfigError(f"engine.kind=single runs one process, but the world size is {world}; use deepspeed or fsdp")
+    dims = dims_for(cfg, world)
+    return dims, grad_accumulation_steps(cfg, dims.data_parallel)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -146,11 +158,42 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
     return StreamLoader(stream, num_workers=cfg.data.num_workers)
 
 
-def heldout_bits_per_token(cfg: RunConfig, engine: Engine, rank: int, world: int) -> dict[str, float]:
+def eval_piece_tokens(cfg: RunConfig, model: CausalLM, context: int) -> int:
+    """Tokens per forward call of the periodic evaluation at `context`: a rank's training piece
+    (seq_len / sequence_parallel) for models whose carried state makes piecewise exact, so that the
+    evaluation's memory does not grow with the context; the whole context otherwise."""
+    if not model.streams_exactly:
+        return context
+    return min(context, cfg.data.seq_len // cfg.engine.sequence_parallel)
+
+
+def streamed_loss(
+    eval_loss: Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]],
+    model: CausalLM, inputs: torch.Tensor, labels: torch.Tensor, piece: int,
+) -> tuple[float, int]:
+    """(summed loss, scored tokens) of [1, T] inputs fed `piece` tokens at a time through `eval_loss`
+    (an engine's), the state carried from piece to piece: memory stays that of one piece."""
+    state = model.init_state(inputs.shape[0], inputs.device)
+    total, count = 0.0, 0
+    for start in range(0, inputs.shape[1], piece):
+        piece_labels = labels[:, start : start + piece]
+        loss, state = eval_loss(inputs[:, start : start + piece], piece_labels, state)
+        scored = int((piece_labels != IGNORE_INDEX).sum())
+        total += float(loss) * scored
+        count += scored
+    return total, count
+
+
+def heldout_bits_per_token(
+    cfg: RunConfig, engine: Engine, rank: int, world: int, device: torch.device
+) -> dict[str, float]:
     """Held-out loss at each configured context length, as bits per token (= per byte for byte
-    models); every rank evaluates its share of the sequences and the sums are reduced."""
+    models); every rank evaluates its share of the sequences, streaming each in pieces with the
+    carried state (`eval_piece_tokens`), and the sums are reduced."""
     results: dict[str, float] = {}
+    model = engine.model
     for context in cfg.eval.contexts:
+        piece = eval_piece_tokens(cfg, model, context)
         n_seq = max(world, cfg.eval.max_tokens // context)
         total, count = 0.0, 0
         for path in cfg.data.valid:
@@ -159,9 +202,10 @@ def heldout_bits_per_token(cfg: RunConfig, engine: Engine, rank: int, world: int
                 max_samples=n_seq - n_seq % world, batch_size=1, expected_tokenizer=cfg.data.tokenizer,
             )
             for sample in stream:
-                loss = engine.eval_loss(sample["input_ids"][None], sample["labels"][None])
-                total += float(loss) * context
-                count += context
+                inputs, labels = sample["input_ids"][None].to(device), sample["labels"][None].to(device)
+                summed, scored = streamed_loss(engine.eval_loss, model, inputs, labels, piece)
+                total += summed
+                count += scored
         total, count = all_reduce_sum([total, count])
         results[f"eval/bits_per_token@{context}"] = total / max(count, 1) / math.log(2)
     return results
@@ -178,7 +222,7 @@ def evaluate_tasks(cfg: RunConfig, engine: Engine, device: torch.device) -> dict
     model.eval()
     results = run_tasks(
         model, cfg.eval.tasks, load_tokenizer(cfg.data.tokenizer), cfg.eval.task_len, cfg.eval.task_examples,
-        chunk=cfg.data.seq_len, device=device, haystack=haystack,
+        chunk=cfg.data.seq_len // cfg.engine.sequence_parallel, device=device, haystack=haystack,
     )
     model.train()
     scores = {}
@@ -215,10 +259,8 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     log = get_logger()
     started = time.time()
     check_data(cfg)
-    carry.check_config(cfg)
     rank, world = init_distributed(cfg)
-    dims = dims_for(cfg, world)
-    gas = grad_accumulation_steps(cfg, dims.data_parallel)
+    dims, gas = check_start(cfg, world)
     run_dir = Path(cfg.run.dir)
     checkpointer = Checkpointer(
         cfg.checkpoint.dir or str(run_dir / "checkpoints"), run_dir / ".checkpoint_staging",
@@ -232,6 +274,8 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     device = device_for_rank()
     model = build_model(cfg.model).to(device)
+    if cfg.init.from_ is not None:  # weights only; a resumed checkpoint below replaces them
+        load_initial_weights(model, cfg.init.from_)
     n_params = model.num_parameters()  # before sharding engines partition the weights
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     seed_everything(cfg.run.seed + 1000 * rank)  # per-rank streams from here on
@@ -285,8 +329,10 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
         if carrier is not None:
             carrier.update(info.states)
         checkpointer.poll()
-        loss_value = all_reduce_mean([info.loss])[0]
         state.step += 1
+        log_step = state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps
+        # the global mean loss costs a collective: only on steps that report it (every rank agrees on both)
+        loss_value = all_reduce_mean([info.loss])[0] if log_step or not info.applied else math.nan
         state.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
 
@@ -301,7 +347,7 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
         else:
             state.consecutive_skips = 0
 
-        if state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps:
+        if log_step:
             elapsed = time.time() - window_start
             tokens_per_s = window_tokens / max(elapsed, 1e-9)
             scalars = {
@@ -325,7 +371,7 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
             window_start, window_tokens = time.time(), 0
 
         if cfg.eval.every and state.step % cfg.eval.every == 0:
-            results = heldout_bits_per_token(cfg, engine, rank, world) if cfg.data.valid else {}
+            results = heldout_bits_per_token(cfg, engine, rank, world, device) if cfg.data.valid else {}
             if cfg.eval.tasks and rank == 0:
                 results.update(evaluate_tasks(cfg, engine, device))
             metrics.log(state.step, results)

@@ -59,7 +59,9 @@ def long_pass_losses(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Te
     return [nll[:, k * L : (k + 1) * L].mean() for k in range(ids.shape[1] // L)]
 
 
-@pytest.mark.parametrize("config", [TINY_VORT, TINY_PMNET], ids=["vort", "pmnet"])
+@pytest.mark.parametrize("config", [TINY_VORT, TINY_PMNET, dataclasses.replace(TINY_VORT, short_conv=3),
+                                    dataclasses.replace(TINY_PMNET, short_conv=3)],
+                         ids=["vort", "pmnet", "vort-conv", "pmnet-conv"])
 def test_carried_state_equals_one_long_pass_forward_and_truncated_gradient(config: ModelConfig) -> None:
     torch.manual_seed(0)
     model = build_model(config)

@@ -146,3 +146,28 @@ def test_needle_accepts_a_file_object() -> None:
     with BOOK.open("rb") as f:
         task = NeedleHaystack(2048, f, seed=1)
     assert _same(task.example(0), NeedleHaystack(2048, BOOK.read_bytes(), seed=1).example(0))
+
+
+def test_mqar_pairs_then_every_key_queried_once_with_only_its_value_labelled() -> None:
+    from data_pipeline.synthetic import MultiQueryRecall
+
+    task = MultiQueryRecall(64, vocab_size=40, num_pairs=8, seed=3)
+    for i in range(20):
+        e = task.example(i)
+        ids, labels = e.input_ids, e.labels
+        keys, values = ids[0:16:2], ids[1:16:2]
+        assert len(set(keys.tolist())) == 8 and (keys < task.keys).all()
+        assert ((values >= task.keys) & (values < 2 * task.keys)).all()
+        places = np.flatnonzero(labels != IGNORE_INDEX)
+        assert places.tolist() == e.meta["query_at"] and places.min() >= 16 and places.max() < 63
+        assert sorted(ids[places].tolist()) == sorted(keys.tolist())
+        answer = dict(zip(keys.tolist(), values.tolist()))
+        assert [answer[k] for k in ids[places].tolist()] == labels[places].tolist()
+        region = np.delete(ids[16:], places - 16)
+        assert (region == task.filler).all()  # the answers are never in the input
+        assert _same(e, task.example(i))
+    assert not _same(task.example(0), task.example(1))
+    with pytest.raises(ValueError, match="num_pairs"):
+        MultiQueryRecall(64, vocab_size=20, num_pairs=10)
+    with pytest.raises(ValueError, match="too short"):
+        MultiQueryRecall(20, vocab_size=40, num_pairs=8)

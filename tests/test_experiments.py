@@ -41,7 +41,7 @@ def test_quick_mode_writes_results_and_resumes(name: str, out: Path, monkeypatch
     experiment = EXPERIMENTS[name]
     assert main(["run", name, "--quick", "--out", str(out)]) == 0
     results = json.loads((out / name / "results.json").read_text())
-    families = [f.name for f in experiment.families]
+    families = [f.name for f in experiment.families_for(quick=True)]
     assert [r["family"] for r in results["runs"]] == families and results["quick"]
     assert list(results["summary"]) == families
     for record in results["runs"]:
@@ -87,11 +87,12 @@ def test_a_changed_config_is_not_mixed_with_an_old_run(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(EXPERIMENTS))
 def test_families_compared_have_the_same_size_budget_and_optimizer(name: str, tmp_path: Path) -> None:
     experiment = EXPERIMENTS[name]
-    configs = [experiment.run_config(f, 0, tmp_path, quick=False)[1] for f in experiment.families]
-    sizes = [build_model(c.model).num_parameters() for c in configs]
-    assert max(sizes) <= 1.05 * min(sizes), dict(zip([f.name for f in experiment.families], sizes))
-    assert len({(c.train.steps, c.train.global_batch, c.data.seq_len) for c in configs}) == 1
-    assert len({(c.train.lr, c.train.schedule, c.train.weight_decay, c.train.grad_clip) for c in configs}) == 1
+    for group in experiment.comparable_groups():
+        configs = [experiment.run_config(f, 0, tmp_path, quick=False)[1] for f in group]
+        sizes = [build_model(c.model).num_parameters() for c in configs]
+        assert max(sizes) <= 1.05 * min(sizes), dict(zip([f.name for f in group], sizes))
+        assert len({(c.train.steps, c.train.global_batch, c.data.seq_len) for c in configs}) == 1
+        assert len({(c.train.lr, c.train.schedule, c.train.weight_decay, c.train.grad_clip) for c in configs}) == 1
 
 
 def test_list_names_every_experiment(capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,3 +138,15 @@ def test_task_data_batches_resume_after_the_examples_consumed() -> None:
                                   "data.task.params={max_copy: 64, max_lookback: 100}"])
     with pytest.raises(DataError, match=r"more than data\.seq_len=128"):
         make_task_data(too_long, 0, 1)
+
+
+def test_mqar_state_size_counts_what_each_family_carries() -> None:
+    from experiments.mqar import state_floats
+
+    vort = build_model(load_config(TINY, ["model.kind=exp", "model.short_conv=3"]).model)
+    c = vort.config
+    per_layer = c.n_heads * c.vort.n_features * (c.head_dim + 1) + 2 * c.d_model  # one exp term; conv tail
+    assert state_floats(vort, 40) == c.n_layers * per_layer
+    transformer = build_model(load_config(TINY, ["model.kind=transformer"]).model)
+    c = transformer.config
+    assert state_floats(transformer, 40) == 2 * 40 * c.d_model * c.n_layers  # the keys and values of a cache

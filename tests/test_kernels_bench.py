@@ -45,12 +45,28 @@ def test_soe_flops_are_linear_in_tokens():
 def test_gpu_script_parses_arguments():
     args = gpu_kernels.parse_args(["--T", "4096,131072", "--H", "2", "--skip-check"])
     assert args.T == [4096, 131072] and args.H == 2 and args.skip_check
+    assert args.train == ["vort-125m", "pmnet-119m"] and args.train_T == 16384 and args.steps == 3
+    args = gpu_kernels.parse_args(["--train", "tiny-vort,", "--train-T", "64", "--json", "x.json"])
+    assert args.train == ["tiny-vort"] and args.train_T == 64 and str(args.json) == "x.json"
+    with pytest.raises(SystemExit):
+        gpu_kernels.parse_args(["--steps", "0"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_gpu_script_without_gpu_exits_cleanly(capsys):
-    assert gpu_kernels.main(["--T", "4096"]) == 0
+def test_gpu_script_without_gpu_exits_cleanly(capsys, tmp_path):
+    out = tmp_path / "gpu.json"
+    assert gpu_kernels.main(["--T", "4096", "--json", str(out)]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("config", ["tiny-vort", "tiny-pmnet"])
+def test_gpu_script_training_steps_run_on_cpu(config):
+    """The training-step timing of the GPU script, on the CPU at a tiny shape (no plan prediction)."""
+    row = gpu_kernels.train_steps(config, 64, 1, "cpu", peak_tflops=1.0, predict=False)
+    assert row["config"] == config and row["T"] == 64
+    assert row["tokens_per_s"] == pytest.approx(64 / row["step_s"])
+    assert 0 < row["mfu"] < 1  # a CPU is far below 1 TFLOP/s
 
 
 def test_pmnet_scan_share_reports_the_scan_inside_a_block(tmp_path):
@@ -71,3 +87,32 @@ def test_soe_grad_precision_script_measures_fp32_against_float64():
     assert row["T"] == 96
     assert all(0 < row[name] < 1e-4 for name in soe_grad_precision.NAMES)
     assert row["log_lam_worst"] >= row["log_lam"]
+
+
+def test_roofline_model_scales_with_the_terms_and_prints_every_kernel(capsys):
+    from benchmarks import roofline
+
+    rows = {(r["config"], r["kernel"]): r for r in roofline.roofline(["vort-125m", "pl-125m", "pmnet-119m"])}
+    soe = [f"soe_{k}" for k in ("fwd_spans", "fwd_pass", "fwd", "bwd_spans", "bwd_pass", "bwd_forward_order")]
+    soe.append("soe_bwd_reverse_order")
+    phasor = [f"phasor_{k}" for k in ("fwd_spans", "fwd_pass", "fwd", "bwd_spans", "bwd_pass", "bwd")]
+    assert set(k for _, k in rows) == {*soe, *phasor}
+    # same heads, blocks and spans, 18 vs 16 SOE terms: the per-term programs and per-term states make
+    # work and traffic scale with S
+    for kernel in (k for k in soe if not k.endswith("_pass")):
+        vort, pl = rows[("vort-125m", kernel)], rows[("pl-125m", kernel)]
+        assert vort["flops_per_token"] / pl["flops_per_token"] == pytest.approx(18 / 16)
+        assert vort["bytes_per_token"] / pl["bytes_per_token"] == pytest.approx(18 / 16)
+    for kernel in ("soe_fwd_pass", "soe_bwd_pass"):
+        vort, pl = rows[("vort-125m", kernel)], rows[("pl-125m", kernel)]
+        assert vort["flops_per_token"] == 0 and vort["bytes_per_token"] / pl["bytes_per_token"] == pytest.approx(
+            18 / 16
+        )
+    for r in rows.values():
+        compute, memory = r["flops_per_token"] / roofline.PEAK_FLOPS, r["bytes_per_token"] / roofline.PEAK_BYTES
+        assert r["h100_ms_per_64k_tokens_per_layer"] == pytest.approx(max(compute, memory) * 65536 * 1e3)
+        assert r["bound"] == ("compute" if compute >= memory else "memory")
+    assert roofline.main(["--config", "exp-tiny"]) == 0
+    assert capsys.readouterr().out.count("| exp-tiny |") == 7
+    with pytest.raises(ValueError, match="no scan"):
+        roofline.roofline(["transformer-tiny"])

@@ -44,10 +44,70 @@ def _check_soe(inputs, chunk_size, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, dtype=tor
         (2, 37, 2, 5, 7, 3, 16, True),
         (1, 64, 1, 16, 16, 2, 64, True),
         (1, 70, 2, 4, 20, 1, 32, False),
+        (1, 40, 1, 4, 70, 2, 16, True),  # two value blocks: the normaliser rides with the first only
     ],
 )
 def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_terms, chunk_size, with_state):
     _check_soe(soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed=seq_len), chunk_size)
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "target", "spans", "batch", "heads", "dim_v"),
+    [(150, 2, 1, 1, 1, 5), (150, 6, 4, 1, 1, 5), (150, 264, 10, 1, 1, 5), (70, 16, 3, 2, 2, 20)],
+)
+def test_soe_triton_spans_match_reference(monkeypatch, seq_len, target, spans, batch, heads, dim_v):
+    """The span decomposition at several splits (chunks of 16): 150 tokens as one span (the plain
+    sequential walk), as spans of three chunks with a 6-token last span, and as one chunk per span; 70
+    tokens of two sequences and two heads, with two value blocks in the backward, as spans of two
+    chunks. With an initial state, a term that decays fast, and every gradient (q, k, v, coef, log_lam,
+    G0, b0)."""
+    import kernels.span
+    from kernels.soe.triton import soe_launches
+
+    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
+    span, launches = soe_launches(batch, seq_len, heads, 2, 4, dim_v, 16, torch.float32, 80)
+    assert launches["fwd"].grid[2] == spans == math.ceil(seq_len / span)
+    assert {launch.grid[2] for name, launch in launches.items() if "pass" not in name} == {spans}
+    inputs = soe_inputs(batch, seq_len, heads, 4, dim_v, 2, True, seed=7)
+    inputs["log_lam"] = torch.tensor([[-0.01, -3.0]] * heads, dtype=torch.float64)
+    _check_soe(inputs, 16)
+
+
+@pytest.mark.parametrize(("target", "spans"), [(1, 1), (4, 5)])
+def test_phasor_triton_spans_match_reference(monkeypatch, target, spans):
+    """The phasor scan in one span and in five (two chunks each, the last one 6 tokens), with an initial
+    state: reads, final phases, and the gradients of the increments and of the initial state."""
+    import kernels.span
+    from kernels.phasor.triton import phasor_launches
+
+    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
+    inputs, n_slots = phasor_inputs(1, 150, 3, 5, 2, True, seed=11)
+    span, launches = phasor_launches(1, 150, 3, 5, n_slots, torch.float32, 80)
+    assert launches["fwd"].grid[2] == spans == math.ceil(150 / span)
+    (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
+    (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
+    assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi
+    assert angle_err(final, ref_final) <= FWD_TOL * 2 * math.pi
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
+
+
+def test_span_sizes_fill_the_gpu():
+    """Spans give the per-span kernels TARGET_PROGRAMS programs when the sequence has enough chunks (one
+    chunk per span otherwise), and the span pass launches MIN_PROGRAMS programs for states of 264
+    elements or more (the tiny configs' states hold 1,088-11,968)."""
+    from kernels.span import MIN_PROGRAMS, TARGET_PROGRAMS, span_chunks, span_pass_launch
+
+    for seq_len, chunk, per_span in [(65_536, 16, 4), (65_536, 32, 216), (65_536, 16, 300), (100, 16, 4)]:
+        chunks = span_chunks(seq_len, chunk, per_span)
+        n_spans = math.ceil(seq_len / (chunks * chunk))
+        if math.ceil(seq_len / chunk) >= TARGET_PROGRAMS / per_span:
+            assert n_spans * per_span >= TARGET_PROGRAMS
+        else:
+            assert chunks == 1
+    for n in (264, 1_088, 1_360, 11_968, 10**6):
+        launch = span_pass_launch(n, reverse=False, decay=True, wrap=False)
+        assert launch.programs >= MIN_PROGRAMS and launch.programs * launch.constexprs["BLOCK"] >= n
 
 
 def _soe_in_pieces(inputs, bounds):
@@ -144,10 +204,73 @@ def test_gpu_script_timing_row_runs_under_the_interpreter():
 
     args = parse_args(["--H", "1", "--F", "16", "--D", "16", "--S", "2"])
     row = time_row(args, 32, DEVICE, torch.float32, count)
-    assert set(row) == {"T", *COLUMNS} and len(calls) == len(COLUMNS)
+    assert set(row) == {"T", *COLUMNS}
+    timed = [c for c in COLUMNS if not math.isnan(row[c])]
+    assert len(calls) == len(timed)
+    assert set(COLUMNS) - set(timed) <= {"fla_fwd", "fla_fwdbwd"}  # fla is optional
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is only right on a GPU")
 def test_soe_triton_bf16_on_cuda():
     inputs = soe_inputs(2, 300, 2, 32, 32, 8, True, seed=3)
     _check_soe(inputs, 64, fwd_tol=3e-2, grad_tol=6e-2, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "width", "log_lam"),
+    [
+        (70, 7, [[-0.02, -0.3, -2.0], [0.0, -0.05, -45.0]]),  # three chunks of 32; a term flushed to 0 at once
+        (33, 70, [[-0.01, -0.1, -1.0], [-0.2, -0.002, -5.0]]),  # two value blocks in the forward
+    ],
+)
+def test_soe_entering_read_triton_matches_the_torch_form(seq_len, width, log_lam):
+    """The Triton entering-state read of sequence parallelism against kernels.parallel's PyTorch form:
+    outputs and the gradients of q, log_lam and the entering state."""
+    from kernels.parallel import _SoeStateCorrection
+    from kernels.soe.triton import SoeEnteringTriton
+
+    gen = torch.Generator().manual_seed(seq_len)
+    B, H, S, F = 2, 2, 3, 5
+    q = torch.randn(B, seq_len, H, F, generator=gen)
+    g_in, b_in = torch.randn(B, H, S, F, width, generator=gen), torch.randn(B, H, S, F, generator=gen)
+    ll = torch.tensor(log_lam)
+    w_o, w_z = torch.randn(B, seq_len, H, width, generator=gen), torch.randn(B, seq_len, H, generator=gen)
+    results = []
+    for form, dev in (
+        (lambda *x: SoeEnteringTriton.apply(*x), DEVICE),
+        (lambda *x: _SoeStateCorrection.apply(*x, 16), "cpu"),
+    ):
+        inputs = [x.to(dev).requires_grad_() for x in (q, ll, g_in, b_in)]
+        o, z = form(*inputs)
+        loss = (o * w_o.to(dev)).sum() + (z * w_z.to(dev)).sum()
+        results.append([o, z, *torch.autograd.grad(loss, inputs)])
+    for name, got, want in zip(("o", "z", "dq", "dlog_lam", "dg", "db"), *results, strict=True):
+        tol = GRAD_TOL if name.startswith("d") else FWD_TOL
+        assert rel_err(got.cpu(), want) <= tol, (name, rel_err(got.cpu(), want))
+
+
+def test_sequence_parallel_soe_on_one_rank_uses_the_triton_read(tmp_path):
+    """One gloo rank with an initial state: the Triton backend's scan plus its entering-state read equal
+    the reference scan from that state, outputs, final state and gradients."""
+    import torch.distributed as dist
+
+    from kernels import soe_scan_sequence_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        inputs = soe_inputs(1, 40, 2, 4, 5, 2, True, seed=5)
+        results = []
+        for backend in ("triton", "reference"):
+            x = {n: t.float().to(DEVICE).requires_grad_() for n, t in inputs.items()}
+            piece = [x[n] for n in ("q", "k", "v", "coef", "log_lam")]
+            if backend == "triton":
+                o, z, (g, b) = soe_scan_sequence_parallel(*piece, None, (x["g0"], x["b0"]), True, 16, backend)
+            else:
+                o, z, (g, b) = soe_scan(*piece, (x["g0"], x["b0"]), True, 16, backend)
+            gen = torch.Generator().manual_seed(0)
+            loss = sum((t * torch.randn(t.shape, generator=gen).to(DEVICE)).sum() for t in (o, z, g, b))
+            results.append([o, z, g, b, *torch.autograd.grad(loss, list(x.values()))])
+    finally:
+        dist.destroy_process_group()
+    for i, (got, want) in enumerate(zip(*results, strict=True)):
+        assert rel_err(got, want) <= (FWD_TOL if i < 4 else GRAD_TOL), i

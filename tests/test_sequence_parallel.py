@@ -33,6 +33,9 @@ MODELS = {
                                  pmnet=PMNetConfig(window=8, memory_dim=8, depth=2, segment_len=16,
                                                    collision_scope="segment")),
 }
+# a short convolution of 4 tokens: a halo of 3 inputs from the previous rank in every block
+MODELS["vort-conv"] = dataclasses.replace(MODELS["vort"], short_conv=4)
+MODELS["pmnet-conv"] = dataclasses.replace(MODELS["pmnet"], short_conv=4)
 
 
 HELD_OUT = REPO / "data" / "demo" / "long" / "prideprejudice.txt"  # never in the demo's training shards
@@ -112,7 +115,8 @@ def _check_pieces(tmp_path: Path, world: int, loss_rel: float) -> None:
 
 
 @pytest.mark.parametrize(("kind", "checkpointing"), [("vort", False), ("exp", True), ("pmnet", False),
-                                                     ("pmnet-segment", True)])
+                                                     ("pmnet-segment", True), ("vort-conv", False),
+                                                     ("pmnet-conv", True)])
 def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
     mp.spawn(_model_worker, args=(WORLD, free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
     _check_pieces(tmp_path, WORLD, 1e-5)

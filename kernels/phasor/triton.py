@@ -1,12 +1,13 @@
 """Triton kernels for the phasor scan (the CUDA path; also runs under TRITON_INTERPRET=1 on CPU tensors).
 
-One program per (batch, block of phase columns) keeps every slot's phase [n_slots, BM] in registers,
-in fp32, wrapped to [0, 2*pi) after each chunk, and walks the sequence in chunks of BT tokens. Per
-chunk and level, with onehot[t, n] = (slots[t] == n):
+One program per (batch, block of phase columns, span) keeps every slot's phase [n_slots, BM] in
+registers, in fp32, wrapped to [0, 2*pi) after each chunk, and walks its span in chunks of BT tokens,
+starting from the phases entering the span (per-span increment sums and a prefix sum over the spans,
+kernels/span.py, give those first). Per chunk and level, with onehot[t, n] = (slots[t] == n):
   read  = wrap(onehot @ state + same_slot_before @ delta),  same_slot_before[t, j] = (slot_t == slot_j and j < t)
   state += onehot^T @ delta
 Levels never share a slot, so updating the state level by level does not change the next level's reads.
-The backward is the same walk in reverse with the read gradients: d delta = onehot @ g + same_slot_after @ d_read.
+The backward is the same in reverse with the read gradients: d delta = onehot @ g + same_slot_after @ d_read.
 All products use IEEE fp32 (no TF32) so phases keep full fp32 precision.
 """
 
@@ -16,19 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_triton_inputs
+from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
+from kernels.span import span_chunks, span_pass_launch, wrap_phase
 
 
 @triton.jit
-def _wrap(x):
-    y = x - 6.283185307179586 * tl.floor(x * 0.15915494309189535)
-    return tl.where(y >= 6.283185307179586, y - 6.283185307179586, y)
-
-
-@triton.jit
-def _slot_tile(M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's batch row, phase columns, slot rows and chunk positions, and the offsets and mask
-    of its state tile [BN, BM] in a [B, NS, M] state."""
+def _slot_tile(M, NS, SPAN, seq_len, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's batch row, phase columns, slot rows, chunk positions and span [lo, hi) of tokens,
+    and the offsets and mask of its state tile [BN, BM] in one [B, NS, M] slot of the span states."""
     b = tl.program_id(0)
     offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
@@ -36,7 +32,15 @@ def _slot_tile(M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     mask_m = offs_m < M
     st_off = (b * NS + offs_n[:, None]) * M + offs_m[None, :]
     st_mask = (offs_n < NS)[:, None] & mask_m[None, :]
-    return b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask
+    lo = tl.program_id(2) * SPAN
+    hi = tl.minimum(lo + SPAN, seq_len)
+    return b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask, lo, hi
+
+
+@triton.jit
+def _slot(states, i, M, NS):
+    """Slot ``i`` of the [n_spans + 1, B, NS, M] span states (64-bit offset)."""
+    return states + i.to(tl.int64) * tl.num_programs(0) * NS * M
 
 
 @triton.jit
@@ -53,68 +57,146 @@ def _level_rows(values, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
 
 
 @triton.jit
-def _phasor_fwd_kernel(
-    delta, slots, init, read, final, seq_len, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+def _phasor_span_kernel(
+    values,
+    slots,
+    states,
+    seq_len,
+    SPAN,
+    L,
+    M,
+    NS,
+    BT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
-    b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask = _slot_tile(M, NS, BT, BM, BN)
-    state = tl.load(init + st_off, mask=st_mask, other=0.0)
+    """Per slot, the sum of one span's rows: its increments, wrapped, into slot ``span + 1`` (forward), or
+    its read gradients into slot ``span`` (REVERSE). The order of the sum does not matter."""
+    b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask, lo, hi = _slot_tile(M, NS, SPAN, seq_len, BT, BM, BN)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for start in range(lo, hi, BT):
+        for lvl in range(0, L):
+            _entry, _mask, _sl, onehot, rows = _level_rows(
+                values, slots, b, start + offs_t, lvl, seq_len, L, M, offs_m, offs_n, mask_m
+            )
+            acc += tl.dot(tl.trans(onehot), rows, input_precision="ieee")
+        if not REVERSE:
+            acc = wrap_phase(acc)
+    if REVERSE:
+        tl.store(_slot(states, tl.program_id(2), M, NS) + st_off, acc, mask=st_mask)
+    else:
+        tl.store(_slot(states, tl.program_id(2) + 1, M, NS) + st_off, acc, mask=st_mask)
+
+
+@triton.jit
+def _phasor_fwd_kernel(
+    delta, slots, states, read, seq_len, SPAN, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+):
+    """The reads of one span from the phases entering it (slot ``span`` of ``states``)."""
+    b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask, lo, hi = _slot_tile(M, NS, SPAN, seq_len, BT, BM, BN)
+    state = tl.load(_slot(states, tl.program_id(2), M, NS) + st_off, mask=st_mask, other=0.0)
     before = offs_t[:, None] > offs_t[None, :]
-    for start in range(0, seq_len, BT):
+    for start in range(lo, hi, BT):
         t = start + offs_t
         for lvl in range(0, L):
             entry, mask, sl, onehot, d = _level_rows(delta, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
             same = ((sl[:, None] == sl[None, :]) & before).to(tl.float32)
             r = tl.dot(onehot, state, input_precision="ieee") + tl.dot(same, d, input_precision="ieee")
-            tl.store(read + entry[:, None] * M + offs_m[None, :], _wrap(r), mask=mask)
+            tl.store(read + entry[:, None] * M + offs_m[None, :], wrap_phase(r), mask=mask)
             state += tl.dot(tl.trans(onehot), d, input_precision="ieee")
-        state = _wrap(state)
-    tl.store(final + st_off, state, mask=st_mask)
+        state = wrap_phase(state)
 
 
 @triton.jit
 def _phasor_bwd_kernel(
-    d_read, slots, d_final, d_delta, d_init, seq_len, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+    d_read, slots, d_states, d_delta, seq_len, SPAN, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
 ):
-    b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask = _slot_tile(M, NS, BT, BM, BN)
-    g_state = tl.load(d_final + st_off, mask=st_mask, other=0.0)
+    """The increment gradients of one span, walking it in reverse from the gradient of the phases leaving
+    it (slot ``span + 1`` of ``d_states``)."""
+    b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask, lo, hi = _slot_tile(M, NS, SPAN, seq_len, BT, BM, BN)
+    g_state = tl.load(_slot(d_states, tl.program_id(2) + 1, M, NS) + st_off, mask=st_mask, other=0.0)
     after = offs_t[:, None] < offs_t[None, :]
-    n_chunks = tl.cdiv(seq_len, BT)
+    n_chunks = tl.cdiv(hi - lo, BT)
     for rev in range(0, n_chunks):
-        t = (n_chunks - 1 - rev) * BT + offs_t
+        t = lo + (n_chunks - 1 - rev) * BT + offs_t
         for lvl in range(0, L):
             entry, mask, sl, onehot, g = _level_rows(d_read, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
             same = ((sl[:, None] == sl[None, :]) & after).to(tl.float32)
             gd = tl.dot(onehot, g_state, input_precision="ieee") + tl.dot(same, g, input_precision="ieee")
             tl.store(d_delta + entry[:, None] * M + offs_m[None, :], gd, mask=mask)
             g_state += tl.dot(tl.trans(onehot), g, input_precision="ieee")
-    tl.store(d_init + st_off, g_state, mask=st_mask)
 
 
-def _blocks(width: int, n_slots: int) -> tuple[int, int, int]:
-    """(tokens per chunk, phase columns per program, padded slot count); all >= 16 for tl.dot."""
-    return 32, min(64, max(16, triton.next_power_of_2(width))), max(16, triton.next_power_of_2(n_slots))
+# Per target: (tokens per chunk, widest block of phase columns, warps, pipeline stages). The compile
+# gate (benchmarks/kernel_compile.py) checks every entry against the target's shared memory and registers.
+_TABLE: dict[bool, tuple[int, int, int, int]] = {
+    # sm_90 or newer
+    False: (16, 16, 8, 2),
+    True: (16, 16, 8, 2),
+}
+
+
+def phasor_launches(
+    batch: int, seq_len: int, levels: int, width: int, n_slots: int, dtype: torch.dtype, capability: int
+) -> tuple[int, dict[str, Launch]]:
+    """(span length, launches) of one scan for increments of ``dtype`` on a GPU of compute capability
+    ``capability``. Forward: "fwd_spans" (each span's increments per slot), "fwd_pass" (the phases
+    entering each span), "fwd" (the reads); backward: "bwd_spans", "bwd_pass" (in reverse), "bwd".
+    Chunk, column and padded slot blocks are all >= 16 for tl.dot; spans are whole chunks, as many as
+    reach kernels.span.TARGET_PROGRAMS programs."""
+    bt, bm_max, warps, stages = _TABLE[capability >= 90]
+    bm = min(bm_max, max(16, triton.next_power_of_2(width)))
+    bn = max(16, triton.next_power_of_2(n_slots))
+    blocks = triton.cdiv(width, bm)
+    span = bt * span_chunks(seq_len, bt, batch * blocks)
+    grid = (batch, blocks, triton.cdiv(seq_len, span))
+    constexprs = {"BT": bt, "BM": bm, "BN": bn}
+    scalars = {"seq_len": "i32", "SPAN": "i32", "L": "i32", "M": "i32", "NS": "i32"}
+    fwd = {"delta": triton_type(dtype), "slots": "i32", "states": "fp32", "read": "fp32"}
+    bwd = {"d_read": "fp32", "slots": "i32", "d_states": "fp32", "d_delta": "fp32"}
+    n_state = batch * n_slots * width
+
+    def sums(values: str, reverse: bool) -> Launch:
+        """The per-span sums of increments (forward) or of read gradients (reverse)."""
+        pointers = {"values": values, "slots": "i32", "states": "fp32"}
+        return Launch(_phasor_span_kernel, pointers, scalars, constexprs | {"REVERSE": reverse}, grid, warps, stages)
+
+    return span, {
+        "fwd_spans": sums(fwd["delta"], False),
+        "fwd_pass": span_pass_launch(n_state, reverse=False, decay=False, wrap=True),
+        "fwd": Launch(_phasor_fwd_kernel, fwd, scalars, constexprs, grid, warps, stages),
+        "bwd_spans": sums("fp32", True),
+        "bwd_pass": span_pass_launch(n_state, reverse=True, decay=False, wrap=False),
+        "bwd": Launch(_phasor_bwd_kernel, bwd, scalars, constexprs, grid, warps, stages),
+    }
+
+
+def _pass_args(states: torch.Tensor, seq_len: int, span: int) -> tuple:
+    """Arguments of the span pass over ``states`` [n_spans + 1, B, NS, M] (no decay: log_lam unused)."""
+    return states, states, states.shape[0] - 1, seq_len, span, states[0].numel(), 1, 1
 
 
 class PhasorScanTriton(torch.autograd.Function):
-    """Triton forward and backward; saves only the slot ids."""
+    """Triton forward and backward in spans (kernels/span.py); saves only the slot ids."""
 
     @staticmethod
     def forward(ctx, delta, slots, n_slots, init):
         check_triton_inputs(delta, _phasor_fwd_kernel)
         batch, seq_len, levels, width = delta.shape
         delta, slots = delta.contiguous(), slots.to(torch.int32).contiguous()
-        init32 = init.float().contiguous()
+        span, launches = phasor_launches(batch, seq_len, levels, width, n_slots, delta.dtype, device_capability(delta))
+        states = torch.empty(triton.cdiv(seq_len, span) + 1, *init.shape, dtype=torch.float32, device=delta.device)
+        states[0] = init
         read = torch.empty(delta.shape, dtype=torch.float32, device=delta.device)
-        final = torch.empty_like(init32)
-        bt, bm, bn = _blocks(width, n_slots)
-        grid = (batch, triton.cdiv(width, bm))
-        _phasor_fwd_kernel[grid](
-            delta, slots, init32, read, final, seq_len, levels, width, n_slots, bt, bm, bn, num_warps=8
-        )
+        sizes = (seq_len, span, levels, width, n_slots)
+        launches["fwd_spans"].run(delta, slots, states, *sizes)
+        launches["fwd_pass"].run(*_pass_args(states, seq_len, span))
+        launches["fwd"].run(delta, slots, states, read, *sizes)
         ctx.save_for_backward(slots)
         ctx.meta = (n_slots, delta.dtype, init.dtype)
         ctx.set_materialize_grads(False)
-        return read.to(delta.dtype), final
+        return read.to(delta.dtype), states[-1].clone()
 
     @staticmethod
     def backward(ctx, d_read, d_final):
@@ -124,23 +206,14 @@ class PhasorScanTriton(torch.autograd.Function):
         dev = slots.device
         width = d_read.shape[-1] if d_read is not None else d_final.shape[-1]
         g_read = torch.zeros(batch, seq_len, levels, width, device=dev) if d_read is None else d_read.float()
-        g_final = torch.zeros(batch, n_slots, width, device=dev) if d_final is None else d_final.float()
+        g_read = g_read.contiguous()
+        span, launches = phasor_launches(batch, seq_len, levels, width, n_slots, dtype, device_capability(slots))
+        d_states = torch.zeros(triton.cdiv(seq_len, span) + 1, batch, n_slots, width, dtype=torch.float32, device=dev)
+        if d_final is not None:
+            d_states[-1] = d_final
         d_delta = torch.empty(batch, seq_len, levels, width, dtype=torch.float32, device=dev)
-        d_init = torch.empty(batch, n_slots, width, dtype=torch.float32, device=dev)
-        bt, bm, bn = _blocks(width, n_slots)
-        grid = (batch, triton.cdiv(width, bm))
-        _phasor_bwd_kernel[grid](
-            g_read.contiguous(),
-            slots,
-            g_final.contiguous(),
-            d_delta,
-            d_init,
-            seq_len,
-            levels,
-            width,
-            n_slots,
-            bt,
-            bm,
-            bn,
-        )
-        return d_delta.to(dtype), None, None, d_init.to(init_dtype)
+        sizes = (seq_len, span, levels, width, n_slots)
+        launches["bwd_spans"].run(g_read, slots, d_states, *sizes)
+        launches["bwd_pass"].run(*_pass_args(d_states, seq_len, span))
+        launches["bwd"].run(g_read, slots, d_states, d_delta, *sizes)
+        return d_delta.to(dtype), None, None, d_states[0].to(init_dtype)

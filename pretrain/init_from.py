@@ -1,0 +1,60 @@
+"""Weights-only start (`init.from`): a new run begins from another run's weights.
+
+The source is an export directory (config.json + model.safetensors), a checkpoint step directory, or
+a checkpoints or run directory (its newest committed checkpoint). Checkpoints are verified against
+their manifest and consolidated whatever engine and world size wrote them (pretrain.export's
+consolidation), so the new run may use another engine, another world size, another seq_len and
+another data mixture. Only the parameters are copied: the optimizer, the step counter and the data
+stream of the new run start fresh, and buffers derived from the config (the SOE kernel tables) are
+those of the new config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from model import CausalLM
+from pretrain import checkpoint as ckpt
+from pretrain.config import ConfigError
+from pretrain.export import CONFIG, ExportError, consolidate, load_exported, read_run_config, resolve_checkpoint
+
+
+def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
+    """The parameters (fp32, CPU) of the export, checkpoint or run directory `source`."""
+    path = Path(source)
+    try:
+        if (path / CONFIG).is_file():
+            model = load_exported(path)
+        else:
+            step_dir = resolve_checkpoint(path)
+            try:
+                ckpt.verify(step_dir)
+            except ckpt.CheckpointError as err:
+                raise ExportError(f"{step_dir}: checkpoint failed verification: {err}") from err
+            model = consolidate(step_dir, read_run_config(step_dir))
+    except ExportError as err:
+        raise ConfigError(f"init.from: {err}") from err
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_initial_weights(model: CausalLM, source: str) -> None:
+    """Copy the parameters of `source` into `model` (before an engine shards it); every parameter
+    must be there with the same shape, so a different architecture fails here, naming the key."""
+    weights = read_initial_weights(source)
+    own = dict(model.named_parameters())
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise ConfigError(
+            f"init.from: {source}: its weights do not fit model.kind={model.config.kind!r} "
+            f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
+        )
+    for name, param in own.items():
+        if weights[name].shape != param.shape:
+            raise ConfigError(
+                f"init.from: {source}: {name} has shape {tuple(weights[name].shape)}, this run's model "
+                f"expects {tuple(param.shape)} (model sizes must agree; only seq_len-like settings may change)"
+            )
+        param.copy_(weights[name])
