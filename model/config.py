@@ -73,7 +73,8 @@ class PMNetConfig:
     docs/pmnet.md explains each choice. `memory_every = 0` gives the SWA-only ablation; the two
     `update_memory_*` switches freeze the memory (reads still happen) for the paper's ablation;
     `collision_scope` is where the writers s of the 1/sqrt(s) gradient normalisation are counted
-    ("none": no normalisation, for the ablation).
+    ("none": no normalisation, for the ablation); `segment_len` is the unit of the "segment" scope
+    and of the collision statistic (routing does not depend on it).
     """
 
     window: int = 64

@@ -85,10 +85,8 @@ class PMNet(StackedLM):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config, lambda i: PMNetBlock(config, has_memory(i, config.pmnet)))
-        # Query phases ~ N(0, 1) rad per component (h is RMS-normed): with the common 0.02 init they
-        # would all sit near 0, every token would route alike and whole segments pile onto one leaf.
-        for memory in self.memories():
-            nn.init.normal_(memory.query.weight, std=config.d_model**-0.5)
+        for memory in self.memories():  # after StackedLM's generic init: the memory starts as a no-op
+            memory.init_weights()
 
     def memories(self) -> list[PhasorMemory]:
         return [b.memory for b in self.blocks if b.memory is not None]

@@ -1,11 +1,13 @@
 """The hierarchical unit-phasor memory of PMNet: tree routing, phase writes, demodulated reads.
 
 Each token walks one root-to-leaf path of a tree of phase slots, reads every slot on it and adds its
-write to each; the scan itself is `kernels.phasor_scan`. Routing sees the memory as it stood at the
-start of the token's segment, so a segment's routes are computed in parallel while reads stay
-token-exact; writes carry the 1/sqrt(s) collision normalisation. docs/pmnet.md ("Memory" and its
-decisions) explains the choices; docs/sequence_parallel.md ("Models") why this memory is relayed
-between ranks rather than combined like the plain scan.
+bounded write to each; the scan itself is `kernels.phasor_scan`. Routing compares the token's query
+with the slots' learned anchors only, so every route of a call is computed at once and one scan call
+serves the whole call; in training the backward also sees the reads of the children not picked
+(a softmax-weighted mixture whose forward value is exactly zero). Writes carry the 1/sqrt(s)
+collision normalisation, and the output projection starts at zero, so a new memory is a no-op.
+docs/pmnet.md ("Memory" and its decisions) explains the choices; docs/sequence_parallel.md
+("Models") why this memory is relayed between ranks rather than combined like the plain scan.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ from model.interface import SequenceParallel
 
 
 class MemoryState(NamedTuple):
-    """Phases [B, n_slots, memory_dim] after the last token, and at the start of its segment."""
+    """Phases [B, n_slots, memory_dim] after the last token."""
 
     memory: torch.Tensor
-    segment_memory: torch.Tensor
 
 
 def scale_gradient(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -92,9 +93,9 @@ class SequenceCollisions:
         self.pending = []
 
 
-def straight_through_one(p: torch.Tensor) -> torch.Tensor:
-    """1 in value, with the gradient of p: the weight that makes a hard choice trainable."""
-    return 1.0 + (p - p.detach())
+def straight_through_mixture(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    """hard in value (bit for bit: soft - soft is exactly 0), with the gradients of hard plus soft."""
+    return hard + (soft - soft.detach())
 
 
 class PhasorMemory(nn.Module):
@@ -107,7 +108,7 @@ class PhasorMemory(nn.Module):
     def __init__(self, d_model: int, config: PMNetConfig):
         super().__init__()
         memory_dim, branching, depth = config.memory_dim, config.branching, config.depth
-        self.memory_dim, self.branching, self.depth = memory_dim, branching, depth
+        self.d_model, self.memory_dim, self.branching, self.depth = d_model, memory_dim, branching, depth
         self.n_levels, self.n_slots = depth + 1, config.n_slots
         self.segment_len, self.temperature = config.segment_len, config.route_temperature
         self.update_train, self.update_eval = config.update_memory_train, config.update_memory_eval
@@ -117,9 +118,12 @@ class PhasorMemory(nn.Module):
         self.register_buffer("level_offsets", torch.tensor(offsets), persistent=False)
         self.query = nn.Linear(d_model, memory_dim, bias=False)
         self.write = nn.Linear(d_model, memory_dim, bias=False)
+        # Per-component gain of the writes, inside the squash; zero at first, so the memory starts
+        # static (docs/pmnet.md, "writes start at zero").
+        self.write_gain = nn.Parameter(torch.zeros(memory_dim))
         self.out = nn.Linear(self.n_levels * 2 * memory_dim, d_model, bias=False)
-        # A complex anchor per slot (real and imaginary halves), comparable in size to a unit phasor
-        # state so that, at the start when every state is 0, the anchors alone separate siblings.
+        # A learned routing key per slot in the space of the query phasor [cos, sin]: routing compares
+        # queries with these alone (docs/pmnet.md, "routing on the anchors").
         self.anchors = nn.Parameter(torch.randn(self.n_slots, 2 * memory_dim))
         self.last_write_grad_sq: torch.Tensor | None = None
         self.slot_writes = torch.zeros(self.n_slots)
@@ -129,44 +133,67 @@ class PhasorMemory(nn.Module):
         self.record_routes = False
         self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> MemoryState:
-        zeros = torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32)
-        return MemoryState(zeros, zeros)
+    def init_weights(self) -> None:
+        """The memory's own initialisation, applied after the model's generic one (StackedLM gives
+        every Linear N(0, init_std^2)).
 
-    def slot_keys(self, segment_memory: torch.Tensor) -> torch.Tensor:
-        """Unit routing keys [B, n_slots, 2M]: the slot's state as a phasor plus its anchor, normalised."""
-        keys = torch.cat((segment_memory.cos(), segment_memory.sin()), dim=-1) + self.anchors.float()
+        Query phases ~ N(0, 1) rad per component (the input is RMS-normed): with the common 0.02 init
+        every query phasor sits near [1, 0], all tokens route alike and pile onto one leaf. The output
+        projection starts at zero, so at initialisation the block computes exactly what it computes
+        without the memory; the memory's read enters the residual stream only as training finds it
+        useful (a full-scale read of nearly random phases is noise the rest of the network must first
+        learn to drown). The write gain is created at zero (write_increments says why).
+        """
+        nn.init.normal_(self.query.weight, std=self.d_model**-0.5)
+        nn.init.zeros_(self.out.weight)
+
+    def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> MemoryState:
+        return MemoryState(torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32))
+
+    def write_increments(self, h: torch.Tensor) -> torch.Tensor:
+        """Phase increments pi * tanh(g * W_w h), fp32 [B, T, M]: every component in (-pi, pi).
+
+        A phase is known only modulo 2*pi, so an increment beyond +-pi is indistinguishable from a
+        smaller one of the other sign; the squash keeps each write inside the range where the phase
+        it adds is the one the gradient sees, and bounds how far one token can turn a slot. The gain
+        g (one per component, starting at 0) lets the writes grow only as far as they help: each
+        component's gain is moved by the gradient summed over every token and slot, where the
+        write weights' own gradients are mostly noise that Adam would turn into steps of full size.
+        """
+        return math.pi * torch.tanh(self.write_gain.float() * self.write(h).float())
+
+    def slot_keys(self) -> torch.Tensor:
+        """Unit routing keys [n_slots, 2M]: the anchors, normalised (fp32)."""
+        keys = self.anchors.float()
         return keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-6)
 
-    def route(self, query_phasor: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Walk the tree: slots [B, T, L] on each token's path and straight-through gates [B, T, L].
+    def route(self, query_phasor: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Walk the tree: slots [B, T, L] on each token's path, and per routed level the slots of all
+        the children the token chose among [B, T, L-1, N] with their softmax weights [B, T, L-1, N].
 
-        query_phasor [B, T, 2M] has unit norm; keys [B, n_slots, 2M]. At each level only the current
-        node's `branching` children are scored (O(depth * branching) per token); the forward choice
-        is the argmax, the gate is 1 in value with the gradient of the chosen child's softmax weight.
+        query_phasor [B, T, 2M] has unit norm; keys [n_slots, 2M]. At each level only the current
+        node's `branching` children are scored, by cosine similarity (O(depth * branching) per token);
+        the choice is the argmax.
         """
         B, T, _ = query_phasor.shape
-        batch = torch.arange(B, device=keys.device)[:, None, None]
         children_local = torch.arange(self.branching, device=keys.device)
         node = torch.zeros(B, T, dtype=torch.long, device=keys.device)
-        slots = [node]
-        gates = [query_phasor.new_ones(B, T)]
-        margins: list[torch.Tensor] = []
+        slots, children, weights, margins = [node], [], [], []
         for level in range(1, self.n_levels):
-            children = node[..., None] * self.branching + children_local  # local ids at this level
-            child_keys = keys[batch, self.level_offsets[level] + children]  # [B, T, N, 2M]
-            scores = torch.einsum("btd,btnd->btn", query_phasor, child_keys)
-            probs = torch.softmax(scores / self.temperature, dim=-1)
+            child_slots = self.level_offsets[level] + node[..., None] * self.branching + children_local  # [B, T, N]
+            scores = torch.einsum("btd,btnd->btn", query_phasor, keys[child_slots])
             choice = scores.argmax(dim=-1)
             if self.record_routes:
                 best_two = scores.detach().topk(2, dim=-1).values
                 margins.append(best_two[..., 0] - best_two[..., 1])
-            gates.append(straight_through_one(probs.gather(-1, choice[..., None]).squeeze(-1)))
+            children.append(child_slots)
+            weights.append(torch.softmax(scores / self.temperature, dim=-1))
             node = node * self.branching + choice
             slots.append(self.level_offsets[level] + node)
+        path = torch.stack(slots, dim=-1)
         if self.record_routes:
-            self.recorded.append((torch.stack(slots, dim=-1), torch.stack(margins, dim=-1)))
-        return torch.stack(slots, dim=-1), torch.stack(gates, dim=-1)
+            self.recorded.append((path, torch.stack(margins, dim=-1)))
+        return path, torch.stack(children, dim=2), torch.stack(weights, dim=2)
 
     def _record_write_grad(self, grad: torch.Tensor) -> None:
         self.last_write_grad_sq = grad.detach().float().pow(2).sum()
@@ -181,75 +208,99 @@ class PhasorMemory(nn.Module):
         sp = sequence_parallel
         phase_q = self.query(h).float()
         if self.update_train if self.training else self.update_eval:
-            increment = self.write(h).float()
+            increment = self.write_increments(h)
             if increment.requires_grad:
                 increment.register_hook(self._record_write_grad)
         else:
             increment = phase_q.new_zeros(B, T, M)
+        memory = state.memory
         if sp is not None:  # after the projections: sharded engines gather their weights collectively
-            if position % self.segment_len or T % self.segment_len:
+            if self.collision_scope == "segment" and (position % self.segment_len or T % self.segment_len):
                 raise ValueError(f"sequence-parallel pieces must be whole segments of {self.segment_len} tokens")
-            phase_q, received = receive_from_previous(state.memory, phase_q, sp.group)
+            phase_q, received = receive_from_previous(memory, phase_q, sp.group)
             if received is not None:
-                state = MemoryState(received, received)
+                memory = received
         with torch.autocast(h.device.type, enabled=False):  # phases, routing scores and reads stay fp32
-            features, state, sequence = self._segments(phase_q, increment, state, position)
+            features, memory, sequence = self._read_write(phase_q, increment, memory, position)
         if sp is not None:  # before the collision counts' all-reduce, which the next rank reaches after this
-            features = send_to_next(state.memory, features, sp.group)
+            features = send_to_next(memory, features, sp.group)
         if sequence is not None:
             sequence.finish(None if sp is None else sp.group, sp is not None)
-        return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), state
+        return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), MemoryState(memory)
 
-    def _segments(
-        self, phase_q: torch.Tensor, increment: torch.Tensor, state: MemoryState, position: int
-    ) -> tuple[torch.Tensor, MemoryState, SequenceCollisions | None]:
-        """Route, write and read segment by segment: features [B, T, L, 2M], the new state, and the
-        sequence-scope collision counts still to be attached (None with segment scope)."""
+    def _read_write(
+        self, phase_q: torch.Tensor, increment: torch.Tensor, memory: torch.Tensor, position: int
+    ) -> tuple[torch.Tensor, torch.Tensor, SequenceCollisions | None]:
+        """Route every token, write and read through one scan: features [B, T, L, 2M], the phases after
+        the call, and the sequence-scope collision counts still to be attached (None otherwise).
+
+        The scan takes each token's path with its write and, when gradients are wanted, the other
+        children of every node on the path with zero increments (pure reads of the same state): the
+        feature is the chosen child's demodulated read in value, and the backward also sees the
+        softmax-weighted mixture of all the children's reads, so routing learns what the children it
+        did not pick would have returned. Without gradients only the path is scanned; the value is the
+        same bit for bit.
+        """
         B, T, M = phase_q.shape
-        L = self.n_levels
+        L, N = self.n_levels, self.branching
         query_phasor = torch.cat((phase_q.cos(), phase_q.sin()), dim=-1) / math.sqrt(M)
-        memory, segment_memory = state
-        writes = torch.zeros(self.n_slots, device=phase_q.device)
-        segments = torch.zeros(self.n_slots, device=phase_q.device)
+        keys = self.slot_keys()
+        if self.reference:
+            routed = [self.route(query_phasor[:, t : t + 1], keys) for t in range(T)]
+            path, children, weights = (torch.cat(parts, dim=1) for parts in zip(*routed))
+        else:
+            path, children, weights = self.route(query_phasor, keys)
+        delta = increment[:, :, None, :].expand(B, T, L, M)
+        first = position // self.segment_len  # segments: fixed chunks of absolute positions
+        segment = (position + torch.arange(T, device=path.device)) // self.segment_len - first
+        n_segments = (position + T - 1) // self.segment_len - first + 1
+        by_segment = path + (segment * self.n_slots)[None, :, None]  # one slot id per (segment, slot)
         sequence = SequenceCollisions(B, self.n_slots, phase_q.device) if self.collision_scope == "sequence" else None
-        features = []
-        start = 0
-        while start < T:
-            into_segment = (position + start) % self.segment_len
-            if into_segment == 0:
-                segment_memory = memory
-            stop = min(T, start + self.segment_len - into_segment)
-            keys = self.slot_keys(segment_memory)
-            if self.reference:
-                routed = [self.route(query_phasor[:, t : t + 1], keys) for t in range(start, stop)]
-                slots = torch.cat([r[0] for r in routed], dim=1)
-                gates = torch.cat([r[1] for r in routed], dim=1)
-            else:
-                slots, gates = self.route(query_phasor[:, start:stop], keys)
-            delta = increment[:, start:stop, None, :].expand(B, stop - start, L, M)
-            if sequence is not None:
-                sequence.add(delta, slots)
-            elif self.collision_scope == "segment":
-                delta = normalise_collisions(delta, slots, self.n_slots)
-            if self.reference:
-                reads = []
-                for t in range(stop - start):
-                    read, memory = kernels.phasor_scan(
-                        delta[:, t : t + 1], slots[:, t : t + 1], self.n_slots,
-                        initial_state=memory, output_final_state=True, backend="reference",
-                    )
-                    reads.append(read)
-                read = torch.cat(reads, dim=1)
-            else:
-                read, memory = kernels.phasor_scan(
-                    delta, slots, self.n_slots, initial_state=memory, output_final_state=True, backend=self.scan_backend
-                )
-            demod = read - phase_q[:, start:stop, None, :]
-            features.append(torch.cat((demod.cos(), demod.sin()), dim=-1) * gates[..., None])
-            with torch.no_grad():
-                counts, _ = collision_counts(slots, self.n_slots)
-                writes += counts.sum(0)
-                segments += (counts > 0).sum(0)
-            start = stop
-        self.slot_writes, self.slot_segments = writes, segments
-        return torch.cat(features, dim=1), MemoryState(memory, segment_memory), sequence
+        if sequence is not None:
+            sequence.add(delta, path)
+        elif self.collision_scope == "segment":
+            delta = normalise_collisions(delta, by_segment, n_segments * self.n_slots)
+        mixture = torch.is_grad_enabled()
+        if mixture:  # entries: the root, then every child of each node on the path (the chosen one writes)
+            chosen = children == path[:, :, 1:, None]
+            sibling_delta = torch.where(chosen[..., None], delta[:, :, 1:, None, :], 0.0).reshape(B, T, (L - 1) * N, M)
+            entries = torch.cat((path[:, :, :1], children.reshape(B, T, (L - 1) * N)), dim=2)
+            entry_delta = torch.cat((delta[:, :, :1], sibling_delta), dim=2)
+        else:
+            entries, entry_delta = path, delta
+        read, memory = self._scan(entry_delta, entries, memory)
+        if mixture:
+            hard_read = torch.cat((read[:, :, :1], read[:, :, 1:].reshape(B, T, L - 1, N, M)[chosen]
+                                   .view(B, T, L - 1, M)), dim=2)
+        else:
+            hard_read = read
+        features = self._demodulate(hard_read, phase_q)
+        if mixture:
+            every_child = self._demodulate(read[:, :, 1:], phase_q).view(B, T, L - 1, N, 2 * M)
+            soft = torch.einsum("btln,btlnd->btld", weights, every_child)
+            features = torch.cat((features[:, :, :1], straight_through_mixture(features[:, :, 1:], soft)), dim=2)
+        with torch.no_grad():
+            counts, _ = collision_counts(by_segment, n_segments * self.n_slots)
+            counts = counts.view(B, n_segments, self.n_slots)
+            self.slot_writes, self.slot_segments = counts.sum((0, 1)), (counts > 0).sum((0, 1)).float()
+        return features, memory, sequence
+
+    def _scan(
+        self, delta: torch.Tensor, slots: torch.Tensor, memory: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """kernels.phasor_scan over the call, or token by token with the sequential reference."""
+        if not self.reference:
+            return kernels.phasor_scan(delta, slots, self.n_slots, initial_state=memory, output_final_state=True,
+                                       backend=self.scan_backend)
+        reads = []
+        for t in range(delta.shape[1]):
+            read, memory = kernels.phasor_scan(delta[:, t : t + 1], slots[:, t : t + 1], self.n_slots,
+                                               initial_state=memory, output_final_state=True, backend="reference")
+            reads.append(read)
+        return torch.cat(reads, dim=1), memory
+
+    @staticmethod
+    def _demodulate(read: torch.Tensor, phase_q: torch.Tensor) -> torch.Tensor:
+        """Read phases [..., M] relative to the query: [cos(M - phi_q), sin(M - phi_q)]."""
+        demod = read - phase_q[:, :, None, :]
+        return torch.cat((demod.cos(), demod.sin()), dim=-1)

@@ -17,7 +17,7 @@ from model.attention_window import SlidingWindowAttention
 from model.blocks import apply_rotary, rotary_tables
 from model.config import ModelConfig, PMNetConfig, load_model_config
 from model.pmnet import PMNet
-from model.pmnet_memory import PhasorMemory, SequenceCollisions, collision_counts, normalise_collisions
+from model.pmnet_memory import MemoryState, PhasorMemory, SequenceCollisions, collision_counts, normalise_collisions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
 
@@ -39,10 +39,21 @@ def tiny(**pmnet: object) -> ModelConfig:
     return ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, mlp_ratio=2.0, pmnet=PMNetConfig(**fields))
 
 
-def make_model(seed: int = 0, **pmnet: object) -> PMNet:
+def wake(memory: PhasorMemory, read_std: float = 0.1) -> None:
+    """What training does to a new memory after its first steps: a random read-out instead of zeros,
+    writes switched on (gain 1 instead of 0), so that the tests of its contracts are not vacuous."""
+    torch.nn.init.normal_(memory.out.weight, std=read_std)
+    torch.nn.init.ones_(memory.write_gain)
+
+
+def make_model(seed: int = 0, awake: bool = True, **pmnet: object) -> PMNet:
+    """The tiny PMNet, `awake` (see wake) unless asked for as initialised."""
     torch.manual_seed(seed)
     model = build_model(tiny(**pmnet))
     assert isinstance(model, PMNet)
+    if awake:
+        for memory in model.memories():
+            wake(memory)
     return model
 
 
@@ -78,7 +89,7 @@ def test_window_attention_matches_dense_band_and_streams(window: int, seq_len: i
 
 
 def run_reference_and_fast(backend: str, scope: str) -> None:
-    """Token-by-token routing with the sequential reference scan == segment-parallel fast path."""
+    """Token-by-token routing with the sequential reference scan == the fast path (one scan call)."""
     ids = torch.randint(0, 258, (2, 21), generator=torch.Generator().manual_seed(1))
     results = []
     for reference in (True, False):
@@ -114,6 +125,101 @@ def test_reference_equals_triton_path_under_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_memory_starts_as_a_no_op() -> None:
+    """At initialisation the read-out is zero (and so is the write gain): logits with memory updates on
+    equal, bit for bit, those with updates off (training and inference), and still do once the
+    memory writes, as long as the read-out is zero."""
+    ids = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(11))
+    updating, frozen = make_model(seed=12, awake=False), make_model(seed=12, awake=False, update_memory_train=False,
+                                                                     update_memory_eval=False)
+    for memory in updating.memories():
+        assert float(memory.out.weight.detach().abs().max()) == 0.0
+        assert float(memory.write_gain.detach().abs().max()) == 0.0
+        assert float(memory.query.weight.detach().std()) > 0.1  # its own init survived StackedLM's, which comes first
+    for writing in (False, True):
+        if writing:
+            for memory in updating.memories():
+                torch.nn.init.ones_(memory.write_gain)
+        for mode in ("train", "eval"):
+            a, a_state = getattr(updating, mode)()(ids)
+            b, b_state = getattr(frozen, mode)()(ids)
+            assert torch.equal(a, b), (writing, mode)
+            assert all((float(s.memory.memory.abs().max()) > 0) == writing for s in a_state)
+            assert all(float(s.memory.memory.abs().max()) == 0 for s in b_state)
+
+
+def test_writes_are_bounded_for_huge_inputs() -> None:
+    torch.manual_seed(13)
+    memory = PhasorMemory(16, PMNetConfig(memory_dim=8))
+    wake(memory)
+    h = torch.randn(2, 50, 16) * 1e6
+    h[0, 0] = float("1e30")
+    h.requires_grad_(True)
+    increments = memory.write_increments(h)
+    assert increments.dtype == torch.float32 and torch.isfinite(increments).all()
+    assert float(increments.abs().max()) <= float(torch.tensor(math.pi))  # pi rounded to fp32 (above pi by 9e-8)
+    assert float(increments.abs().max()) > 3.0  # saturated: the bound is what holds it, not small inputs
+    increments.sum().backward()
+    assert torch.isfinite(h.grad).all()
+
+
+def test_routing_learns_from_the_children_not_picked() -> None:
+    """The backward sees every sibling's read: an initial phase of a slot no token visits gets a gradient
+    when its parent is on a path, and none otherwise; with updates or not, the forward is the hard path's."""
+    torch.manual_seed(14)
+    config = PMNetConfig(memory_dim=4, branching=3, depth=2, scan_backend="torch")
+    memory = PhasorMemory(8, config)
+    memory.init_weights()
+    wake(memory, read_std=0.5)
+    h = torch.randn(1, 2, 8)  # two paths leave at least one level-1 node, and its children, unvisited
+    initial = (torch.rand(1, config.n_slots, 4) * 6).requires_grad_(True)
+    memory.record_routes = True
+    out, _ = memory(h, MemoryState(initial), 0)
+    out.pow(2).sum().backward()
+    path = memory.recorded[0][0][0]  # [T, L]
+    visited = set(path.flatten().tolist())
+    parents = set(path[:, :-1].flatten().tolist())
+    siblings = {p * 3 + 1 + c for p in parents for c in range(3)} - visited  # slot ids: children of p are 3p+1..3p+3
+    not_near = set(range(config.n_slots)) - visited - siblings
+    assert siblings and not_near
+    per_slot = initial.grad[0].abs().sum(-1)
+    assert all(float(per_slot[s]) > 0 for s in siblings)
+    assert all(float(per_slot[s]) == 0 for s in not_near)
+    assert float(memory.anchors.grad[sorted(siblings)].abs().sum(-1).min()) > 0
+    assert float(memory.query.weight.grad.abs().sum()) > 0
+    with torch.no_grad():
+        hard, _ = memory(h, MemoryState(initial), 0)  # no gradients wanted: only the path is scanned
+    assert torch.equal(out, hard)
+
+
+def test_inference_equals_the_hard_path_exactly() -> None:
+    """Training mode (sibling reads in the scan, the mixture in the graph) and inference (the path only)
+    give the same logits bit for bit."""
+    ids = torch.randint(0, 258, (2, 30), generator=torch.Generator().manual_seed(15))
+    model = make_model(seed=16)
+    trained = model.train()(ids).logits
+    with torch.no_grad():
+        inferred = model.eval()(ids).logits
+    assert torch.equal(trained, inferred)
+
+
+def test_routing_depends_on_the_anchors_not_on_the_state() -> None:
+    """Routes are the same from any memory state; they change when the anchors do."""
+    torch.manual_seed(17)
+    memory = PhasorMemory(16, PMNetConfig(memory_dim=8, scan_backend="torch"))
+    memory.init_weights()
+    memory.record_routes = True
+    h = torch.randn(2, 40, 16)
+    with torch.no_grad():
+        memory(h, memory.init_state(2), 0)
+        memory(h, MemoryState(torch.rand(2, memory.n_slots, 8) * 6), 0)
+        memory.anchors.mul_(-1)
+        memory(h, memory.init_state(2), 0)
+    (first, _), (other_state, _), (other_anchors, _) = memory.recorded
+    assert torch.equal(first, other_state)
+    assert not torch.equal(first, other_anchors)
 
 
 def test_pieces_equal_whole() -> None:
@@ -236,6 +342,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_stats() -> None:
 def test_state_is_unit_phasor_at_any_length(seq_len: int) -> None:
     torch.manual_seed(6)
     memory = PhasorMemory(16, PMNetConfig(memory_dim=8, segment_len=4096, scan_backend="torch"))
+    wake(memory)
     torch.nn.init.normal_(memory.write.weight, std=3.0)  # large increments: many wraps
     state = memory.init_state(1)
     with torch.no_grad():
@@ -308,9 +415,15 @@ def test_configs_load_through_the_run_config(name: str) -> None:
 
 
 def memory_grad_norm(seq_len: int) -> float:
-    """Gradient norm of all memory parameters for mean next-byte loss on a structured byte stream."""
+    """Gradient norm of all memory parameters for mean next-byte loss on a structured byte stream.
+
+    The read-out gets the generic N(0, 0.02^2) init instead of its zeros and the write gain 1 instead
+    of 0: as initialised no gradient reaches the writes, whose accumulation over the sequence this
+    measures."""
     torch.manual_seed(8)
     model = build_model(load_model_config(CONFIGS / "pmnet-tiny.yaml"))
+    for memory in model.memories():
+        wake(memory, read_std=0.02)
     gen = torch.Generator().manual_seed(9)
     motif = torch.randint(0, 256, (300,), generator=gen)
     stream = motif.repeat(seq_len // 300 + 2)[: seq_len + 1].clone()

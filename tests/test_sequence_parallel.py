@@ -60,6 +60,9 @@ def _model_worker(
     try:
         torch.manual_seed(0)
         model = build_model(dataclasses.replace(MODELS[kind], max_seq_len=max(256, length)))
+        for memory in getattr(model, "memories", list)():  # PMNet's read-out and write gain start at zero:
+            torch.nn.init.normal_(memory.out.weight, std=0.1)  # wake them so that the memory writes and its
+            torch.nn.init.ones_(memory.write_gain)  # terms reach the loss and gradients
         model.activation_checkpointing = checkpointing
         routed = hasattr(model, "record_routes")
         if routed:
