@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kernels._common import resolve_backend, work_dtype
@@ -11,8 +13,10 @@ from kernels.soe.naive import soe_scan_reference
 State = tuple[torch.Tensor, torch.Tensor]
 
 
-def _check(q, k, v, coef, log_lam, initial_state) -> None:
+def _check(q, k, v, coef, log_lam, initial_state, reset) -> None:
     batch, seq_len, heads, feat = q.shape
+    if reset is not None and (reset.shape != (batch, seq_len) or reset.dtype != torch.bool):
+        raise ValueError(f"reset must be bool [B, T] = {(batch, seq_len)}, got {reset.dtype} {tuple(reset.shape)}")
     n_terms = log_lam.shape[-1]
     if k.shape != q.shape:
         raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
@@ -38,6 +42,7 @@ def soe_scan(
     output_final_state: bool = False,
     chunk_size: int = 64,
     backend: str = "auto",
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, State | None]:
     """Multi-term decayed linear attention (VORT's SOE retention).
 
@@ -48,13 +53,21 @@ def soe_scan(
     float64 inputs); ``initial_state`` has the
     same structure. ``backend``: "reference" (sequential), "torch" (chunked, CPU default), "triton"
     (CUDA default, also runs under TRITON_INTERPRET=1) or "auto".
+    ``reset`` (bool [B, T], optional): True where a token starts a document; the state is zeroed just
+    before that token writes, so each document is scanned as if alone. The reference and the chunked
+    backends honour it; the Triton backend refuses it (not implemented yet).
     """
-    _check(q, k, v, coef, log_lam, initial_state)
+    _check(q, k, v, coef, log_lam, initial_state, reset)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     which = resolve_backend(backend, q)
     if which == "reference":
-        return soe_scan_reference(q, k, v, coef, log_lam, initial_state, output_final_state)
+        return soe_scan_reference(q, k, v, coef, log_lam, initial_state, output_final_state, reset)
+    if reset is not None and which == "triton":
+        raise ValueError(
+            "the triton SOE scan does not reset at document starts yet: with data.doc_boundaries: true "
+            "use vort.scan_backend: torch or reference"
+        )
     if initial_state is None:
         batch, _, heads, feat = q.shape
         n_terms = log_lam.shape[-1]
@@ -69,5 +82,34 @@ def soe_scan(
         fn = SoeScanTriton
     else:
         fn = SoeScanChunked
-    o, z, g_t, b_t = fn.apply(q, k, v, coef, log_lam, g0, b0, chunk_size)
+    if reset is not None and bool(reset.any()):
+        o, z, g_t, b_t = _by_document(q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
+    else:
+        o, z, g_t, b_t = fn.apply(q, k, v, coef, log_lam, g0, b0, chunk_size)
     return o, z, ((g_t, b_t) if output_final_state else None)
+
+
+def _by_document(q, k, v, coef, log_lam, g0, b0, chunk_size, reset) -> tuple[torch.Tensor, ...]:
+    """The chunked scan with resets: each batch row is cut at its resets and every piece is scanned
+    on its own, from the entering state for the piece before the row's first reset and from zero
+    after it. Exact (the same chunked scan runs on each piece), at the cost of one scan call per
+    document: short documents leave the chunks partly empty."""
+    outs, norms, finals_g, finals_b = [], [], [], []
+    for row in range(q.shape[0]):
+        starts = [0, *reset[row].nonzero()[:, 0].tolist(), q.shape[1]]
+        g, b = g0[row : row + 1], b0[row : row + 1]
+        pieces_o, pieces_z = [], []
+        for lo, hi in itertools.pairwise(starts):
+            if lo == hi:
+                continue
+            if reset[row, lo]:
+                g, b = torch.zeros_like(g), torch.zeros_like(b)
+            part = (x[row : row + 1, lo:hi] for x in (q, k, v, coef))
+            o, z, g, b = SoeScanChunked.apply(*part, log_lam, g, b, chunk_size)
+            pieces_o.append(o)
+            pieces_z.append(z)
+        outs.append(torch.cat(pieces_o, dim=1))
+        norms.append(torch.cat(pieces_z, dim=1))
+        finals_g.append(g)
+        finals_b.append(b)
+    return torch.cat(outs), torch.cat(norms), torch.cat(finals_g), torch.cat(finals_b)
