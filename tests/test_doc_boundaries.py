@@ -92,3 +92,17 @@ def test_loss_takes_doc_start_and_unsupported_paths_refuse_it() -> None:
         model(ids, state=model.init_state(len(STARTS)), doc_start=_doc_start())
     with pytest.raises(ValueError, match="doc_start must be bool"):
         model(ids, doc_start=_doc_start().long())
+
+
+@pytest.mark.parametrize("kind", ["vort", "pmnet"])
+def test_activation_checkpointing_passes_doc_start(kind: str) -> None:
+    model = _model(kind, "torch").train()
+    ids = torch.randint(0, 258, (len(STARTS), SEQ), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for checkpointed in (False, True):
+        model.activation_checkpointing = checkpointed
+        model.zero_grad()
+        model.loss(ids[:, :-1], ids[:, 1:], doc_start=_doc_start()[:, :-1])[0].backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for plain, checkpointed in zip(*grads, strict=True):
+        torch.testing.assert_close(checkpointed, plain)
