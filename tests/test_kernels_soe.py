@@ -273,6 +273,21 @@ def test_reset_chunked_matches_reference(starts, with_state):
     assert_matches_reference(inputs, "torch", chunk_size=8)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+def test_reset_chunked_is_exact_in_float64(chunk_size):
+    """Random resets, a partial last chunk and an entering state: the chunked scan in float64 agrees with
+    the reference to rounding, outputs and every gradient (the decay's included)."""
+    gen = torch.Generator().manual_seed(chunk_size)
+    inputs = soe_inputs(2, 37, 2, 3, 4, 3, True, seed=chunk_size)
+    inputs["reset"] = torch.rand(2, 37, generator=gen) < 0.15
+    outs, grads = soe_run(inputs, "torch", dtype=torch.float64, chunk_size=chunk_size)
+    ref_outs, ref_grads = soe_run(inputs, "reference", dtype=torch.float64)
+    for got, want in zip(outs, ref_outs, strict=True):
+        assert rel_err(got, want) < 1e-12
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < 1e-12, name
+
+
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 def test_reset_equals_each_document_alone(backend):
     """Every document of a packed row gives the outputs it gives scanned alone from zero (the first

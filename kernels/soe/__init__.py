@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from kernels._common import resolve_backend, work_dtype
@@ -76,40 +74,11 @@ def soe_scan(
         b0 = q.new_zeros(batch, heads, n_terms, feat, dtype=dtype)
     else:
         g0, b0 = initial_state
+    args = (q, k, v, coef, log_lam, g0, b0, chunk_size)
     if which == "triton":
         from kernels.soe.triton import SoeScanTriton
 
-        fn = SoeScanTriton
+        o, z, g_t, b_t = SoeScanTriton.apply(*args)
     else:
-        fn = SoeScanChunked
-    if reset is not None and bool(reset.any()):
-        o, z, g_t, b_t = _by_document(q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
-    else:
-        o, z, g_t, b_t = fn.apply(q, k, v, coef, log_lam, g0, b0, chunk_size)
+        o, z, g_t, b_t = SoeScanChunked.apply(*args, reset)
     return o, z, ((g_t, b_t) if output_final_state else None)
-
-
-def _by_document(q, k, v, coef, log_lam, g0, b0, chunk_size, reset) -> tuple[torch.Tensor, ...]:
-    """The chunked scan with resets: each batch row is cut at its resets and every piece is scanned
-    on its own, from the entering state for the piece before the row's first reset and from zero
-    after it. Exact (the same chunked scan runs on each piece), at the cost of one scan call per
-    document: short documents leave the chunks partly empty."""
-    outs, norms, finals_g, finals_b = [], [], [], []
-    for row in range(q.shape[0]):
-        starts = [0, *reset[row].nonzero()[:, 0].tolist(), q.shape[1]]
-        g, b = g0[row : row + 1], b0[row : row + 1]
-        pieces_o, pieces_z = [], []
-        for lo, hi in itertools.pairwise(starts):
-            if lo == hi:
-                continue
-            if reset[row, lo]:
-                g, b = torch.zeros_like(g), torch.zeros_like(b)
-            part = (x[row : row + 1, lo:hi] for x in (q, k, v, coef))
-            o, z, g, b = SoeScanChunked.apply(*part, log_lam, g, b, chunk_size)
-            pieces_o.append(o)
-            pieces_z.append(z)
-        outs.append(torch.cat(pieces_o, dim=1))
-        norms.append(torch.cat(pieces_z, dim=1))
-        finals_g.append(g)
-        finals_b.append(b)
-    return torch.cat(outs), torch.cat(norms), torch.cat(finals_g), torch.cat(finals_b)
