@@ -84,7 +84,10 @@ def _run_with_grads(
     gen = torch.Generator().manual_seed(seed)
     loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum() for o in outs)
     loss.backward()
-    grads = {name: x.grad for name, x in leaves.items() if x.is_floating_point()}
+    # an input no output depends on (a state dropped by a reset at the first token) has gradient zero
+    grads = {
+        name: torch.zeros_like(x) if x.grad is None else x.grad for name, x in leaves.items() if x.is_floating_point()
+    }
     return [o.detach() for o in outs], grads
 
 
@@ -96,13 +99,13 @@ def soe_run(
     chunk_size: int = 64,
     seed: int = 0,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Outputs [o, z, G_T, b_T] and the gradients of a fixed random linear loss on all four."""
+    """Outputs [o, z, G_T, b_T] and the gradients of a fixed random linear loss on all four (with the
+    document starts of ``inputs["reset"]`` when present)."""
 
     def call(x: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         state = (x["g0"], x["b0"]) if "g0" in x else None
-        o, z, (g, b) = soe_scan(
-            x["q"], x["k"], x["v"], x["coef"], x["log_lam"], state, True, chunk_size=chunk_size, backend=backend
-        )
+        scan_inputs = (x[name] for name in ("q", "k", "v", "coef", "log_lam"))
+        o, z, (g, b) = soe_scan(*scan_inputs, state, True, chunk_size, backend, reset=x.get("reset"))
         return [o, z, g, b]
 
     return _run_with_grads(call, inputs, dtype, device, seed)

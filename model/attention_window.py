@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.parallel import exchange_with_neighbours
-from model.blocks import apply_rotary, rotary_tables
+from model.blocks import apply_rotary, document_ids, rotary_tables, token_positions
 from model.interface import SequenceParallel
 
 
@@ -52,16 +52,20 @@ class SlidingWindowAttention(nn.Module):
         cache_v: torch.Tensor | None,
         offset: int,
         sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attend x [B, T, d] at absolute positions offset.. ; returns (output, new cache_k, new cache_v).
 
         Caches are [B, heads, C, head_dim] with C <= window - 1 (rotated keys), or None before the
         first token. With ``sequence_parallel`` the cache is the previous rank's halo (T >= window - 1).
+        With ``doc_start`` (bool [B, T]; no cache, no sequence parallelism) a token attends only to
+        its own document, at positions counted from the document's start.
         """
         B, T, _ = x.shape
         W = self.window
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
-        cos, sin = rotary_tables(torch.arange(offset, offset + T, device=x.device), self.head_dim, self.rope_base)
+        positions = token_positions(offset, T, doc_start, x.device)
+        cos, sin = rotary_tables(positions, self.head_dim, self.rope_base)
         q, k = apply_rotary(q, cos, sin).transpose(1, 2), apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
         if sequence_parallel is not None and W > 1:
@@ -79,6 +83,11 @@ class SlidingWindowAttention(nn.Module):
         v_blocks = v_pad.unfold(2, 2 * W, W).transpose(-1, -2)
         q_blocks = q_pad.view(B, self.n_heads, n_blocks, W, self.head_dim)
         mask = window_band_mask(W, n_blocks, n_cached, x.device)
+        if doc_start is not None:  # keys and queries padded and cut into blocks as k and q are
+            ids = document_ids(doc_start)
+            key_ids = F.pad(ids, (W, n_blocks * W - T), value=-1).unfold(1, 2 * W, W)  # [B, nb, 2W]
+            query_ids = F.pad(ids, (0, n_blocks * W - T), value=-1).view(B, n_blocks, W)
+            mask = mask[None] & (query_ids[..., None] == key_ids[:, :, None, :])[:, :, None]  # [B, nb, 1, W, 2W]
         y = F.scaled_dot_product_attention(
             q_blocks.transpose(1, 2), k_blocks.transpose(1, 2), v_blocks.transpose(1, 2), attn_mask=mask
         )  # [B, nb, H, W, D]

@@ -65,10 +65,15 @@ class ShortConvolution(nn.Module):
         return torch.zeros(batch_size, self.kernel - 1, self.conv.in_channels, device=device)
 
     def forward(
-        self, x: torch.Tensor, tail: torch.Tensor | None, sequence_parallel: SequenceParallel | None = None
+        self,
+        x: torch.Tensor,
+        tail: torch.Tensor | None,
+        sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, dim] after the inputs in `tail` [B, K-1, dim] (zeros when None) -> (y [B, T, dim],
-        the new tail). With ``sequence_parallel`` the tail comes from the previous rank instead."""
+        the new tail). With ``sequence_parallel`` the tail comes from the previous rank instead. With
+        ``doc_start`` (bool [B, T]) a token mixes only inputs of its own document."""
         n = self.kernel - 1
         if sequence_parallel is not None and n > 0:
             if x.shape[1] < n:
@@ -78,7 +83,13 @@ class ShortConvolution(nn.Module):
         if tail is None:
             tail = x.new_zeros(x.shape[0], n, x.shape[2])
         padded = torch.cat((tail.to(x.dtype), x), dim=1)
-        y = self.conv(padded.transpose(1, 2)).transpose(1, 2)
+        if doc_start is None:
+            y = self.conv(padded.transpose(1, 2)).transpose(1, 2)
+        else:  # each tap weighted by whether its input is in the token's document
+            ids = document_ids(doc_start)
+            tap_ids = F.pad(ids, (n, 0), value=-1).unfold(1, self.kernel, 1)  # [B, T, K]
+            same = (tap_ids == ids[..., None]).to(x.dtype)
+            y = torch.einsum("btck,ck,btk->btc", padded.unfold(1, self.kernel, 1), self.conv.weight[:, 0], same)
         return y, padded[:, padded.shape[1] - n :]
 
 
@@ -87,26 +98,49 @@ def short_convolution(config: ModelConfig) -> ShortConvolution | None:
     return ShortConvolution(config.d_model, config.short_conv) if config.short_conv > 0 else None
 
 
+def document_ids(doc_start: torch.Tensor) -> torch.Tensor:
+    """Document number [B, T] of each token: how many document starts (bool [B, T]) are at or before it.
+    Two tokens of a row are in the same document exactly when their numbers are equal."""
+    return doc_start.long().cumsum(1)
+
+
+def token_positions(offset: int, length: int, doc_start: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Positions of `length` tokens that follow `offset` earlier ones: [T] offset.. , or with
+    ``doc_start`` (bool [B, T]) [B, T] counted from each token's document start (tokens before a
+    row's first start continue from ``offset``), so a packed document has the positions it has alone."""
+    index = torch.arange(length, device=device)
+    if doc_start is None:
+        return offset + index
+    last_start = torch.where(doc_start, index, -1).cummax(dim=1).values
+    return torch.where(last_start >= 0, index - last_start, offset + index)
+
+
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, head_dim/2] for absolute positions (any offset, so streaming works)."""
+    """cos/sin tables [..., T, head_dim/2] for absolute positions [T] or per-row positions [B, T]."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float64)[..., None] * inv_freq
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [B, T, H, D] by the position angles."""
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [B, T, H, D] by the position angles ([T, D/2]
+    shared by the rows, or [B, T, D/2])."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    if cos.dim() == 3:
+        cos, sin = cos[None], sin[None]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
 class StackedLM(CausalLM):
     """Token embedding, a stack of residual blocks, final norm and LM head.
 
-    Each block is called as `block(x, state, sequence_parallel) -> (x, state)`; the stack's state
-    is the list of the blocks' states, so a family only has to say what one block carries.
+    Each block is called as `block(x, state, sequence_parallel, doc_start) -> (x, state)`; the
+    stack's state is the list of the blocks' states, so a family only has to say what one block
+    carries. With ``doc_start`` (bool [B, T], True where a token starts a document) every block keeps
+    each document to itself, as if it were run alone; it is refused with a carried state or a
+    sequence-parallel piece, which do not track documents yet.
     """
 
     def __init__(self, config: ModelConfig, make_block: Callable[[int], nn.Module]):
@@ -134,14 +168,31 @@ class StackedLM(CausalLM):
         return [getattr(b, "init_state", lambda *_: None)(batch_size, device) for b in self.blocks]
 
     def forward(
-        self, input_ids: torch.Tensor, state: list[Any] | None = None, sequence_parallel: SequenceParallel | None = None
+        self,
+        input_ids: torch.Tensor,
+        state: list[Any] | None = None,
+        sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> LMOutput:
-        hidden, new_states = self.hidden_states(input_ids, state, sequence_parallel)
+        hidden, new_states = self.hidden_states(input_ids, state, sequence_parallel, doc_start)
         return LMOutput(self.head(hidden), new_states)
 
     def hidden_states(
-        self, input_ids: torch.Tensor, state: list[Any] | None = None, sequence_parallel: SequenceParallel | None = None
+        self,
+        input_ids: torch.Tensor,
+        state: list[Any] | None = None,
+        sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[Any]]:
+        if doc_start is not None:
+            if doc_start.shape != input_ids.shape or doc_start.dtype != torch.bool:
+                raise ValueError(f"doc_start must be bool {tuple(input_ids.shape)}, got {doc_start.dtype} "
+                                 f"{tuple(doc_start.shape)}")
+            if sequence_parallel is not None:
+                raise ValueError("data.doc_boundaries: true is not supported with sequence parallelism yet")
+            if state is not None:
+                raise ValueError("data.doc_boundaries: true is not supported with a carried state "
+                                 "(train.carry_state, streaming) yet")
         if sequence_parallel is not None:
             if not self.supports_sequence_parallel:
                 raise ValueError(f"model kind {self.config.kind!r} does not run sequence-parallel")
@@ -152,9 +203,9 @@ class StackedLM(CausalLM):
         new_states = []
         for block, block_state in zip(self.blocks, states, strict=True):
             if self.activation_checkpointing and self.training:
-                x, block_state = checkpoint(block, x, block_state, sequence_parallel, use_reentrant=False)
+                x, block_state = checkpoint(block, x, block_state, sequence_parallel, doc_start, use_reentrant=False)
             else:
-                x, block_state = block(x, block_state, sequence_parallel)
+                x, block_state = block(x, block_state, sequence_parallel, doc_start)
             new_states.append(block_state)
         return self.norm(x), new_states
 

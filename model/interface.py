@@ -149,15 +149,24 @@ class CausalLM(nn.Module):
     supports_sequence_parallel: ClassVar[bool] = False
 
     def forward(
-        self, input_ids: torch.Tensor, state: Any = None, sequence_parallel: SequenceParallel | None = None
+        self,
+        input_ids: torch.Tensor,
+        state: Any = None,
+        sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> LMOutput:
         """Logits for input_ids [B, T]; with ``sequence_parallel``, input_ids is this rank's piece of
         longer sequences (then ``state`` must be None: the piece's entering state comes from the
-        other ranks)."""
+        other ranks). ``doc_start`` (bool [B, T], True where a token starts a document) makes every
+        packed document give the outputs it gives alone: memory, attention and positions restart."""
         raise NotImplementedError
 
     def hidden_states(
-        self, input_ids: torch.Tensor, state: Any = None, sequence_parallel: SequenceParallel | None = None
+        self,
+        input_ids: torch.Tensor,
+        state: Any = None,
+        sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """What `forward` computes before `head`: the final hidden states [B, T, D] and the new state."""
         raise NotImplementedError
@@ -166,25 +175,27 @@ class CausalLM(nn.Module):
         """The state before the first token; None for models without recurrent memory."""
         return None
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
+    def loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
         """Mean next-token cross-entropy in nats over labels != IGNORE_INDEX, and the new state."""
-        total, count, new_state = self.summed_loss(input_ids, labels, state)
+        total, count, new_state = self.summed_loss(input_ids, labels, state, doc_start=doc_start)
         return total / count.clamp_min(1), new_state
 
     def summed_loss(
         self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None,
-        sequence_parallel: SequenceParallel | None = None,
+        sequence_parallel: SequenceParallel | None = None, doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(cross-entropy summed over labels != IGNORE_INDEX, their count, the new state), chunked over
         tokens so that no [tokens x vocabulary] fp32 logits are held (see `chunked_cross_entropy`)."""
-        hidden, new_state = self.hidden_states(input_ids, state, sequence_parallel)
+        hidden, new_state = self.hidden_states(input_ids, state, sequence_parallel, doc_start)
         return self.head(hidden, labels), (labels != IGNORE_INDEX).sum(), new_state
 
     def token_losses(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None, doc_start: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Any]:
         """Per-token cross-entropy [B, T] (0 at ignored labels) and the new state, without gradients."""
-        hidden, new_state = self.hidden_states(input_ids, state)
+        hidden, new_state = self.hidden_states(input_ids, state, doc_start=doc_start)
         return token_cross_entropy(hidden, self.head.weight, labels), new_state
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables, short_convolution
+from model.blocks import (
+    RMSNorm,
+    StackedLM,
+    SwiGLU,
+    apply_rotary,
+    document_ids,
+    rotary_tables,
+    short_convolution,
+    token_positions,
+)
 from model.config import ModelConfig
 
 
@@ -17,7 +26,8 @@ class CausalSelfAttention(nn.Module):
 
     Streaming state is the number of tokens seen so far (positions continue across calls); the
     baseline keeps no KV cache, so a piece attends only within itself — by design it is the
-    fixed-window model the recurrent families are compared against.
+    fixed-window model the recurrent families are compared against. With ``doc_start`` a token
+    attends only to its own document, at positions counted from the document's start.
     """
 
     def __init__(self, config: ModelConfig):
@@ -26,12 +36,20 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
-        cos, sin = rotary_tables(torch.arange(offset, offset + T, device=x.device), self.head_dim, self.rope_base)
+        positions = token_positions(offset, T, doc_start, x.device)
+        cos, sin = rotary_tables(positions, self.head_dim, self.rope_base)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if doc_start is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            ids = document_ids(doc_start)
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = causal & (ids[:, :, None] == ids[:, None, :])  # [B, T (query), T (key)]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -49,12 +67,14 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
-    def forward(self, x: torch.Tensor, state: Any, sequence_parallel: None = None) -> tuple[torch.Tensor, int]:
+    def forward(
+        self, x: torch.Tensor, state: Any, sequence_parallel: None = None, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
         offset = 0 if state is None else int(state)
         h = self.attn_norm(x)
         if self.short_conv is not None:
-            h, _ = self.short_conv(h, None)
-        x = x + self.attn(h, offset)
+            h, _ = self.short_conv(h, None, doc_start=doc_start)
+        x = x + self.attn(h, offset, doc_start)
         x = x + self.mlp(self.mlp_norm(x))
         return x, offset + x.shape[1]
 

@@ -21,7 +21,7 @@ from torch import nn
 import kernels
 from kernels.parallel import soe_scan_sequence_parallel
 from model import soe
-from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables, short_convolution
+from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables, short_convolution, token_positions
 from model.config import ModelConfig, VortConfig
 from model.entity_labels import capitalised_word_mask
 from model.interface import SequenceParallel
@@ -333,15 +333,21 @@ class VortLayer(nn.Module):
         return VortState(g, torch.zeros(shape, device=device), 0)
 
     def forward(
-        self, x: torch.Tensor, state: VortState | None = None, sequence_parallel: SequenceParallel | None = None
+        self,
+        x: torch.Tensor,
+        state: VortState | None = None,
+        sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, VortState]:
-        """x [B, T, d] at positions offset.. (the carried state's, or the sequence-parallel piece's)."""
+        """x [B, T, d] at positions offset.. (the carried state's, or the sequence-parallel piece's);
+        with ``doc_start`` the scan's state is zeroed at each document start and positions restart."""
         B, T, _ = x.shape
         sp = sequence_parallel
         offset = sp.offset if sp is not None else 0 if state is None else state.offset
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         if self.rotary:
-            cos, sin = rotary_tables(torch.arange(offset, offset + T, device=x.device), self.head_dim, self.rope_base)
+            positions = token_positions(offset, T, doc_start, x.device)
+            cos, sin = rotary_tables(positions, self.head_dim, self.rope_base)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         dt = kernels.work_dtype(x.dtype)
         fq = self.features(F.normalize(q.to(dt), dim=-1) * self.scale)
@@ -354,7 +360,7 @@ class VortLayer(nn.Module):
         else:
             num, den, final = kernels.soe_scan(fq, fk, v.to(dt), coef, log_lam, initial_state=initial,
                                                output_final_state=True, chunk_size=self.chunk_size,
-                                               backend=self.backend)
+                                               backend=self.backend, reset=doc_start)
         y = (num / (den[..., None] + self.eps)).to(x.dtype)
         return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], offset + T)
 
@@ -391,12 +397,16 @@ class VortBlock(nn.Module):
         return state._replace(conv=self.short_conv.init_state(batch_size, device))
 
     def forward(
-        self, x: torch.Tensor, state: VortState | None, sequence_parallel: SequenceParallel | None = None
+        self,
+        x: torch.Tensor,
+        state: VortState | None,
+        sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, VortState]:
         h, conv = self.mix_norm(x), None
         if self.short_conv is not None:
-            h, conv = self.short_conv(h, None if state is None else state.conv, sequence_parallel)
-        h, state = self.mixer(h, state, sequence_parallel)
+            h, conv = self.short_conv(h, None if state is None else state.conv, sequence_parallel, doc_start)
+        h, state = self.mixer(h, state, sequence_parallel, doc_start)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), state._replace(conv=conv)
 
@@ -411,10 +421,12 @@ class VortLM(StackedLM):
             raise ValueError(f"kind: VortLM builds {', '.join(VORT_KINDS)}, got {config.kind!r}")
         super().__init__(config, lambda i: VortBlock(config, i))
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
+    def loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
         """The LM loss; in training with `vort.entity_aux_weight > 0`, plus that weight times the mean
         (over layers) binary cross-entropy of the entity probe against capitalised_word_mask."""
-        loss, state = super().loss(input_ids, labels, state)
+        loss, state = super().loss(input_ids, labels, state, doc_start)
         weight = self.config.vort.entity_aux_weight
         if self.training and weight > 0 and self.config.kind == "vort":
             target = capitalised_word_mask(input_ids)

@@ -267,7 +267,24 @@ def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunCo
         key = "engine.sequence_parallel"
         source = sources.get(key, sources.get("engine", "<defaults>"))
         raise ConfigError(f"{source}: {key}={config.engine.sequence_parallel}: {problem}")
+    problem = doc_boundaries_problem(config)
+    if problem:
+        source = sources.get("data.doc_boundaries", sources.get("data", "<defaults>"))
+        raise ConfigError(f"{source}: data.doc_boundaries=true: {problem}")
     return config
+
+
+def doc_boundaries_problem(cfg: RunConfig) -> str | None:
+    """Why this config cannot reset its models at document starts (None if it can, or does not ask to)."""
+    if not cfg.data.doc_boundaries:
+        return None
+    if cfg.engine.sequence_parallel > 1:
+        return ("not supported with sequence parallelism yet (the scan corrections and the memory relay do not "
+                "stop at a document start); set engine.sequence_parallel: 1 or data.doc_boundaries: false")
+    if cfg.train.carry_state:
+        return ("not supported with train.carry_state yet (a carried state does not know where its document "
+                "started); use one of the two")
+    return None
 
 
 SEQUENCE_PARALLEL_KINDS = (*VORT_KINDS, "pmnet")

@@ -54,19 +54,21 @@ class TrainModule(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None, doc_start: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """The loss; given a carried state (train.carry_state), also the state after the window,
-        detached: the gradient of this window stops at its start (truncated BPTT)."""
+        detached: the gradient of this window stops at its start (truncated BPTT). ``doc_start``
+        (data.doc_boundaries) resets the model at each document start."""
         if self.training and self.sequence_parallel is not None:
             return sequence_parallel_loss(self.model, input_ids, labels, self.sequence_parallel)
-        loss, new_state = self.model.loss(input_ids, labels, state)
+        loss, new_state = self.model.loss(input_ids, labels, state, doc_start)
         if state is None:
             return loss
         return loss, detach_state(new_state)
 
 
-# (input_ids, labels), or (input_ids, labels, carried state) under train.carry_state
+# (input_ids, labels), (input_ids, labels, carried state) under train.carry_state, or
+# (input_ids, labels, None, doc_start) under data.doc_boundaries
 Batch = tuple[Any, ...]
 
 

@@ -324,7 +324,10 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
             for _ in range(gas):
                 batch = next(batches)
                 pieces = (local_slice(batch[key], sequence_parallel).to(device) for key in ("input_ids", "labels"))
-                micro_batches.append(tuple(pieces))
+                if "doc_start" in batch:  # data.doc_boundaries (never with sequence parallelism)
+                    micro_batches.append((*pieces, None, batch["doc_start"].to(device)))
+                else:
+                    micro_batches.append(tuple(pieces))
         info = engine.train_step(micro_batches, lr)
         if carrier is not None:
             carrier.update(info.states)

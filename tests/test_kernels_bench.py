@@ -116,3 +116,13 @@ def test_roofline_model_scales_with_the_terms_and_prints_every_kernel(capsys):
     assert capsys.readouterr().out.count("| exp-tiny |") == 7
     with pytest.raises(ValueError, match="no scan"):
         roofline.roofline(["transformer-tiny"])
+
+
+def test_doc_boundaries_benchmark_reports_both_rates(capsys):
+    from benchmarks import doc_boundaries
+
+    argv = ["--kinds", "vort,pmnet", "--T", "64", "--doc-len", "16", "--d-model", "32", "--repeats", "1"]
+    rows = doc_boundaries.main(argv)
+    assert [r["kind"] for r in rows] == ["vort", "pmnet"]
+    assert all(r["documents"] > 1 and r["tokens_per_s"] > 0 and r["tokens_per_s_reset"] > 0 for r in rows)
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == rows

@@ -249,3 +249,69 @@ def test_compiled_contractions_match_einsum(dtype):
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert rel_err(by_term, torch.einsum("bsfj,bjs->bjf", x, scale)) < tol
     assert rel_err(by_feature, torch.einsum("bsfj,bjf->bsj", x, other)) < tol
+
+
+# ----------------------------------------------------------------------------- document resets
+
+
+def _resets(batch: int, seq_len: int, starts: list[list[int]]) -> torch.Tensor:
+    reset = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for row, positions in enumerate(starts):
+        reset[row, positions] = True
+    return reset
+
+
+# boundaries inside chunks of 8, on chunk edges (8, 16), at the first token, and back to back
+RESET_CASES = [[[3, 8, 9, 21]], [[0, 16, 17]], [[5], []], [[0, 1, 2, 8, 15, 23], [12]]]
+
+
+@pytest.mark.parametrize("starts", RESET_CASES)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_reset_chunked_matches_reference(starts, with_state):
+    inputs = soe_inputs(len(starts), 24, 2, 3, 4, 3, with_state, seed=len(starts[0]))
+    inputs["reset"] = _resets(len(starts), 24, starts)
+    assert_matches_reference(inputs, "torch", chunk_size=8)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+def test_reset_chunked_is_exact_in_float64(chunk_size):
+    """Random resets, a partial last chunk and an entering state: the chunked scan in float64 agrees with
+    the reference to rounding, outputs and every gradient (the decay's included)."""
+    gen = torch.Generator().manual_seed(chunk_size)
+    inputs = soe_inputs(2, 37, 2, 3, 4, 3, True, seed=chunk_size)
+    inputs["reset"] = torch.rand(2, 37, generator=gen) < 0.15
+    outs, grads = soe_run(inputs, "torch", dtype=torch.float64, chunk_size=chunk_size)
+    ref_outs, ref_grads = soe_run(inputs, "reference", dtype=torch.float64)
+    for got, want in zip(outs, ref_outs, strict=True):
+        assert rel_err(got, want) < 1e-12
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) < 1e-12, name
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_reset_equals_each_document_alone(backend):
+    """Every document of a packed row gives the outputs it gives scanned alone from zero (the first
+    one continues the entering state), and the row's final state is its last document's."""
+    inputs = soe_inputs(1, 24, 2, 3, 4, 3, True, seed=7)
+    starts = [5, 8, 19]
+    inputs["reset"] = _resets(1, 24, [starts])
+    outs, _ = soe_run(inputs, backend, dtype=torch.float64, chunk_size=8)
+    bounds = [0, *starts, 24]
+    for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        alone = {name: inputs[name][:, lo:hi] for name in ("q", "k", "v", "coef")}
+        alone["log_lam"] = inputs["log_lam"]
+        if i == 0:
+            alone["g0"], alone["b0"] = inputs["g0"], inputs["b0"]
+        want, _ = soe_run(alone, "reference", dtype=torch.float64)
+        assert torch.allclose(outs[0][:, lo:hi], want[0], atol=1e-12), (lo, hi)
+        assert torch.allclose(outs[1][:, lo:hi], want[1], atol=1e-12), (lo, hi)
+    assert torch.allclose(outs[2], want[2], atol=1e-12) and torch.allclose(outs[3], want[3], atol=1e-12)
+
+
+def test_reset_refusals():
+    inputs = soe_inputs(1, 8, 1, 2, 2, 2, False, seed=0)
+    args = [inputs[n] for n in ("q", "k", "v", "coef", "log_lam")]
+    with pytest.raises(ValueError, match="reset must be bool"):
+        soe_scan(*args, reset=torch.zeros(1, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="doc_boundaries"):
+        soe_scan(*(x.float() for x in args), backend="triton", reset=torch.zeros(1, 8, dtype=torch.bool))

@@ -12,7 +12,8 @@ import torch
 
 from launch.pretrain import EXIT_BAD_INPUT, main
 from model import ModelConfig, build_model
-from pretrain.config import TrainSection, load_config
+from model.blocks import StackedLM
+from pretrain.config import ConfigError, TrainSection, load_config
 from pretrain.engines import SingleEngine, TrainModule, grad_accumulation_steps
 from pretrain.optim import lr_at, param_groups
 
@@ -147,3 +148,27 @@ def test_every_family_has_only_parameters_deepspeed_can_broadcast(family: str) -
     """DeepSpeed broadcasts parameters as byte views, which fails for 0-dim tensors."""
     model = build_model(load_config(str(REPO / "configs" / "model" / f"{family}-tiny.yaml")).model)
     assert [n for n, p in model.named_parameters() if p.ndim == 0] == []
+
+
+def test_doc_boundaries_reach_the_model(tmp_path: Path, demo_shards: dict[str, str], monkeypatch) -> None:
+    """With data.doc_boundaries every training micro-batch gives the model the stream's doc_start."""
+    seen: list[torch.Tensor | None] = []
+    hidden_states = StackedLM.hidden_states
+
+    def spy(self, input_ids, state=None, sequence_parallel=None, doc_start=None):
+        if self.training:
+            seen.append(doc_start)
+        return hidden_states(self, input_ids, state, sequence_parallel, doc_start)
+
+    monkeypatch.setattr(StackedLM, "hidden_states", spy)
+    overrides = [*data_overrides(demo_shards, tmp_path / "run"), "data.doc_boundaries=true", "train.steps=2"]
+    assert main(["--config", TINY, *overrides]) == 0
+    assert len(seen) == 2 * 4  # steps x micro-batches
+    assert all(d is not None and d.dtype == torch.bool and d.shape == (2, 64) for d in seen)
+
+
+def test_doc_boundaries_refused_where_not_supported_yet(demo_shards: dict[str, str], tmp_path: Path) -> None:
+    ok = [*data_overrides(demo_shards, tmp_path / "run"), "data.doc_boundaries=true"]
+    with pytest.raises(ConfigError, match=r"data.doc_boundaries=true: not supported with train.carry_state"):
+        load_config(TINY, [*ok, "train.carry_state=true"])
+    load_config(TINY, ok)

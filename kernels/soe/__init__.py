@@ -11,8 +11,10 @@ from kernels.soe.naive import soe_scan_reference
 State = tuple[torch.Tensor, torch.Tensor]
 
 
-def _check(q, k, v, coef, log_lam, initial_state) -> None:
+def _check(q, k, v, coef, log_lam, initial_state, reset) -> None:
     batch, seq_len, heads, feat = q.shape
+    if reset is not None and (reset.shape != (batch, seq_len) or reset.dtype != torch.bool):
+        raise ValueError(f"reset must be bool [B, T] = {(batch, seq_len)}, got {reset.dtype} {tuple(reset.shape)}")
     n_terms = log_lam.shape[-1]
     if k.shape != q.shape:
         raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
@@ -38,6 +40,7 @@ def soe_scan(
     output_final_state: bool = False,
     chunk_size: int = 64,
     backend: str = "auto",
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, State | None]:
     """Multi-term decayed linear attention (VORT's SOE retention).
 
@@ -48,13 +51,21 @@ def soe_scan(
     float64 inputs); ``initial_state`` has the
     same structure. ``backend``: "reference" (sequential), "torch" (chunked, CPU default), "triton"
     (CUDA default, also runs under TRITON_INTERPRET=1) or "auto".
+    ``reset`` (bool [B, T], optional): True where a token starts a document; the state is zeroed just
+    before that token writes, so each document is scanned as if alone. The reference and the chunked
+    backends honour it; the Triton backend refuses it (not implemented yet).
     """
-    _check(q, k, v, coef, log_lam, initial_state)
+    _check(q, k, v, coef, log_lam, initial_state, reset)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     which = resolve_backend(backend, q)
     if which == "reference":
-        return soe_scan_reference(q, k, v, coef, log_lam, initial_state, output_final_state)
+        return soe_scan_reference(q, k, v, coef, log_lam, initial_state, output_final_state, reset)
+    if reset is not None and which == "triton":
+        raise ValueError(
+            "the triton SOE scan does not reset at document starts yet: with data.doc_boundaries: true "
+            "use vort.scan_backend: torch or reference"
+        )
     if initial_state is None:
         batch, _, heads, feat = q.shape
         n_terms = log_lam.shape[-1]
@@ -63,11 +74,11 @@ def soe_scan(
         b0 = q.new_zeros(batch, heads, n_terms, feat, dtype=dtype)
     else:
         g0, b0 = initial_state
+    args = (q, k, v, coef, log_lam, g0, b0, chunk_size)
     if which == "triton":
         from kernels.soe.triton import SoeScanTriton
 
-        fn = SoeScanTriton
+        o, z, g_t, b_t = SoeScanTriton.apply(*args)
     else:
-        fn = SoeScanChunked
-    o, z, g_t, b_t = fn.apply(q, k, v, coef, log_lam, g0, b0, chunk_size)
+        o, z, g_t, b_t = SoeScanChunked.apply(*args, reset)
     return o, z, ((g_t, b_t) if output_final_state else None)

@@ -9,6 +9,8 @@ algorithm").
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kernels._common import decay, work_dtype
@@ -16,7 +18,8 @@ from kernels.soe.contract import contract_terms
 
 
 class _Decays:
-    """Decay tables for one chunk length c and log decays [H, S], repeated over the batch."""
+    """Decay tables for one chunk length c and log decays [H, S], repeated over the batch. With resets
+    (:meth:`_Chunks.decays`) a chunk's tables are masked copies, so the code using them is unchanged."""
 
     def __init__(self, log_lam: torch.Tensor, c: int, batch: int) -> None:
         pos = torch.arange(c, dtype=log_lam.dtype, device=log_lam.device)
@@ -91,13 +94,16 @@ def from_heads(x: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Chunks:
-    """Chunk lengths and decay tables (cached per length) of a sequence of ``seq_len`` tokens."""
+    """Chunk lengths and decay tables (cached per length) of a sequence of ``seq_len`` tokens; with
+    document numbers ``docs`` [BH, T] (see :func:`document_numbers`), the tables of each chunk cut at
+    its documents' borders."""
 
-    def __init__(self, log_lam: torch.Tensor, seq_len: int, c: int, batch: int) -> None:
+    def __init__(self, log_lam: torch.Tensor, seq_len: int, c: int, batch: int, docs: torch.Tensor | None) -> None:
         self.c, self.seq_len = c, seq_len
         self.count = -(-seq_len // c)
         self._tables: dict[int, _Decays] = {}
         self._args = (log_lam, batch)
+        self.docs = docs
 
     def tokens(self, n: int) -> slice:
         return slice(n * self.c, min((n + 1) * self.c, self.seq_len))
@@ -106,7 +112,23 @@ class _Chunks:
         r = min(self.c, self.seq_len - n * self.c)
         if r not in self._tables:
             self._tables[r] = _Decays(self._args[0], r, self._args[1])
-        return self._tables[r]
+        if self.docs is None:
+            return self._tables[r]
+        return self._cut(n, self._tables[r])
+
+    def _cut(self, n: int, dec: _Decays) -> _Decays:
+        """Chunk n's tables with resets: a token reads the entering state only if no reset is at or before it in
+        the chunk (query), only tokens of the chunk's last document reach the leaving state (key), and the
+        entering state reaches it only if the chunk has no reset (chunk)."""
+        span = self.tokens(n)
+        docs = self.docs[:, span]
+        # the entering state belongs to the document of the token before the chunk (number 0 before the first)
+        entering = self.docs[:, span.start - 1 : span.start] if span.start else torch.zeros_like(docs[:, :1])
+        cut = copy.copy(dec)
+        cut.query = dec.query * (docs == entering)[..., None]
+        cut.key = dec.key * (docs == docs[:, -1:])[..., None]
+        cut.chunk = dec.chunk * (docs[:, -1:] == entering)[..., None]
+        return cut
 
     def take(self, n: int, *xs: torch.Tensor) -> list[torch.Tensor]:
         """Contiguous copies of chunk n of [BH, T, X] tensors: small, and the matmuls run faster on them
@@ -133,6 +155,12 @@ class _Chunks:
 INTRA_BLOCK = 16  # chunks per block of the intra-chunk part: keeps its [BH, block, c, c] tensors in cache
 
 
+def document_numbers(reset: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """reset (bool [B, T]) -> [B*H, T, 1] in ``dtype``: how many resets are at or before each token, per
+    head row of the [B*H, T, X] layout. Two tokens are in the same document when their numbers are equal."""
+    return reset.to(dtype).cumsum(1).repeat_interleave(heads, dim=0)[..., None]
+
+
 def _in_chunks(x: torch.Tensor, tokens: slice, c: int) -> torch.Tensor:
     """[BH, T, X] -> the view [BH, n, c, X] of the whole chunks in ``tokens`` (inputs of the intra-chunk
     products are copied to contiguous blocks once: each would otherwise be copied by every product)."""
@@ -140,9 +168,12 @@ def _in_chunks(x: torch.Tensor, tokens: slice, c: int) -> torch.Tensor:
 
 
 class _Intra:
-    """Intra-chunk weights of a block of chunks: A = Q K^T and Wc, both [BH, n, c, c]."""
+    """Intra-chunk weights of a block of chunks: A = Q K^T and Wc, both [BH, n, c, c]; with the tokens'
+    document numbers ``docs`` [BH, n, c, 1], Wc is zero between tokens of different documents."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor):
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor, docs: torch.Tensor | None
+    ):
         bh, n_chunks, c = coef.shape[:3]
         heads = log_lam.shape[0]
         self.by_head = (bh // heads, heads, n_chunks, c)
@@ -155,27 +186,31 @@ class _Intra:
         wc = pc.new_zeros(pc.shape)
         wc[..., self.w_pos] = pc[..., self.p_pos]
         self.wc = wc.view(bh, n_chunks, c, c)
+        self.same = None if docs is None else docs == docs.transpose(-1, -2)
+        if self.same is not None:
+            self.wc *= self.same
         self.a = q @ k.transpose(-1, -2)
 
 
-def _intra_forward(q, k, v, coef, log_lam, out: torch.Tensor, z: torch.Tensor) -> None:
+def _intra_forward(q, k, v, coef, log_lam, docs, out: torch.Tensor, z: torch.Tensor) -> None:
     """out <- (Q K^T * Wc) V and z <- its row sums, for a block of chunks ([BH, n, c, X] views)."""
-    intra = _Intra(q, k, coef, log_lam)
+    intra = _Intra(q, k, coef, log_lam, docs)
     weights = intra.a * intra.wc
     out.copy_(weights @ v)
     z.copy_(weights.sum(-1, keepdim=True))
 
 
-def _intra_backward(q, k, v, coef, log_lam, d_out, d_z, dq, dk, dv, dcoef) -> torch.Tensor:
+def _intra_backward(q, k, v, coef, log_lam, docs, d_out, d_z, dq, dk, dv, dcoef) -> torch.Tensor:
     """dq, dk, dv, dcoef <- the gradients of the intra-chunk terms of a block of chunks; returns dlog_lam [H, S]."""
     bh, n_chunks, c = coef.shape[:3]
-    intra = _Intra(q, k, coef, log_lam)
+    intra = _Intra(q, k, coef, log_lam, docs)
     d_p = d_out @ v.transpose(-1, -2) + d_z  # dL/dP for P = A * Wc (the upper triangle of Wc is zero)
     dv.copy_((intra.a * intra.wc).transpose(-1, -2) @ d_out)
     d_a = d_p * intra.wc
     dq.copy_(d_a @ k)
     dk.copy_(d_a.transpose(-1, -2) @ q)
-    d_wc = (d_p * intra.a).view(bh, n_chunks, c * c)
+    d_wc = d_p * intra.a if intra.same is None else d_p * intra.a * intra.same
+    d_wc = d_wc.view(bh, n_chunks, c * c)
     d_pc = d_wc.new_zeros(d_wc.shape)
     d_pc[..., intra.p_pos] = d_wc[..., intra.w_pos]
     d_pc = d_pc.view(*intra.by_head, c)  # [B, H, n, c (j), c (d)]
@@ -194,16 +229,19 @@ def soe_forward_chunked(
     b0: torch.Tensor,
     batch: int,
     c: int,
+    docs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Forward on [B*H, T, X] tensors; returns (o [B*H, T, D], z [B*H, T, 1], G_T [BH, S*F, D], b_T [BH, S, F])."""
+    """Forward on [B*H, T, X] tensors; returns (o [B*H, T, D], z [B*H, T, 1], G_T [BH, S*F, D], b_T [BH, S, F]).
+    With document numbers ``docs`` [B*H, T, 1] (:func:`document_numbers`) the state restarts at each document."""
     seq_len = q.shape[1]
     heads = log_lam.shape[0]
-    chunks = _Chunks(log_lam, seq_len, c, batch)
+    chunks = _Chunks(log_lam, seq_len, c, batch, None if docs is None else docs[..., 0])
     out = new_heads(batch, seq_len, heads, v.shape[-1], q)
     z = new_heads(batch, seq_len, heads, 1, q)
     for tokens, length in chunks.blocks():
         inputs = (_in_chunks(x, tokens, length).contiguous() for x in (q, k, v, coef))
-        _intra_forward(*inputs, log_lam, _in_chunks(out, tokens, length), _in_chunks(z, tokens, length))
+        block_docs = None if docs is None else _in_chunks(docs, tokens, length)
+        _intra_forward(*inputs, log_lam, block_docs, _in_chunks(out, tokens, length), _in_chunks(z, tokens, length))
     g, b = g0.clone(), b0.clone()
     buffers = _Buffers(q, c, b.shape[1])
     for n in range(chunks.count):
@@ -231,6 +269,7 @@ def soe_backward_chunked(
     c: int,
     need_q: bool = True,
     need_log_lam: bool = True,
+    docs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv, dcoef, dlog_lam [H, S], dG0, db0) of <d_out, o> + <d_z, z> + <d_gt, G_T> +
     <d_bt, b_T>; same layouts as the forward (d_z [B*H, T, 1]).
@@ -240,7 +279,7 @@ def soe_backward_chunked(
     """
     bh, seq_len = q.shape[:2]
     heads, n_terms = log_lam.shape
-    chunks = _Chunks(log_lam, seq_len, c, batch)
+    chunks = _Chunks(log_lam, seq_len, c, batch, None if docs is None else docs[..., 0])
     buffers = _Buffers(q, c, n_terms)
 
     # Intra-chunk part, block by block.
@@ -249,6 +288,7 @@ def soe_backward_chunked(
         _intra_backward(
             *(_in_chunks(x, tokens, length).contiguous() for x in (q, k, v, coef)),
             log_lam,
+            None if docs is None else _in_chunks(docs, tokens, length),
             *(_in_chunks(x, tokens, length).contiguous() for x in (d_out, d_z)),
             *(_in_chunks(x, tokens, length) for x in (dq, dk, dv, dcoef)),
         )
@@ -303,15 +343,16 @@ class SoeScanChunked(torch.autograd.Function):
     """Autograd wrapper: saves only the (re-laid-out) inputs; the backward recomputes the chunk states."""
 
     @staticmethod
-    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
+    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
         batch, _, heads, feat = q.shape
         dt = work_dtype(q.dtype)
         qw, kw, vw, cw = (to_heads(x, dt) for x in (q, k, v, coef))
         gw = g0.to(dt).reshape(batch * heads, -1, v.shape[-1])
         bw = b0.to(dt).reshape(batch * heads, -1, feat)
         ll = log_lam.to(dt)
-        out, z, g_t, b_t = soe_forward_chunked(qw, kw, vw, cw, ll, gw, bw, batch, chunk_size)
-        ctx.save_for_backward(qw, kw, vw, cw, ll, gw, bw)
+        docs = None if reset is None else document_numbers(reset, heads, dt)
+        out, z, g_t, b_t = soe_forward_chunked(qw, kw, vw, cw, ll, gw, bw, batch, chunk_size, docs)
+        ctx.save_for_backward(qw, kw, vw, cw, ll, gw, bw, docs)
         ctx.set_materialize_grads(False)
         ctx.meta = (batch, chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)], g0.shape, b0.shape)
         o = from_heads(out, batch, q.dtype)
@@ -320,7 +361,7 @@ class SoeScanChunked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
-        qw, kw, vw, cw, ll, gw, bw = ctx.saved_tensors
+        qw, kw, vw, cw, ll, gw, bw, docs = ctx.saved_tensors
         batch, chunk_size, dtypes, g_shape, b_shape = ctx.meta
         dt = qw.dtype
 
@@ -336,7 +377,7 @@ class SoeScanChunked(torch.autograd.Function):
         dq, dk, dv, dcoef, dll, dg0, db0 = soe_backward_chunked(
             qw, kw, vw, cw, ll, gw, bw,
             per_head(d_o, vw.shape[-1]), per_head(d_z, 1), state(d_g, gw), state(d_b, bw),
-            batch, chunk_size, need_q=needs[0], need_log_lam=needs[4],
+            batch, chunk_size, need_q=needs[0], need_log_lam=needs[4], docs=docs,
         )  # fmt: skip
         grads = (
             from_heads(dq, batch, dtypes[0]) if needs[0] else None,
@@ -347,4 +388,4 @@ class SoeScanChunked(torch.autograd.Function):
             dg0.view(g_shape).to(dtypes[5]),
             db0.view(b_shape).to(dtypes[6]),
         )
-        return (*grads, None)
+        return (*grads, None, None)

@@ -19,11 +19,14 @@ def soe_scan_reference(
     log_lam: torch.Tensor,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False,
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Token-by-token SOE scan; computes in float64 if the inputs are float64, else in float32.
 
     G_{t,s} = lam_s G_{t-1,s} + coef[t,s] k_t v_t^T,  b_{t,s} = lam_s b_{t-1,s} + coef[t,s] k_t,
     o_t = sum_s q_t^T G_{t,s},  z_t = sum_s q_t . b_{t,s}.
+    With ``reset`` (bool [B, T]), G_{t-1} and b_{t-1} are taken as zero where reset[:, t] is True: the
+    token starts a document, and it and the tokens after it see nothing written before it.
     """
     batch, seq_len, heads, feat = q.shape
     dim_v = v.shape[-1]
@@ -38,6 +41,9 @@ def soe_scan_reference(
         g, b = (x.to(dtype) for x in initial_state)
     outs, norms = [], []
     for t in range(seq_len):
+        if reset is not None:
+            keep = (~reset[:, t]).to(dtype)[:, None, None, None]  # [B, 1, 1, 1]
+            g, b = g * keep[..., None], b * keep
         c_t = coef[:, t, :, :, None]  # [B, H, S, 1]
         k_t = k[:, t, :, None, :]  # [B, H, 1, F]
         g = lam[..., None] * g + (c_t * k_t)[..., None] * v[:, t, :, None, None, :]
