@@ -197,11 +197,12 @@ def assert_follows_one_process(family: str, got: Run, expected: Run, label: str)
 
     VORT is a smooth function of its weights: the runs differ by summation order only, at every step.
     PMNet is checked tightly at step 1, where both runs start from the same weights and nothing can be
-    amplified. After it, PMNet's own training dynamics amplify rounding: one process against itself
-    from weights perturbed by 6e-8 drifts exactly as a sequence-parallel run does, its memory
-    gradients first and then hard routing decisions (docs/sequence_parallel.md, "Why PMNet's runs
-    drift apart": worst loss gap over 10 steps 6.7e-3 relative in 9 measured runs, 2 and 4 ranks,
-    3 texts). Later steps are held to 3e-2, a bound that a wrong relay or loss scale exceeds at once.
+    amplified. Its routing is a hard choice, so after step 1 a decision within rounding of a tie can flip
+    and the runs part (docs/sequence_parallel.md, "Why PMNet's runs drift apart": with the memory before
+    issue 25 one process against itself from weights perturbed by 6e-8 drifted exactly as a
+    sequence-parallel run did, worst loss gap over 10 steps 6.7e-3 relative in 9 measured runs; with the
+    no-op-at-start memory no decision flipped in 160 measured steps). Later steps are held to 3e-2, above
+    that worst case; a wrong relay, halo or loss scale fails step 1's check.
     """
     assert len(got.losses) == len(expected.losses) == STEPS
     assert len(got.grad_norms) == len(expected.grad_norms) == STEPS
