@@ -123,7 +123,7 @@ class PMNet(StackedLM):
     def take_routes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The recorded decisions of the last forward and clear them: slots [layers, B, T, levels] and
         the best child's score minus the runner-up's [layers, B, T, levels - 1]. With activation
-        checkpointing the backward routes every segment again; only the forward's decisions are kept."""
+        checkpointing the backward routes every token again; only the forward's decisions are kept."""
         passes = 2 if self.activation_checkpointing else 1
         slots, margins = [], []
         for memory in self.memories():
