@@ -98,7 +98,8 @@ class StateCarrier:
                 state = self.model.init_state(self.micro_batch, self.device)
             else:
                 state = self.states[micro]
-            out.append((batch["input_ids"].to(self.device), batch["labels"].to(self.device), state))
+            ids, labels = (batch[key].to(self.device, non_blocking=True) for key in ("input_ids", "labels"))
+            out.append((ids, labels, state))
         return out
 
     def update(self, states: list[Any]) -> None:

@@ -34,13 +34,27 @@ def barrier() -> None:
         dist.barrier()
 
 
+_host_group: dist.ProcessGroup | None = None
+
+
+def host_group() -> dist.ProcessGroup:
+    """A gloo group over every rank, for host scalars: the default group when it is gloo, else one
+    made on first use (every rank gets here together, as every caller is a collective). Reducing a
+    host value over NCCL would copy it to the GPU and back, and so wait for all the GPU work queued."""
+    global _host_group
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    if _host_group is None:
+        _host_group = dist.new_group(backend="gloo")
+    return _host_group
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum of each value over ranks (identity in one process), in float64."""
+    """Sum of each value over ranks (identity in one process), in float64, on the host."""
     if not dist.is_initialized():
         return list(values)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, group=host_group())
     return tensor.tolist()
 
 

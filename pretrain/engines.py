@@ -3,7 +3,10 @@
 Every engine offers the same operations to the trainer:
   - `train_step(micro_batches, lr)`: forward and backward of this rank's micro-batches, gradients
     averaged over the global batch, clipping, and the optimizer update (skipped when the loss or
-    gradients are not finite on any rank); returns a StepInfo.
+    gradients are not finite on any rank); returns a StepInfo of device tensors. Nothing in a step
+    waits for the device: the skip is decided on it (AdamW's found_inf flag), and the trainer reads
+    the StepInfos only at log steps. (DeepSpeed's ZeRO 1-3 optimizers read their own overflow flag
+    every step; that wait is theirs.)
   - `eval_loss(input_ids, labels, state)`: the loss without gradients (sharded engines gather
     weights) and the state after the piece, so that long contexts are evaluated piece by piece.
   - `save(path)` / `load(path, scratch)`: the engine-native checkpoint of model and optimizer
@@ -28,7 +31,7 @@ from torch import nn
 from model import CausalLM, SequenceParallel
 from pretrain.carry import detach_state
 from pretrain.config import ConfigError, RunConfig
-from pretrain.distributed import all_reduce_sum, init_process_group
+from pretrain.distributed import init_process_group
 from pretrain.engine_checkpoint import (
     load_dcp_state,
     load_deepspeed,
@@ -80,13 +83,14 @@ def _forward(module: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
 
 @dataclass
 class StepInfo:
-    """One optimizer step: this rank's mean micro-batch loss, the global gradient norm, whether
-    the update was applied (False when it was skipped as non-finite), and each micro-batch's
-    state after its window when states are carried."""
+    """One optimizer step, as 0-d tensors on the device (reading one waits for the step to finish):
+    this rank's mean micro-batch loss, the global gradient norm before clipping, whether the update
+    was applied (False when it was skipped as non-finite on some rank; every rank agrees), and each
+    micro-batch's state after its window when states are carried."""
 
-    loss: float
-    grad_norm: float
-    applied: bool
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    applied: torch.Tensor
     states: list[Any] = field(default_factory=list)
 
 
@@ -159,19 +163,29 @@ def grad_accumulation_steps(cfg: RunConfig, world: int) -> int:
 
 
 def _adamw(cfg: RunConfig, module: nn.Module) -> torch.optim.Optimizer:
-    """AdamW with the fused CUDA kernel when the weights are on a GPU, else the multi-tensor
-    (foreach) implementation: one kernel per group of tensors instead of a loop over parameters."""
+    """AdamW with the fused kernel (CUDA and CPU): one kernel for all parameters instead of a loop
+    over them, and it honours a `found_inf` flag on the device, which skips the update (moments and
+    step count included) without the host looking at it."""
     t = cfg.train
-    on_cuda = next(module.parameters()).is_cuda
-    implementation = {"fused": True} if on_cuda else {"foreach": True}
     return torch.optim.AdamW(
-        param_groups(module, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **implementation
+        param_groups(module, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True
     )
 
 
-def _all_finite(value: torch.Tensor) -> bool:
-    """True when `value` is finite on every rank."""
-    return all_reduce_sum([0.0 if torch.isfinite(value).all() else 1.0])[0] == 0
+def _skip_flag(*values: torch.Tensor) -> torch.Tensor:
+    """1.0 when any of `values` is non-finite on any rank, else 0.0: a float32 0-d tensor on their
+    device, summed over the ranks by a device collective (the found_inf fused AdamW takes)."""
+    bad = torch.stack([(~torch.isfinite(v.detach())).any() for v in values]).any().float()
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return (bad > 0).float()
+
+
+def _poisoned(loss: torch.Tensor) -> torch.Tensor:
+    """`loss`, times NaN when it is not finite: the gradients of a non-finite loss are then NaN too,
+    whatever the loss's form, so the step's check drops them (decided on the device)."""
+    ones = torch.ones_like(loss.detach())
+    return loss * torch.where(torch.isfinite(loss.detach()), ones, ones * math.nan)
 
 
 @torch.no_grad()
@@ -209,20 +223,18 @@ class _TorchOptimizerEngine:
             losses.append(loss.detach())
             states.append(state)
         local_loss = torch.stack(losses).mean()
-        finite = _all_finite(local_loss)
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        norm_value = float(norm)
-        applied = finite and math.isfinite(norm_value)
-        if applied:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+        skip = _skip_flag(local_loss, norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.found_inf = skip
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepInfo(float(local_loss), norm_value, applied, states)
+        return StepInfo(local_loss, norm, skip == 0, states)
 
 
 class SingleEngine(_TorchOptimizerEngine):
@@ -291,29 +303,26 @@ class DeepSpeedEngine:
             loss, state = _forward(self.engine, batch)
             losses.append(loss.detach())
             states.append(state)
-            if not torch.isfinite(loss.detach()).all():
-                # Poison the gradients so that the step is dropped: by ZeRO's overflow check at
-                # stages 1-3, by the check below at stage 0.
-                loss = loss * math.nan
-            self.engine.backward(loss)
+            # a non-finite loss poisons the gradients so that the step is dropped: by ZeRO's overflow
+            # check at stages 1-3, by the found_inf flag below at stage 0
+            self.engine.backward(_poisoned(loss))
             if self.engine.is_gradient_accumulation_boundary() and self.cfg.engine.zero_stage == 0:
                 own_norm = self._grad_norm()
-                if not math.isfinite(own_norm):
-                    for param in self.engine.module.parameters():
-                        param.grad = None
+                self.optimizer.found_inf = _skip_flag(own_norm)
             self.engine.step()
+        local_loss = torch.stack(losses).mean()
         norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
-        norm_value = float(norm) if norm is not None else math.nan
-        applied = bool(self.engine.was_step_applied()) and math.isfinite(norm_value)
-        return StepInfo(float(torch.stack(losses).mean()), norm_value, applied, states)
+        norm = torch.as_tensor(math.nan if norm is None else norm, dtype=torch.float32, device=local_loss.device)
+        applied = torch.isfinite(norm) & bool(self.engine.was_step_applied())
+        return StepInfo(local_loss, norm, applied, states)
 
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
         return eval_loss(self.engine, input_ids, labels, state)
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self) -> torch.Tensor:
         """Global gradient norm at stage 0, where DeepSpeed's data-parallel gradients are whole."""
         grads = [p.grad.float().norm() ** 2 for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.stack(grads).sum().sqrt()) if grads else 0.0
+        return torch.stack(grads).sum().sqrt() if grads else torch.zeros(())
 
     def save(self, path: str) -> None:
         save_deepspeed(self.engine, path, self.cfg.engine.zero_stage)

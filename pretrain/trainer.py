@@ -27,7 +27,7 @@ from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import IGNORE_INDEX, CausalLM, build_model
 from pretrain import carry
 from pretrain.checkpoint import Checkpointer
-from pretrain.config import ConfigError, RunConfig, config_text, config_to_dict, dump_config
+from pretrain.config import ConfigError, RunConfig, TrainSection, config_text, config_to_dict, dump_config
 from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
 from pretrain.engines import Engine, build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.init_from import load_initial_weights
@@ -155,7 +155,8 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
         batch_size=cfg.train.micro_batch,
         expected_tokenizer=cfg.data.tokenizer,
     )
-    return StreamLoader(stream, num_workers=cfg.data.num_workers)
+    # pinned batches copy to the GPU without making the host wait (the loop's non_blocking copies)
+    return StreamLoader(stream, num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available())
 
 
 def eval_piece_tokens(cfg: RunConfig, model: CausalLM, context: int) -> int:
@@ -248,6 +249,29 @@ def _batches(loader: StreamLoader | TaskBatches) -> Iterator[dict[str, torch.Ten
         yield from loader
 
 
+def account_skips(state: TrainerState, pending: list[tuple[int, torch.Tensor]], train: TrainSection) -> int | None:
+    """Count the skipped updates among `pending` ((step, applied flag) pairs, emptied), reading all
+    their flags in one transfer; returns the first step at which the run diverged (a skip under
+    nan_policy "stop", or more than max_skipped_steps skips in a row), or None."""
+    if not pending:
+        return None
+    flags = torch.stack([applied for _, applied in pending]).tolist()
+    steps = [step for step, _ in pending]
+    pending.clear()
+    diverged = None
+    for step, applied in zip(steps, flags, strict=True):
+        if applied:
+            state.consecutive_skips = 0
+            continue
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+        get_logger().warning("step %d: non-finite loss or gradient; update skipped", step)
+        too_many = train.nan_policy == "stop" or state.consecutive_skips > train.max_skipped_steps
+        if too_many and diverged is None:
+            diverged = step
+    return diverged
+
+
 def _any_rank(flag: bool) -> bool:
     return all_reduce_sum([1.0 if flag else 0.0])[0] > 0
 
@@ -308,7 +332,12 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     stop = StopFlag()
     batches = _batches(loader) if carrier is None else None
 
+    # (step, applied) of the steps whose skip flags the host has not read yet: the loop reads them at
+    # log steps and before a save (every step under nan_policy "stop", which must stop at the first)
+    pending: list[tuple[int, torch.Tensor]] = []
+
     def save() -> None:
+        account_skips(state, pending, cfg.train)
         trainer_state = {"trainer": vars(state), "data": loader.state_dict()}
         checkpointer.save(state.step, engine, trainer_state, config_yaml, carrier.save if carrier else None)
         metrics.console(f"checkpoint of step {state.step} written (async={cfg.checkpoint.async_save})")
@@ -323,9 +352,10 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
             micro_batches = []
             for _ in range(gas):
                 batch = next(batches)
-                pieces = (local_slice(batch[key], sequence_parallel).to(device) for key in ("input_ids", "labels"))
+                pieces = (local_slice(batch[key], sequence_parallel).to(device, non_blocking=True)
+                          for key in ("input_ids", "labels"))
                 if "doc_start" in batch:  # data.doc_boundaries (never with sequence parallelism)
-                    micro_batches.append((*pieces, None, batch["doc_start"].to(device)))
+                    micro_batches.append((*pieces, None, batch["doc_start"].to(device, non_blocking=True)))
                 else:
                     micro_batches.append(tuple(pieces))
         info = engine.train_step(micro_batches, lr)
@@ -333,31 +363,32 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
             carrier.update(info.states)
         checkpointer.poll()
         state.step += 1
-        log_step = state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps
-        # the global mean loss costs a collective: only on steps that report it (every rank agrees on both)
-        loss_value = all_reduce_mean([info.loss])[0] if log_step or not info.applied else math.nan
         state.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
-
-        if not info.applied:
-            state.skipped_steps += 1
-            state.consecutive_skips += 1
-            log.warning("step %d: non-finite loss or gradient (loss=%s); update skipped", state.step, loss_value)
-            if cfg.train.nan_policy == "stop" or state.consecutive_skips > cfg.train.max_skipped_steps:
+        pending.append((state.step, info.applied))
+        log_step = state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps
+        checkpoint_step = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0
+        # the host waits for the device only here: at log and checkpoint steps (and every step under
+        # nan_policy "stop"); every rank reads the same flags, so every rank agrees to stop
+        if log_step or checkpoint_step or cfg.train.nan_policy == "stop":
+            diverged_at = account_skips(state, pending, cfg.train)
+            if diverged_at is not None:
+                log.warning("diverged at step %d (train.nan_policy=%s, train.max_skipped_steps=%d)",
+                            diverged_at, cfg.train.nan_policy, cfg.train.max_skipped_steps)
                 save()
                 exit_code = EXIT_DIVERGED
                 break
-        else:
-            state.consecutive_skips = 0
 
         if log_step:
+            # the global mean loss costs a collective: only on steps that report it
+            loss_value = all_reduce_mean([float(info.loss)])[0]
             elapsed = time.time() - window_start
             tokens_per_s = window_tokens / max(elapsed, 1e-9)
             scalars = {
                 "train/loss": loss_value,
                 "train/bits_per_token": loss_value / math.log(2),
                 "train/lr": lr,
-                "train/grad_norm": info.grad_norm,
+                "train/grad_norm": float(info.grad_norm),
                 "train/tokens_seen": state.tokens_seen,
                 "train/skipped_steps": state.skipped_steps,
                 "perf/tokens_per_s": tokens_per_s,
@@ -369,7 +400,7 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
             metrics.log(state.step, {**scalars, **model_scalars}, model_hists)
             metrics.console(
                 f"step {state.step}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
-                f"grad {info.grad_norm:.3f} {tokens_per_s:,.0f} tok/s mfu {scalars['perf/mfu']:.1%}"
+                f"grad {scalars['train/grad_norm']:.3f} {tokens_per_s:,.0f} tok/s mfu {scalars['perf/mfu']:.1%}"
             )
             window_start, window_tokens = time.time(), 0
 
@@ -386,7 +417,7 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
             metrics.console(f"stopping at step {state.step}: {'signal' if stop.signal else 'max_runtime'}")
             exit_code = EXIT_PREEMPTED
             break
-        if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and state.step < cfg.train.steps:
+        if checkpoint_step and state.step < cfg.train.steps:
             save()
 
     if exit_code == 0:

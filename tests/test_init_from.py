@@ -16,6 +16,7 @@ from model import build_model
 from pretrain.config import ConfigError, load_config
 from pretrain.export import consolidate, export, read_run_config, resolve_checkpoint
 from pretrain.init_from import load_initial_weights
+from tests.launchers import run_training
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_VORT = str(REPO / "configs" / "tiny-vort.yaml")
@@ -99,3 +100,21 @@ def test_the_shipped_recipe_pair_extends_the_4k_run() -> None:
     assert long.init.from_ == short.run.dir and short.init.from_ is None
     assert (short.data.seq_len, long.data.seq_len) == (4096, 131072)
     assert dataclasses.replace(long.model, max_seq_len=short.model.max_seq_len) == short.model
+
+
+def test_a_sharded_two_rank_run_starts_from_a_single_process_runs_weights(
+    short_run: Path, demo_shards: dict[str, str], tmp_path: Path
+) -> None:
+    """Another engine and world size: the one-process run's weights seed a 2-rank ZeRO-3 run (weights
+    sharded after the load) at a longer seq_len; its checkpoint, consolidated, holds those weights."""
+    source = trained_weights(short_run)
+    long = tmp_path / "long"
+    extra = ["train.steps=1", "train.lr=1e-30", "train.warmup_steps=0", "data.seq_len=128", "model.max_seq_len=128",
+             "engine.kind=deepspeed", "engine.zero_stage=3", f"init.from={short_run}"]
+    run_training("deepspeed", 2, ["--config", TINY_VORT, *overrides(demo_shards, long, *extra)])
+    weights = trained_weights(long)
+    assert weights.keys() == source.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(value, source[name], rtol=0, atol=1e-12, msg=name)
+    state = json.loads((long / "checkpoints" / "step_00000001" / "trainer_state.json").read_text())
+    assert state["trainer"]["step"] == 1 and state["data"]["seq_len"] == 128

@@ -72,7 +72,8 @@ def test_nonfinite_loss_skips_the_update_exactly() -> None:
     info = engine.train_step([(bad, bad)], lr=1e-2)
     assert not info.applied and math.isnan(info.loss)
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
-    assert not engine.optimizer.state  # AdamW moments untouched too
+    for moments in engine.optimizer.state.values():  # AdamW's moments and step count untouched too
+        assert moments["step"] == 0 and not moments["exp_avg"].any() and not moments["exp_avg_sq"].any()
     info = engine.train_step([(good, good)], lr=1e-2)
     assert info.applied and math.isfinite(info.grad_norm)
     assert any(not torch.equal(before[k], v) for k, v in module.state_dict().items())
@@ -87,7 +88,7 @@ def test_gradient_accumulation_matches_one_big_batch() -> None:
         engine = SingleEngine(cfg, TrainModule(build_model(cfg.model)), gas)
         chunks = [(x[i : i + 4 // gas], x[i : i + 4 // gas]) for i in range(0, 4, 4 // gas)]
         info = engine.train_step(chunks, lr=1e-2)
-        results.append((info.grad_norm, [p.detach().clone() for p in engine.model.parameters()]))
+        results.append((float(info.grad_norm), [p.detach().clone() for p in engine.model.parameters()]))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         # the first AdamW update is about lr * sign(grad): compare to a thousandth of lr
