@@ -95,12 +95,12 @@ def _phasor_span_kernel(
             counted = doc == entering  # reads of the phases entering the chunk
         else:
             counted = doc == last  # increments that reach the phases leaving it
-        acc = tl.where(last == entering, acc, 0.0)
+        acc = acc * (last == entering).to(tl.float32)
         for lvl in range(0, L):
             _entry, _mask, _sl, onehot, rows = _level_rows(
                 values, slots, b, start + offs_t, lvl, seq_len, L, M, offs_m, offs_n, mask_m
             )
-            acc += tl.dot(tl.trans(onehot * counted.to(tl.float32)[:, None]), rows, input_precision="ieee")
+            acc += tl.dot(tl.trans(onehot), tl.where(counted[:, None], rows, 0.0), input_precision="ieee")
         if not REVERSE:
             acc = wrap_phase(acc)
     if REVERSE:
