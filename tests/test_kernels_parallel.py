@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from kernels import phasor_scan, phasor_scan_sequence_parallel, soe_scan, soe_scan_sequence_parallel
 from kernels._common import decay
 from kernels.parallel import _SoeStateCorrection
-from kernels.testing import angle_err, phasor_inputs, rel_err, soe_inputs
+from kernels.testing import angle_err, phasor_inputs, rel_err, resets, soe_inputs
 from tests.launchers import free_port
 
 SPLIT = (30, 41)  # uneven pieces, neither a multiple of the chunk
@@ -153,13 +153,6 @@ RESET_CASES = {2: ((19, 21), ([5, 19, 25], [33])), 4: ((9, 12, 7, 12), ([3, 21, 
 BACKENDS = ("torch", "triton")
 
 
-def _resets(seq_len: int, rows: tuple[list[int], ...]) -> torch.Tensor:
-    reset = torch.zeros(len(rows), seq_len, dtype=torch.bool)
-    for row, positions in enumerate(rows):
-        reset[row, positions] = True
-    return reset
-
-
 def _reset_worker(rank: int, port: int, out_dir: str, world: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -169,7 +162,7 @@ def _reset_worker(rank: int, port: int, out_dir: str, world: int) -> None:
         seq_len = sum(split)
         lo, hi = sum(split[:rank]), sum(split[: rank + 1])
         last = rank == world - 1
-        reset = _resets(seq_len, rows)[:, lo:hi]
+        reset = resets(seq_len, rows)[:, lo:hi]
         results = {}
         for backend in BACKENDS:
             x = _soe_inputs(seq_len)
@@ -216,7 +209,7 @@ def test_soe_pieces_with_resets_equal_one_scan(reset_ranks, backend):
     x = {n: t.double().requires_grad_() for n, t in _soe_inputs(sum(split)).items()}
     o, z, (g, b) = soe_scan(
         x["q"], x["k"], x["v"], x["coef"], x["log_lam"], (x["g0"], x["b0"]), True, backend="reference",
-        reset=_resets(sum(split), rows),
+        reset=resets(sum(split), rows),
     )  # fmt: skip
     weights = _weights([x["v"].shape, x["q"].shape[:3], x["g0"].shape, x["b0"].shape])
     _soe_loss(o, z, g, b, weights).backward()
@@ -236,7 +229,7 @@ def test_phasor_pieces_with_resets_equal_one_scan(reset_ranks, backend):
     delta = p_inputs["delta"].float().double().requires_grad_()
     p_init = p_inputs["init"].float().double().requires_grad_()
     read, final = phasor_scan(
-        delta, p_inputs["slots"], n_slots, p_init, True, "reference", reset=_resets(sum(split), rows)
+        delta, p_inputs["slots"], n_slots, p_init, True, "reference", reset=resets(sum(split), rows)
     )
     _phasor_loss(read, final, _weights([delta.shape, p_init.shape])).backward()
     got = [r[backend]["phasor"] for r in ranks]
