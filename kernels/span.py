@@ -60,6 +60,15 @@ def span_carry(docs: torch.Tensor, span: int) -> torch.Tensor:
 
 
 @triton.jit
+def chunk_start(lo, i, n_chunks, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """First token of the i-th of the ``n_chunks`` chunks a span from ``lo`` walks: in token order, or in
+    reverse order (REVERSE)."""
+    if REVERSE:
+        i = n_chunks - 1 - i
+    return lo + i * BT
+
+
+@triton.jit
 def chunk_documents(docs, row, start, seq_len, BT: tl.constexpr):
     """Document numbers (:func:`document_numbers`, [B, T] int32) of the chunk of BT tokens at ``start`` in
     batch row ``row``: per token [BT] (-1 past the end), of the state entering the chunk (the token before

@@ -24,7 +24,15 @@ import triton
 import triton.language as tl
 
 from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
-from kernels.span import chunk_documents, document_numbers, span_carry, span_chunks, span_pass_launch, wrap_phase
+from kernels.span import (
+    chunk_documents,
+    chunk_start,
+    document_numbers,
+    span_carry,
+    span_chunks,
+    span_pass_launch,
+    wrap_phase,
+)
 
 
 @triton.jit
@@ -86,10 +94,7 @@ def _phasor_span_kernel(
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     n_chunks = tl.cdiv(hi - lo, BT)
     for i in range(0, n_chunks):
-        if REVERSE:
-            start = lo + (n_chunks - 1 - i) * BT
-        else:
-            start = lo + i * BT
+        start = chunk_start(lo, i, n_chunks, BT, REVERSE)
         doc, entering, last = chunk_documents(docs, b, start, seq_len, BT)
         if REVERSE:
             counted = doc == entering  # reads of the phases entering the chunk

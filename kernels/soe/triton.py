@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
-from kernels.span import chunk_documents, document_numbers, span_carry, span_chunks, span_pass_launch
+from kernels.span import chunk_documents, chunk_start, document_numbers, span_carry, span_chunks, span_pass_launch
 
 
 @triton.jit
@@ -141,10 +141,7 @@ def _soe_span_kernel(
     acc_norm = tl.zeros([BF], dtype=tl.float32)
     n_chunks = tl.cdiv(hi - lo, BT)
     for i in range(0, n_chunks):
-        if REVERSE:
-            start = lo + (n_chunks - 1 - i) * BT
-        else:
-            start = lo + i * BT
+        start = chunk_start(lo, i, n_chunks, BT, REVERSE)
         base = ((b * seq_len + start) * H + h).to(tl.int64)
         loc = tl.arange(0, BT) * H
         mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, docs, b, start, seq_len, BT)
