@@ -4,8 +4,8 @@ Every engine offers the same operations to the trainer:
   - `train_step(micro_batches, lr)`: forward and backward of this rank's micro-batches, gradients
     averaged over the global batch, clipping, and the optimizer update (skipped when the loss or
     gradients are not finite on any rank); returns a StepInfo.
-  - `eval_loss(input_ids, labels, state)`: the loss without gradients (sharded engines gather
-    weights) and the state after the piece, so that long contexts are evaluated piece by piece.
+  - `eval_loss(input_ids, labels, state, doc_start=None)`: the loss without gradients (sharded engines
+    gather weights) and the state after the piece, so that long contexts are evaluated piece by piece.
   - `save(path)` / `load(path, scratch)`: the engine-native checkpoint of model and optimizer
     (formats in pretrain/engine_checkpoint.py; the files around it, trainer state and RNG, are
     pretrain/checkpoint.py's).
@@ -60,7 +60,7 @@ class TrainModule(nn.Module):
         detached: the gradient of this window stops at its start (truncated BPTT). ``doc_start``
         (data.doc_boundaries) resets the model at each document start."""
         if self.training and self.sequence_parallel is not None:
-            return sequence_parallel_loss(self.model, input_ids, labels, self.sequence_parallel)
+            return sequence_parallel_loss(self.model, input_ids, labels, self.sequence_parallel, doc_start)
         loss, new_state = self.model.loss(input_ids, labels, state, doc_start)
         if state is None:
             return loss
@@ -68,7 +68,7 @@ class TrainModule(nn.Module):
 
 
 # (input_ids, labels), (input_ids, labels, carried state) under train.carry_state, or
-# (input_ids, labels, None, doc_start) under data.doc_boundaries
+# (input_ids, labels, carried state or None, doc_start) under data.doc_boundaries
 Batch = tuple[Any, ...]
 
 
@@ -99,7 +99,9 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo: ...
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]: ...
+    def eval_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]: ...
 
     def save(self, path: str) -> None:
         """Collective: write model and optimizer state under `path` (a directory every rank sees)."""
@@ -176,12 +178,13 @@ def _all_finite(value: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def eval_loss(
-    module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, state: Any
+    module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, Any]:
     """The loss in eval mode without gradients, starting from the carried `state`, and the state after
-    (through the wrapper, so sharded weights are gathered); the module is back in train mode afterwards."""
+    (through the wrapper, so sharded weights are gathered); the module is back in train mode afterwards.
+    ``doc_start`` (data.doc_boundaries) resets the model at each document start."""
     module.eval()
-    loss, new_state = module(input_ids, labels, state)
+    loss, new_state = module(input_ids, labels, state, doc_start)
     module.train()
     return loss, new_state
 
@@ -197,8 +200,10 @@ class _TorchOptimizerEngine:
     def _set_sync(self, last: bool) -> None:
         """FSDP reduces gradients only on the last micro-batch of a step."""
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        return eval_loss(self.module, input_ids, labels, state)
+    def eval_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        return eval_loss(self.module, input_ids, labels, state, doc_start)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo:
         losses, states = [], []
@@ -307,8 +312,10 @@ class DeepSpeedEngine:
         applied = bool(self.engine.was_step_applied()) and math.isfinite(norm_value)
         return StepInfo(float(torch.stack(losses).mean()), norm_value, applied, states)
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        return eval_loss(self.engine, input_ids, labels, state)
+    def eval_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        return eval_loss(self.engine, input_ids, labels, state, doc_start)
 
     def _grad_norm(self) -> float:
         """Global gradient norm at stage 0, where DeepSpeed's data-parallel gradients are whole."""
