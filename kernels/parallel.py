@@ -3,7 +3,9 @@
 Both scans are linear in their state, so each rank scans its piece from zero, one all-gather shares
 the pieces' final states, and each rank folds the states of earlier ranks into its outputs: the
 result equals one scan over the whole sequence, forward and backward, with communication that does
-not grow with the length. Operations that depend on earlier tokens non-linearly (PMNet's routing)
+not grow with the length. With document resets a piece holding a reset cuts off what entered it: its
+tokens from its first reset on ignore the entering state, and its outgoing state starts at its last reset.
+Operations that depend on earlier tokens non-linearly (PMNet's routing)
 use the neighbour exchanges at the end instead. docs/kernels.md, "Sequence parallelism", gives the
 algorithm and the gradient conventions; docs/sequence_parallel.md how the models use it.
 """
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kernels._common import decay, decay_cutoff, resolve_backend, wrap_angle
-from kernels.phasor import phasor_scan
+from kernels.phasor import phasor_scan, slot_phases
 from kernels.soe import soe_scan
 
 
@@ -37,11 +39,45 @@ class _GatherStates(torch.autograd.Function):
         return None, stacked[dist.get_rank(ctx.group)]
 
 
-def _piece_lengths(seq_len: int, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
-    mine = torch.tensor([seq_len], dtype=torch.long, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return [int(t) for t in every]
+class _Pieces:
+    """What every rank knows of every piece, from one all-gather: its length and, per batch row, whether
+    it holds a reset. ``reaches(source, row)`` says whether the state leaving piece ``source`` (or, for
+    source -1, the initial state) reaches this rank's piece in a row: it comes earlier and no piece in
+    between holds a reset (a piece's own reset is already in its local state)."""
+
+    def __init__(
+        self,
+        reset: torch.Tensor | None,
+        batch: int,
+        seq_len: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        mine = torch.zeros(1 + batch, dtype=torch.long, device=device)
+        mine[0] = seq_len
+        if reset is not None:
+            mine[1:] = reset.any(1)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        self.rank = dist.get_rank(group)
+        self.lengths = [int(t[0]) for t in every]
+        self.has_reset = torch.stack([t[1:] for t in every]).bool()  # [ranks, B]
+
+    def reaches(self, source: int) -> torch.Tensor:
+        """[B] bool: the state leaving piece ``source`` (-1: the initial state) reaches this rank's piece."""
+        if source >= self.rank:
+            return torch.zeros_like(self.has_reset[0])
+        return ~self.has_reset[source + 1 : self.rank].any(0)
+
+    def tokens_between(self, source: int) -> int:
+        """Tokens after piece ``source`` (-1: none yet) and before this rank's piece."""
+        return sum(self.lengths[source + 1 : self.rank])
+
+
+def _before_first_reset(reset: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: the tokens of a piece before its first reset, the only ones that read the state entering
+    the piece."""
+    return reset.cumsum(1) == 0
 
 
 class _SoeStateCorrection(torch.autograd.Function):
@@ -184,41 +220,49 @@ def soe_scan_sequence_parallel(
     output_final_state: bool = False,
     chunk_size: int = 64,
     backend: str = "auto",
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """:func:`kernels.soe_scan` over a sequence split across the ranks of ``group`` (this rank's piece
-    in q, k, v, coef; log_lam the same everywhere). Returns this piece's (o, z, state after it)."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    o, z, (g_local, b_local) = soe_scan(q, k, v, coef, log_lam, None, True, chunk_size, backend)
-    lengths = _piece_lengths(q.shape[1], group, q.device)
+    in q, k, v, coef and ``reset``, bool [B, T_piece]; log_lam the same everywhere). Returns this piece's
+    (o, z, state after it). With ``reset`` the state entering a piece is the sum of the earlier pieces'
+    local states (decayed) from the last piece with a reset on, plus the initial state only if no earlier
+    piece has one; it reaches only the tokens before the piece's first reset, and the state leaving a
+    piece with a reset is its local state."""
+    size = dist.get_world_size(group)
+    o, z, (g_local, b_local) = soe_scan(q, k, v, coef, log_lam, None, True, chunk_size, backend, reset=reset)
+    pieces = _Pieces(reset, q.shape[0], q.shape[1], group, q.device)
     g_all = _GatherStates.apply(group, g_local)
     b_all = _GatherStates.apply(group, b_local)
     log_decay = log_lam.to(g_local.dtype)
 
-    def decayed(tokens: int, g: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decayed(tokens: int, weight: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor):
+        """(g, b) decayed by lambda^tokens, times ``weight`` [B] when given."""
         factor = decay(tokens * log_decay)[None, :, :, None]  # lambda^tokens: [1, H, S, 1]
+        if weight is not None:
+            factor = factor * weight.to(factor.dtype)[:, None, None, None]
         return g * factor[..., None], b * factor
 
     if initial_state is None:
         g_in, b_in = torch.zeros_like(g_local), torch.zeros_like(b_local)
     else:
         g0, b0 = (x.to(g_local.dtype) for x in initial_state)
-        g_in, b_in = decayed(sum(lengths[:rank]), g0, b0)
-    # Every rank's state enters the sum, with weight 0 from this rank on: each rank then takes part in
-    # the gather's backward (an all-reduce), also rank 0, which needs no other state.
+        g_in, b_in = decayed(pieces.tokens_between(-1), pieces.reaches(-1), g0, b0)
+    # Every rank's state enters the sum, with weight 0 from this rank on (and behind a reset): each rank
+    # then takes part in the gather's backward (an all-reduce), also rank 0, which needs no other state.
     for source in range(size):
-        weight = 1.0 if source < rank else 0.0
-        g, b = decayed(sum(lengths[source + 1 : rank]), g_all[source], b_all[source])
-        g_in, b_in = g_in + weight * g, b_in + weight * b
+        g, b = decayed(pieces.tokens_between(source), pieces.reaches(source), g_all[source], b_all[source])
+        g_in, b_in = g_in + g, b_in + b
+    reads = q if reset is None else q * _before_first_reset(reset)[..., None, None]
     if resolve_backend(backend, q) == "triton":
         from kernels.soe.triton import SoeEnteringTriton
 
-        o_in, z_in = SoeEnteringTriton.apply(q, log_lam, g_in, b_in)
+        o_in, z_in = SoeEnteringTriton.apply(reads, log_lam, g_in, b_in)
     else:
-        o_in, z_in = _SoeStateCorrection.apply(q, log_lam, g_in, b_in, chunk_size)
+        o_in, z_in = _SoeStateCorrection.apply(reads, log_lam, g_in, b_in, chunk_size)
     o, z = o + o_in.to(o.dtype), z + z_in.to(z.dtype)
     if not output_final_state:
         return o, z, None
-    g_out, b_out = decayed(q.shape[1], g_in, b_in)
+    g_out, b_out = decayed(q.shape[1], ~pieces.has_reset[pieces.rank], g_in, b_in)
     return o, z, (g_local + g_out, b_local + b_out)
 
 
@@ -230,17 +274,26 @@ def phasor_scan_sequence_parallel(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     backend: str = "auto",
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kernels.phasor_scan` over a sequence split across the ranks of ``group`` (this rank's
-    piece in delta and slots). Returns this piece's (read, phases after it)."""
-    rank = dist.get_rank(group)
-    read, local = phasor_scan(delta, slots, n_slots, None, True, backend)
+    piece in delta, slots and ``reset``, bool [B, T_piece]). Returns this piece's (read, phases after it).
+    Phases add, and a reset restarts from ``initial_state``: a piece enters with the initial state plus
+    the local phases of the earlier pieces from the last one with a reset on; tokens from its first reset
+    on read the initial state plus their own piece's phases, and a piece with a reset leaves the initial
+    state plus its local phases."""
+    read, local = phasor_scan(delta, slots, n_slots, None, True, backend, reset=reset)
+    pieces = _Pieces(reset, delta.shape[0], delta.shape[1], group, delta.device)
     totals = _GatherStates.apply(group, local)
-    entering = torch.zeros_like(local) if initial_state is None else initial_state.to(local.dtype)
+    init = torch.zeros_like(local) if initial_state is None else initial_state.to(local.dtype)
+    entering = init
     for source in range(dist.get_world_size(group)):  # weight 0 from this rank on, as in the SOE scan
-        entering = entering + (1.0 if source < rank else 0.0) * totals[source]
-    B, T, L, M = delta.shape
-    entering_read = entering.gather(1, slots.reshape(B, T * L, 1).expand(-1, -1, M)).view(B, T, L, M)
+        entering = entering + pieces.reaches(source).to(local.dtype)[:, None, None] * totals[source]
+    entering_read = slot_phases(entering, slots)
+    if reset is not None:
+        after = ~_before_first_reset(reset)[..., None, None]
+        entering_read = torch.where(after, slot_phases(init, slots), entering_read)
+        entering = torch.where(pieces.has_reset[pieces.rank][:, None, None], init, entering)
     read = wrap_angle(read + entering_read.to(read.dtype))  # wrap counts as the identity for gradients
     return read, (wrap_angle(local + entering) if output_final_state else None)
 

@@ -4,7 +4,7 @@ output (including the final state), and error measures. Used by the tests and th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -65,6 +65,14 @@ def phasor_inputs(
     return inputs, n_slots
 
 
+def resets(seq_len: int, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """bool [len(rows), seq_len], True at the listed document starts of each row."""
+    reset = torch.zeros(len(rows), seq_len, dtype=torch.bool)
+    for row, positions in enumerate(rows):
+        reset[row, positions] = True
+    return reset
+
+
 def _run_with_grads(
     call: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]],
     inputs: dict[str, torch.Tensor],
@@ -119,10 +127,13 @@ def phasor_run(
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Outputs [read, final] and the gradients of a fixed random linear loss on both."""
+    """Outputs [read, final] and the gradients of a fixed random linear loss on both (with the document
+    starts of ``inputs["reset"]`` when present)."""
 
     def call(x: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        read, final = phasor_scan(x["delta"], x["slots"], n_slots, x.get("init"), True, backend=backend)
+        read, final = phasor_scan(
+            x["delta"], x["slots"], n_slots, x.get("init"), True, backend=backend, reset=x.get("reset")
+        )
         return [read, final]
 
     return _run_with_grads(call, inputs, dtype, device, seed)

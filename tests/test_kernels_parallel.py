@@ -1,4 +1,6 @@
-"""Sequence-parallel scans: a sequence split over 2 gloo ranks equals one scan, forward and backward."""
+"""Sequence-parallel scans: a sequence split over 2 or 4 gloo ranks equals one scan, forward and backward,
+with and without document resets (the Triton backend's scan and entering-state read under the interpreter:
+tests/conftest.py sets TRITON_INTERPRET, which the spawned ranks inherit)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.multiprocessing as mp
 from kernels import phasor_scan, phasor_scan_sequence_parallel, soe_scan, soe_scan_sequence_parallel
 from kernels._common import decay
 from kernels.parallel import _SoeStateCorrection
-from kernels.testing import angle_err, phasor_inputs, rel_err, soe_inputs
+from kernels.testing import angle_err, phasor_inputs, rel_err, resets, soe_inputs
 from tests.launchers import free_port
 
 SPLIT = (30, 41)  # uneven pieces, neither a multiple of the chunk
@@ -24,8 +26,8 @@ def _weights(shapes: list[torch.Size]) -> list[torch.Tensor]:
     return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
 
 
-def _soe_inputs() -> dict[str, torch.Tensor]:
-    inputs = soe_inputs(2, sum(SPLIT), 2, 5, 4, 3, with_state=True, seed=11)
+def _soe_inputs(seq_len: int = sum(SPLIT), heads: int = 2, n_terms: int = 3) -> dict[str, torch.Tensor]:
+    inputs = soe_inputs(2, seq_len, heads, 5, 4, n_terms, with_state=True, seed=11)
     return {name: x.float() for name, x in inputs.items()}
 
 
@@ -138,3 +140,101 @@ def test_state_correction_leaves_out_only_terms_that_decayed_to_zero(log_lam: li
     want = [o_ref, z_ref, *torch.autograd.grad((o_ref * w_o).sum() + (z_ref * w_z).sum(), inputs)]
     for name, a, b in zip(("o", "z", "dq", "dlog_lam", "dg", "db"), got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ----------------------------------------------------------------------------- document resets
+
+# world size -> (piece lengths, reset positions per batch row). Two ranks: row 0 resets inside piece 0, on
+# piece 1's first token and inside piece 1; row 1 only inside piece 1. Four ranks ([0, 9), [9, 21), [21, 28),
+# [28, 40)): row 0 resets in piece 0, on piece 2's first token and in piece 3, with piece 1 (no reset) between;
+# row 1 on the first token (the initial state is dropped) and twice in a row in piece 1, then two pieces
+# without one.
+RESET_CASES = {2: ((19, 21), ([5, 19, 25], [33])), 4: ((9, 12, 7, 12), ([3, 21, 30], [0, 10, 11]))}
+BACKENDS = ("torch", "triton")
+RESET_SOE = {"heads": 1, "n_terms": 2}  # small: the Triton interpreter runs every program in Python
+
+
+def _reset_worker(rank: int, port: int, out_dir: str, world: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        split, rows = RESET_CASES[world]
+        seq_len = sum(split)
+        lo, hi = sum(split[:rank]), sum(split[: rank + 1])
+        last = rank == world - 1
+        reset = resets(seq_len, rows)[:, lo:hi]
+        results = {}
+        for backend in BACKENDS:
+            x = _soe_inputs(seq_len, **RESET_SOE)
+            leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+            piece = [leaves[n][:, lo:hi] for n in ("q", "k", "v", "coef")]
+            o, z, (g, b) = soe_scan_sequence_parallel(
+                *piece, leaves["log_lam"], None, (leaves["g0"], leaves["b0"]), True, 16, backend, reset=reset
+            )
+            weights = _weights([x["v"].shape, x["q"].shape[:3], x["g0"].shape, x["b0"].shape])
+            loss = _soe_loss(o, z, g if last else None, b, [weights[0][:, lo:hi], weights[1][:, lo:hi], *weights[2:]])
+            loss.backward()
+            soe = {"o": o.detach(), "z": z.detach(), "g": g.detach(), "b": b.detach()}
+            soe.update({f"d_{n}": t.grad for n, t in leaves.items()})
+
+            p_inputs, n_slots = phasor_inputs(2, seq_len, 3, 4, 3, True, seed=5)
+            delta = p_inputs["delta"].float().requires_grad_()
+            p_init = p_inputs["init"].float().requires_grad_()
+            read, final = phasor_scan_sequence_parallel(
+                delta[:, lo:hi], p_inputs["slots"][:, lo:hi], n_slots, None, p_init, True, backend, reset=reset
+            )
+            p_weights = _weights([delta.shape, p_init.shape])
+            _phasor_loss(read, final if last else None, [p_weights[0][:, lo:hi], p_weights[1]]).backward()
+            phasor = {"read": read.detach(), "final": final.detach(), "d_delta": delta.grad, "d_init": p_init.grad}
+            results[backend] = {"soe": soe, "phasor": phasor}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=sorted(RESET_CASES))
+def reset_ranks(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    world = request.param
+    out_dir = tmp_path_factory.mktemp(f"sp_reset{world}")
+    mp.spawn(_reset_worker, args=(free_port(), str(out_dir), world), nprocs=world, join=True)
+    return world, [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_soe_pieces_with_resets_equal_one_scan(reset_ranks, backend):
+    """Outputs, the final state and every gradient against the float64 reference scan of the whole
+    sequence with the same resets."""
+    world, ranks = reset_ranks
+    split, rows = RESET_CASES[world]
+    x = {n: t.double().requires_grad_() for n, t in _soe_inputs(sum(split), **RESET_SOE).items()}
+    o, z, (g, b) = soe_scan(
+        x["q"], x["k"], x["v"], x["coef"], x["log_lam"], (x["g0"], x["b0"]), True, backend="reference",
+        reset=resets(sum(split), rows),
+    )  # fmt: skip
+    weights = _weights([x["v"].shape, x["q"].shape[:3], x["g0"].shape, x["b0"].shape])
+    _soe_loss(o, z, g, b, weights).backward()
+    got = [r[backend]["soe"] for r in ranks]
+    assert rel_err(torch.cat([r["o"] for r in got], 1), o.detach()) < 1e-5
+    assert rel_err(torch.cat([r["z"] for r in got], 1), z.detach()) < 1e-5
+    assert rel_err(got[-1]["g"], g.detach()) < 1e-5 and rel_err(got[-1]["b"], b.detach()) < 1e-5
+    for name, leaf in x.items():
+        assert rel_err(sum(r[f"d_{name}"] for r in got), leaf.grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_phasor_pieces_with_resets_equal_one_scan(reset_ranks, backend):
+    world, ranks = reset_ranks
+    split, rows = RESET_CASES[world]
+    p_inputs, n_slots = phasor_inputs(2, sum(split), 3, 4, 3, True, seed=5)
+    delta = p_inputs["delta"].float().double().requires_grad_()
+    p_init = p_inputs["init"].float().double().requires_grad_()
+    read, final = phasor_scan(
+        delta, p_inputs["slots"], n_slots, p_init, True, "reference", reset=resets(sum(split), rows)
+    )
+    _phasor_loss(read, final, _weights([delta.shape, p_init.shape])).backward()
+    got = [r[backend]["phasor"] for r in ranks]
+    assert angle_err(torch.cat([r["read"] for r in got], 1), read.detach()) < 1e-5
+    assert angle_err(got[-1]["final"], final.detach()) < 1e-5
+    assert rel_err(sum(r["d_delta"] for r in got), delta.grad) < 1e-4
+    assert rel_err(sum(r["d_init"] for r in got), p_init.grad) < 1e-4

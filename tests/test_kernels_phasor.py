@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kernels import phasor_scan, soe_scan
 from kernels._common import resolve_backend
 from kernels.phasor import PHASOR_BACKENDS
-from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err
+from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, resets
 
 FWD_TOL, GRAD_TOL = 1e-4, 1e-3
 CPU_BACKENDS = ["torch", "segmented"]  # "torch" on CPU tensors is the compiled (numba) loop
@@ -154,14 +154,17 @@ def test_compiled_kernels_leave_torch_threads_alone():
 
 
 @pytest.mark.parametrize("loss_on", ["read", "final"])
-def test_compiled_gradient_of_one_output(loss_on):
-    """A loss on only the reads or only the final state (the other gradient arrives as None)."""
+@pytest.mark.parametrize("reset", [None, [[4, 5, 20], [0]], [[29], []]])
+def test_compiled_gradient_of_one_output(loss_on, reset):
+    """A loss on only the reads or only the final state (the other gradient arrives as None), with and
+    without document resets (on the last token, at the first, back to back, a row without one)."""
     inputs, n_slots = phasor_inputs(2, 30, 3, 5, 3, True, seed=4)
+    starts = None if reset is None else resets(30, reset)
     grads = {}
     for backend in ("torch", "reference"):
         delta = inputs["delta"].double().requires_grad_()
         init = inputs["init"].double().requires_grad_()
-        read, final = phasor_scan(delta, inputs["slots"], n_slots, init, True, backend=backend)
+        read, final = phasor_scan(delta, inputs["slots"], n_slots, init, True, backend=backend, reset=starts)
         out = read if loss_on == "read" else final
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         grads[backend] = torch.autograd.grad((out.double() * weights).sum(), (delta, init))
@@ -191,3 +194,52 @@ def test_torch_in_many_pieces_matches_reference(monkeypatch):
     inputs, n_slots = phasor_inputs(2, 45, 3, 4, 3, True, seed=12)
     assert len(segment._pieces(inputs["delta"])) > 5
     assert_matches_reference(inputs, n_slots, "segmented")
+
+
+# ----------------------------------------------------------------------------- document resets
+
+# starts per row of 24 tokens: inside chunks of the Triton kernels (16 tokens), on the chunk edge (16), at
+# the first and last token, back to back, and a row without one
+RESET_CASES = [[[3, 16, 17, 23]], [[0, 1, 9], []], [[12], [0, 16]]]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("starts", RESET_CASES)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_reset_matches_reference(backend, starts, with_state):
+    inputs, n_slots = phasor_inputs(len(starts), 24, 3, 4, 3, with_state, seed=len(starts[0]))
+    inputs["reset"] = resets(24, starts)
+    assert_matches_reference(inputs, n_slots, backend)
+
+
+def test_reset_equals_each_document_alone():
+    """The reference with resets: every document reads what it reads scanned alone from the initial state,
+    and the final phases are the last document's."""
+    inputs, n_slots = phasor_inputs(1, 24, 3, 4, 3, True, seed=7)
+    starts = [5, 6, 19]
+    read, final = phasor_scan(
+        inputs["delta"], inputs["slots"], n_slots, inputs["init"], True, "reference", reset=resets(24, [starts])
+    )
+    for lo, hi in itertools.pairwise([0, *starts, 24]):
+        want, want_final = phasor_scan(
+            inputs["delta"][:, lo:hi], inputs["slots"][:, lo:hi], n_slots, inputs["init"], True, "reference"
+        )
+        assert angle_err(read[:, lo:hi], want) < 1e-12, (lo, hi)
+    assert angle_err(final, want_final) < 1e-12
+
+
+def test_reset_segmented_in_many_pieces(monkeypatch):
+    """The segmented scan's pieces carry a state zeroed by a reset like any other."""
+    import kernels.phasor.segment as segment
+
+    monkeypatch.setattr(segment, "PIECE_VALUES", 40)
+    inputs, n_slots = phasor_inputs(2, 45, 3, 4, 3, True, seed=12)
+    inputs["reset"] = resets(45, [[3, 10, 11, 30], [22]])
+    assert len(segment._pieces(inputs["delta"])) > 5
+    assert_matches_reference(inputs, n_slots, "segmented")
+
+
+def test_reset_input_errors():
+    inputs, n_slots = phasor_inputs(1, 8, 2, 3, 2, False, seed=0)
+    with pytest.raises(ValueError, match="reset must be bool"):
+        phasor_scan(inputs["delta"], inputs["slots"], n_slots, reset=torch.zeros(1, 7, dtype=torch.bool))

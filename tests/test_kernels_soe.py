@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kernels import soe_scan
 from kernels._common import resolve_backend
-from kernels.testing import rel_err, soe_inputs, soe_run
+from kernels.testing import rel_err, resets, soe_inputs, soe_run
 
 FWD_TOL, GRAD_TOL = 1e-4, 1e-3
 
@@ -254,13 +254,6 @@ def test_compiled_contractions_match_einsum(dtype):
 # ----------------------------------------------------------------------------- document resets
 
 
-def _resets(batch: int, seq_len: int, starts: list[list[int]]) -> torch.Tensor:
-    reset = torch.zeros(batch, seq_len, dtype=torch.bool)
-    for row, positions in enumerate(starts):
-        reset[row, positions] = True
-    return reset
-
-
 # boundaries inside chunks of 8, on chunk edges (8, 16), at the first token, and back to back
 RESET_CASES = [[[3, 8, 9, 21]], [[0, 16, 17]], [[5], []], [[0, 1, 2, 8, 15, 23], [12]]]
 
@@ -269,7 +262,7 @@ RESET_CASES = [[[3, 8, 9, 21]], [[0, 16, 17]], [[5], []], [[0, 1, 2, 8, 15, 23],
 @pytest.mark.parametrize("with_state", [False, True])
 def test_reset_chunked_matches_reference(starts, with_state):
     inputs = soe_inputs(len(starts), 24, 2, 3, 4, 3, with_state, seed=len(starts[0]))
-    inputs["reset"] = _resets(len(starts), 24, starts)
+    inputs["reset"] = resets(24, starts)
     assert_matches_reference(inputs, "torch", chunk_size=8)
 
 
@@ -294,7 +287,7 @@ def test_reset_equals_each_document_alone(backend):
     one continues the entering state), and the row's final state is its last document's."""
     inputs = soe_inputs(1, 24, 2, 3, 4, 3, True, seed=7)
     starts = [5, 8, 19]
-    inputs["reset"] = _resets(1, 24, [starts])
+    inputs["reset"] = resets(24, [starts])
     outs, _ = soe_run(inputs, backend, dtype=torch.float64, chunk_size=8)
     bounds = [0, *starts, 24]
     for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
@@ -313,5 +306,3 @@ def test_reset_refusals():
     args = [inputs[n] for n in ("q", "k", "v", "coef", "log_lam")]
     with pytest.raises(ValueError, match="reset must be bool"):
         soe_scan(*args, reset=torch.zeros(1, 7, dtype=torch.bool))
-    with pytest.raises(ValueError, match="doc_boundaries"):
-        soe_scan(*(x.float() for x in args), backend="triton", reset=torch.zeros(1, 8, dtype=torch.bool))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import phasor_scan, soe_scan
-from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, soe_inputs, soe_run
+from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, resets, soe_inputs, soe_run
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,6 +79,48 @@ def test_phasor_triton_spans_match_reference(monkeypatch, target, spans):
     inputs, n_slots = phasor_inputs(1, 150, 3, 5, 2, True, seed=11)
     span, launches = phasor_launches(1, 150, 3, 5, n_slots, torch.float32, 80)
     assert launches["fwd"].grid[2] == spans == math.ceil(150 / span)
+    (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
+    (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
+    assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi
+    assert angle_err(final, ref_final) <= FWD_TOL * 2 * math.pi
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
+
+
+# Document starts in two rows of 70 tokens (chunks of 16): row 0 at the first token, inside chunks, on chunk
+# and span edges (16, 32, 64), back to back and on the last token; row 1 in chunks 0 and 3 only, so chunks
+# (and spans) without a reset lie between ones with a reset.
+RESET_ROWS = [[0, 5, 16, 17, 32, 33, 34, 64, 69], [15, 48]]
+
+
+@pytest.mark.parametrize(("target", "spans"), [(2, 1), (8, 3), (264, 5)])
+def test_soe_triton_resets_match_reference(monkeypatch, target, spans):
+    """Resets in the Triton SOE scan as one span, as spans of two chunks and as one chunk per span, with an
+    initial state and a fast-decaying term: outputs, final state and every gradient."""
+    import kernels.span
+    from kernels.soe.triton import soe_launches
+
+    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
+    span, launches = soe_launches(2, 70, 1, 2, 4, 5, 16, torch.float32, 80)
+    assert launches["fwd"].grid[2] == spans == math.ceil(70 / span)
+    inputs = soe_inputs(2, 70, 1, 4, 5, 2, True, seed=9)
+    inputs["log_lam"] = torch.tensor([[-0.01, -3.0]], dtype=torch.float64)
+    inputs["reset"] = resets(70, RESET_ROWS)
+    _check_soe(inputs, 16)
+
+
+@pytest.mark.parametrize(("target", "spans"), [(1, 1), (264, 5)])
+def test_phasor_triton_resets_match_reference(monkeypatch, target, spans):
+    """Resets in the Triton phasor scan as one span and as one chunk per span, with an initial state (a
+    reset restarts from it): reads, final phases and both gradients."""
+    import kernels.span
+    from kernels.phasor.triton import phasor_launches
+
+    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
+    inputs, n_slots = phasor_inputs(2, 70, 3, 5, 2, True, seed=13)
+    span, launches = phasor_launches(2, 70, 3, 5, n_slots, torch.float32, 80)
+    assert launches["fwd"].grid[2] == spans == math.ceil(70 / span)
+    inputs["reset"] = resets(70, RESET_ROWS)
     (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
     (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
     assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi

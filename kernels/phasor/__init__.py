@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import BACKENDS, resolve_backend
+from kernels._common import BACKENDS, resolve_backend, work_dtype, wrap_angle
 from kernels.phasor.compiled import PhasorScanCompiled
 from kernels.phasor.naive import phasor_scan_reference
 from kernels.phasor.segment import PhasorScanSegmented
@@ -19,6 +19,7 @@ def phasor_scan(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     backend: str = "auto",
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-slot running phase sums (PMNet's memory read/write).
 
@@ -31,6 +32,12 @@ def phasor_scan(
     ``backend``: "reference" (sequential, float64-capable); "torch" (the CPU default: a numba-compiled
     sequential loop on CPU tensors, the "segmented" form on other devices); "segmented" (cumsums over
     slot-sorted entries in PyTorch, any device); "triton" (the CUDA default); or "auto".
+
+    ``reset`` (bool [B, T], optional): True where a token starts a document. Before that token reads,
+    every slot of its row goes back to ``initial_state`` (zero without one): the token reads the initial
+    phases and the increments before it are forgotten, so each document is scanned as if alone from the
+    initial state; the final phases are the initial state plus the increments of the row's last
+    document. Every backend honours it, forward and backward.
     """
     if delta.dim() != 4 or slots.shape != delta.shape[:3]:
         raise ValueError(
@@ -38,7 +45,9 @@ def phasor_scan(
         )
     if slots.dtype.is_floating_point:
         raise ValueError("slots must be an integer tensor")
-    batch, _, _, width = delta.shape
+    batch, seq_len, _, width = delta.shape
+    if reset is not None and (reset.shape != (batch, seq_len) or reset.dtype != torch.bool):
+        raise ValueError(f"reset must be bool [B, T] = {(batch, seq_len)}, got {reset.dtype} {tuple(reset.shape)}")
     if initial_state is not None and initial_state.shape != (batch, n_slots, width):
         raise ValueError(f"initial_state must be [B, n_slots, M] = {(batch, n_slots, width)}")
     if not slots.is_cuda and slots.numel():  # a host-side check would stall a GPU stream
@@ -49,7 +58,7 @@ def phasor_scan(
             raise ValueError("two levels of one token share a slot; levels must use disjoint slot ids")
     which = resolve_backend(backend, delta, PHASOR_BACKENDS)
     if which == "reference":
-        return phasor_scan_reference(delta, slots, n_slots, initial_state, output_final_state)
+        return phasor_scan_reference(delta, slots, n_slots, initial_state, output_final_state, reset)
     init = initial_state if initial_state is not None else delta.new_zeros(batch, n_slots, width, dtype=torch.float32)
     if which == "triton":
         from kernels.phasor.triton import PhasorScanTriton
@@ -59,5 +68,27 @@ def phasor_scan(
         fn = PhasorScanCompiled
     else:
         fn = PhasorScanSegmented
-    read, final = fn.apply(delta, slots, n_slots, init)
+    read, final = fn.apply(delta, slots, n_slots, init, reset)
+    if reset is not None and initial_state is not None:
+        read, final = _restart_from(initial_state, slots, reset, read, final)
     return read, (final if output_final_state else None)
+
+
+def slot_phases(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The phases [B, T, L, M] of the slots ``slots`` [B, T, L] read in ``state`` [B, n_slots, M]."""
+    batch, seq_len, levels = slots.shape
+    index = slots.long().reshape(batch, seq_len * levels, 1).expand(-1, -1, state.shape[-1])
+    return state.gather(1, index).view(batch, seq_len, levels, -1)
+
+
+def _restart_from(
+    init: torch.Tensor, slots: torch.Tensor, reset: torch.Tensor, read: torch.Tensor, final: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backends zero the phases at a reset (the initial state counts only before the first one); a
+    reset restarts them from ``init``: add it to the reads from a row's first reset on and to the final
+    phases of rows with a reset. Phases add, so this equals restarting the scan; gradients reach ``init``
+    through autograd."""
+    compute = work_dtype(read.dtype)
+    after = (reset.cumsum(1) > 0)[..., None, None]
+    read = wrap_angle(read.to(compute) + slot_phases(init.to(compute), slots) * after).to(read.dtype)
+    return read, wrap_angle(final + init.to(final.dtype) * reset.any(1)[:, None, None])

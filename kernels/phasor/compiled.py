@@ -26,7 +26,7 @@ def _wrap(x: float) -> float:
 
 
 @numba.njit(cache=True, nogil=True)
-def _forward(delta, slots, init, read, final):  # pragma: no cover - compiled
+def _forward(delta, slots, reset, init, read, final):  # pragma: no cover - compiled
     batch, seq_len, levels, _ = delta.shape
     for b in range(batch):
         phases = np.empty(init.shape[1:], dtype=np.float64)
@@ -34,6 +34,8 @@ def _forward(delta, slots, init, read, final):  # pragma: no cover - compiled
             for m in range(init.shape[2]):
                 phases[n, m] = _wrap(np.float64(init[b, n, m]))
         for t in range(seq_len):
+            if reset[b, t]:  # a document starts: every slot back to zero
+                phases[:] = 0.0
             for lvl in range(levels):
                 phase = phases[slots[b, t, lvl]]
                 inc = delta[b, t, lvl]
@@ -52,39 +54,61 @@ def _forward(delta, slots, init, read, final):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _backward(d_read, d_final, slots, d_delta, d_init):  # pragma: no cover - compiled
+def _backward(d_read, d_final, slots, reset, d_delta, d_init):  # pragma: no cover - compiled
     batch, seq_len, levels, _ = d_delta.shape
+    remaining = np.empty(d_init.shape[1:], dtype=np.float64)
     for b in range(batch):
-        # Pass 1: each slot's final-state gradient plus all its read gradients (= the initial state's gradient).
-        remaining = d_init[b]
-        remaining[:] = d_final[b]
-        for t in range(seq_len):
-            for lvl in range(levels):
-                grad = remaining[slots[b, t, lvl]]
-                incoming = d_read[b, t, lvl]
-                for m in range(grad.shape[0]):
-                    grad[m] += incoming[m]
-        remaining = remaining.copy()
-        # Pass 2: an increment's gradient is what remains after the reads up to and including its token.
-        for t in range(seq_len):
-            for lvl in range(levels):
-                grad = remaining[slots[b, t, lvl]]
-                incoming = d_read[b, t, lvl]
-                out = d_delta[b, t, lvl]
-                for m in range(grad.shape[0]):
-                    x = grad[m] - incoming[m]
-                    grad[m] = x
-                    out[m] = x
+        d_init[b] = 0.0  # set below by the first document unless a reset drops the initial state at once
+        if seq_len == 0:
+            d_init[b] = d_final[b]
+        start = 0
+        while start < seq_len:  # one document [start, stop) at a time
+            stop = start + 1
+            while stop < seq_len and not reset[b, stop]:
+                stop += 1
+            # Pass 1: each slot's final-state gradient (the row's last document only) plus all its read
+            # gradients in the document (the first document's: the initial state's gradient).
+            remaining[:] = 0.0
+            if stop == seq_len:
+                remaining[:] = d_final[b]
+            for t in range(start, stop):
+                for lvl in range(levels):
+                    grad = remaining[slots[b, t, lvl]]
+                    incoming = d_read[b, t, lvl]
+                    for m in range(grad.shape[0]):
+                        grad[m] += incoming[m]
+            if start == 0 and not reset[b, 0]:
+                d_init[b] = remaining
+            # Pass 2: an increment's gradient is what remains after the reads up to and including its token.
+            for t in range(start, stop):
+                for lvl in range(levels):
+                    grad = remaining[slots[b, t, lvl]]
+                    incoming = d_read[b, t, lvl]
+                    out = d_delta[b, t, lvl]
+                    for m in range(grad.shape[0]):
+                        x = grad[m] - incoming[m]
+                        grad[m] = x
+                        out[m] = x
+            start = stop
 
 
 @numba.njit(cache=True, nogil=True)
-def _backward_final_only(d_final, slots, d_delta, d_init):  # pragma: no cover - compiled
+def _backward_final_only(d_final, slots, reset, d_delta, d_init):  # pragma: no cover - compiled
     batch, seq_len, levels, _ = d_delta.shape
     for b in range(batch):
+        last = -1  # the row's last reset (only increments from there on reach the final state)
+        for t in range(seq_len):
+            if reset[b, t]:
+                last = t
         for t in range(seq_len):
             for lvl in range(levels):
-                d_delta[b, t, lvl] = d_final[b, slots[b, t, lvl]]
-    d_init[:] = d_final
+                if t >= last:
+                    d_delta[b, t, lvl] = d_final[b, slots[b, t, lvl]]
+                else:
+                    d_delta[b, t, lvl] = 0.0
+        d_init[b] = 0.0
+        if last < 0:
+            d_init[b] = d_final[b]
 
 
 def _array(x: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
@@ -95,31 +119,39 @@ def _array(x: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
     return x.contiguous().numpy()
 
 
+def _starts(reset: torch.Tensor | None, shape: torch.Size) -> np.ndarray:
+    """The document starts as a bool [B, T] array (all false without resets)."""
+    return np.zeros(shape[:2], dtype=np.bool_) if reset is None else _array(reset)
+
+
 class PhasorScanCompiled(torch.autograd.Function):
-    """Autograd wrapper: saves only the slot ids; the backward needs no forward activations."""
+    """Autograd wrapper: saves only the slot ids and the resets; the backward needs no forward activations.
+    ``reset`` (bool [B, T] or None) zeroes every slot before a document's first token reads."""
 
     @staticmethod
-    def forward(ctx, delta, slots, n_slots, init):
+    def forward(ctx, delta, slots, n_slots, init, reset=None):
         compute = work_dtype(delta.dtype)
         slot_ids = _array(slots)
         read = torch.empty(delta.shape, dtype=compute)
         final = torch.empty(init.shape, dtype=torch.float64)
-        _forward(_array(delta, compute), slot_ids, _array(init), read.numpy(), final.numpy())
-        ctx.save_for_backward(slots)
+        starts = _starts(reset, delta.shape)
+        _forward(_array(delta, compute), slot_ids, starts, _array(init), read.numpy(), final.numpy())
+        ctx.save_for_backward(slots, reset)
         ctx.meta = (delta.shape, delta.dtype, init.shape, init.dtype)
         ctx.set_materialize_grads(False)
         return read.to(delta.dtype), final.float()
 
     @staticmethod
     def backward(ctx, d_read, d_final):
-        (slots,) = ctx.saved_tensors
+        slots, reset = ctx.saved_tensors
         shape, dtype, init_shape, init_dtype = ctx.meta
+        starts = _starts(reset, shape)
         d_delta = torch.empty(shape, dtype=work_dtype(dtype))
         d_init = torch.empty(init_shape, dtype=torch.float64)
         final = np.zeros(init_shape) if d_final is None else _array(d_final, torch.float64)
         if d_read is None:
-            _backward_final_only(final, _array(slots), d_delta.numpy(), d_init.numpy())
+            _backward_final_only(final, _array(slots), starts, d_delta.numpy(), d_init.numpy())
         else:
             read = _array(d_read, d_delta.dtype)
-            _backward(read, final, _array(slots), d_delta.numpy(), d_init.numpy())
-        return d_delta.to(dtype), None, None, d_init.to(init_dtype)
+            _backward(read, final, _array(slots), starts, d_delta.numpy(), d_init.numpy())
+        return d_delta.to(dtype), None, None, d_init.to(init_dtype), None

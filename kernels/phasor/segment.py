@@ -12,6 +12,11 @@ nothing of size T x n_slots is built.
 
 The backward is one more cumsum: the gradient of an increment is the final-state gradient of its slot
 plus the read gradients of the same slot at later tokens; wrap has derivative 1.
+
+Resets (bool [B, T], every slot zeroed before a document's first token reads) split segments further:
+a segment is one slot's entries in one document (document numbers rise with the token, so the sort does
+not change). Only segments of a row's first document start from the initial state (the others from
+zero), and only those of its last document reach the final state.
 """
 
 from __future__ import annotations
@@ -22,22 +27,30 @@ from kernels._common import wrap_angle
 
 
 class SlotSegments:
-    """The sort of entries by (batch, slot, token), and where each slot's segment starts and ends in it."""
+    """The sort of entries by (batch, slot, token), and where each segment (one slot's entries in one
+    document) starts and ends in it; ``reset`` (bool [B, T] or None) marks document starts."""
 
-    def __init__(self, slots: torch.Tensor, n_slots: int) -> None:
+    def __init__(self, slots: torch.Tensor, n_slots: int, reset: torch.Tensor | None = None) -> None:
         batch, seq_len, _ = slots.shape
         dev = slots.device
         state = torch.arange(batch, device=dev)[:, None, None] * n_slots + slots.long()
         key = (state * seq_len + torch.arange(seq_len, device=dev)[None, :, None]).flatten()
         self.order = torch.argsort(key)
         state = state.flatten().index_select(0, self.order)
-        boundary = state[1:] != state[:-1]
+        docs = torch.zeros(batch, seq_len, dtype=torch.long, device=dev) if reset is None else reset.long().cumsum(1)
+        doc = docs[:, :, None].expand(slots.shape).flatten().index_select(0, self.order)
+        boundary = (state[1:] != state[:-1]) | (doc[1:] != doc[:-1])
         idx = torch.arange(state.numel(), device=dev)
         self.starts = idx[torch.cat([boundary.new_ones(1), boundary])]
         self.ends = idx[torch.cat([boundary, boundary.new_ones(1)])]
         self.segment_of = torch.cat([boundary.new_zeros(1, dtype=torch.long), boundary.long().cumsum(0)])
         self.slot_of_segment = state.index_select(0, self.starts)  # batch * n_slots + slot
         self.n_states = batch * n_slots
+        doc_of_segment = doc.index_select(0, self.starts)
+        self.first = doc_of_segment == 0  # starts from the initial state
+        self.last = doc_of_segment == docs[:, -1].index_select(0, self.slot_of_segment // n_slots)  # reaches the end
+        # per state row: 1 if its row has no reset (the initial state itself reaches the final state)
+        self.kept = (docs[:, -1] == 0).double().repeat_interleave(n_slots)[:, None]
 
     def sorted_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, L, M] -> float64 [N, M] in segment order."""
@@ -63,7 +76,7 @@ def phasor_forward_segmented(
     """Returns (read [B, T, L, M] in delta's dtype, final state [B, n_slots, M] fp32), both wrapped."""
     rows = seg.sorted_rows(delta)
     totals = seg.totals(rows)
-    init_seg = seg.per_segment(init)
+    init_seg = seg.per_segment(init) * seg.first[:, None]
     # An exclusive scan: column 0 holds segment 0's start value and entry i sits in column i + 1, so
     # column i of the inclusive cumsum is the phase before entry i. The reset of segment k is added
     # with the last entry of segment k - 1.
@@ -73,8 +86,8 @@ def phasor_forward_segmented(
     resets = init_seg[1:] - init_seg[:-1] - totals[:-1]
     run[:, seg.ends[:-1] + 1] += wrap_angle(resets).t()
     read = wrap_angle(run.cumsum_(1)[:, :-1], inplace=True)
-    final = wrap_angle(init.reshape(seg.n_states, -1).double())
-    final[seg.slot_of_segment] = wrap_angle(init_seg + totals)
+    final = wrap_angle(init.reshape(seg.n_states, -1).double()) * seg.kept
+    final[seg.slot_of_segment[seg.last]] = wrap_angle(init_seg + totals)[seg.last]
     return seg.unsort(read, delta.shape, delta.dtype), final.float().view(init.shape)
 
 
@@ -99,14 +112,14 @@ def phasor_backward_segmented(
         rows = torch.zeros(seg.order.numel(), width, dtype=torch.float64, device=dev)
     else:
         rows = seg.sorted_rows(d_read).neg_()
-    final_seg = seg.per_segment(d_final)
+    final_seg = seg.per_segment(d_final) * seg.last[:, None]
     whole = final_seg - seg.totals(rows)  # d_final + segment total of d_read = the gradient of the initial state
     resets = whole.clone()
     resets[1:] -= final_seg[:-1]  # the running sum ends segment k - 1 at d_final[k - 1]
     rows.index_add_(0, seg.starts, resets)
     d_delta = rows.t().contiguous().cumsum_(1)
-    d_init = d_final.reshape(seg.n_states, -1).double().clone()
-    d_init[seg.slot_of_segment] = whole
+    d_init = d_final.reshape(seg.n_states, -1).double() * seg.kept
+    d_init[seg.slot_of_segment[seg.first]] = whole[seg.first]
     return seg.unsort(d_delta, shape, dtype), d_init.float().view(batch, -1, width)
 
 
@@ -123,15 +136,17 @@ def _pieces(delta: torch.Tensor) -> list[slice]:
 
 
 class PhasorScanSegmented(torch.autograd.Function):
-    """Autograd wrapper: saves the sorts (integers) only; the backward needs no forward activations."""
+    """Autograd wrapper: saves the sorts (integers) only; the backward needs no forward activations.
+    ``reset`` (bool [B, T] or None) zeroes every slot before a document's first token reads; a zeroed
+    state carries across pieces like any other."""
 
     @staticmethod
-    def forward(ctx, delta, slots, n_slots, init):
+    def forward(ctx, delta, slots, n_slots, init, reset=None):
         pieces = _pieces(delta)
         read = torch.empty_like(delta)
         segs, state = [], init
         for piece in pieces:
-            seg = SlotSegments(slots[:, piece], n_slots)
+            seg = SlotSegments(slots[:, piece], n_slots, None if reset is None else reset[:, piece])
             read[:, piece], state = phasor_forward_segmented(delta[:, piece], seg, state)
             segs.append(seg)
         ctx.segs, ctx.pieces = segs, pieces
@@ -148,4 +163,4 @@ class PhasorScanSegmented(torch.autograd.Function):
             piece_read = None if d_read is None else d_read[:, piece]
             piece_shape = d_delta[:, piece].shape
             d_delta[:, piece], d_state = phasor_backward_segmented(piece_read, d_state, seg, piece_shape, dtype)
-        return d_delta, None, None, d_state.to(init_dtype)
+        return d_delta, None, None, d_state.to(init_dtype), None

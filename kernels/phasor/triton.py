@@ -9,6 +9,12 @@ kernels/span.py, give those first). Per chunk and level, with onehot[t, n] = (sl
 Levels never share a slot, so updating the state level by level does not change the next level's reads.
 The backward is the same in reverse with the read gradients: d delta = onehot @ g + same_slot_after @ d_read.
 All products use IEEE fp32 (no TF32) so phases keep full fp32 precision.
+
+Resets (bool [B, T]) zero every slot's phases before a document's first token reads: with the tokens'
+document numbers (kernels.span.chunk_documents) a token reads the entering phases only before the chunk's
+first reset, same_slot_before also needs the same document, only the chunk's last document writes the
+phases it leaves, and the entering phases pass through only a chunk (and, in the span pass, a span)
+without a reset. Restarting from the initial state instead of zero is kernels.phasor.phasor_scan's job.
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ import triton
 import triton.language as tl
 
 from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
-from kernels.span import span_chunks, span_pass_launch, wrap_phase
+from kernels.span import (
+    chunk_documents,
+    chunk_start,
+    document_numbers,
+    span_carry,
+    span_chunks,
+    span_pass_launch,
+    wrap_phase,
+)
 
 
 @triton.jit
@@ -60,6 +74,7 @@ def _level_rows(values, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
 def _phasor_span_kernel(
     values,
     slots,
+    docs,
     states,
     seq_len,
     SPAN,
@@ -71,16 +86,26 @@ def _phasor_span_kernel(
     BN: tl.constexpr,
     REVERSE: tl.constexpr,
 ):
-    """Per slot, the sum of one span's rows: its increments, wrapped, into slot ``span + 1`` (forward), or
-    its read gradients into slot ``span`` (REVERSE). The order of the sum does not matter."""
+    """Per slot, the sum of one span's rows: its increments after its last reset, wrapped, into slot
+    ``span + 1`` (forward: the phases it leaves, from zero), or its read gradients before its first reset
+    into slot ``span`` (REVERSE: the gradient its reads give the phases entering it). Chunks run in
+    order (forward) or in reverse, and a chunk with a reset drops what came before it."""
     b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask, lo, hi = _slot_tile(M, NS, SPAN, seq_len, BT, BM, BN)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for start in range(lo, hi, BT):
+    n_chunks = tl.cdiv(hi - lo, BT)
+    for i in range(0, n_chunks):
+        start = chunk_start(lo, i, n_chunks, BT, REVERSE)
+        doc, entering, last = chunk_documents(docs, b, start, seq_len, BT)
+        if REVERSE:
+            counted = doc == entering  # reads of the phases entering the chunk
+        else:
+            counted = doc == last  # increments that reach the phases leaving it
+        acc = acc * (last == entering).to(tl.float32)
         for lvl in range(0, L):
             _entry, _mask, _sl, onehot, rows = _level_rows(
                 values, slots, b, start + offs_t, lvl, seq_len, L, M, offs_m, offs_n, mask_m
             )
-            acc += tl.dot(tl.trans(onehot), rows, input_precision="ieee")
+            acc += tl.dot(tl.trans(onehot), tl.where(counted[:, None], rows, 0.0), input_precision="ieee")
         if not REVERSE:
             acc = wrap_phase(acc)
     if REVERSE:
@@ -91,26 +116,55 @@ def _phasor_span_kernel(
 
 @triton.jit
 def _phasor_fwd_kernel(
-    delta, slots, states, read, seq_len, SPAN, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+    delta,
+    slots,
+    docs,
+    states,
+    read,
+    seq_len,
+    SPAN,
+    L,
+    M,
+    NS,
+    BT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
 ):
-    """The reads of one span from the phases entering it (slot ``span`` of ``states``)."""
+    """The reads of one span from the phases entering it (slot ``span`` of ``states``). A chunk's levels
+    read the phases entering it (levels never share a slot) and their increments are summed apart."""
     b, offs_m, offs_n, offs_t, mask_m, st_off, st_mask, lo, hi = _slot_tile(M, NS, SPAN, seq_len, BT, BM, BN)
     state = tl.load(_slot(states, tl.program_id(2), M, NS) + st_off, mask=st_mask, other=0.0)
     before = offs_t[:, None] > offs_t[None, :]
     for start in range(lo, hi, BT):
         t = start + offs_t
+        doc, entering, last = chunk_documents(docs, b, start, seq_len, BT)
+        earlier = before & (doc[:, None] == doc[None, :])
+        added = tl.zeros([BN, BM], dtype=tl.float32)
         for lvl in range(0, L):
             entry, mask, sl, onehot, d = _level_rows(delta, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
-            same = ((sl[:, None] == sl[None, :]) & before).to(tl.float32)
-            r = tl.dot(onehot, state, input_precision="ieee") + tl.dot(same, d, input_precision="ieee")
+            same = ((sl[:, None] == sl[None, :]) & earlier).to(tl.float32)
+            reads = onehot * (doc == entering).to(tl.float32)[:, None]
+            r = tl.dot(reads, state, input_precision="ieee") + tl.dot(same, d, input_precision="ieee")
             tl.store(read + entry[:, None] * M + offs_m[None, :], wrap_phase(r), mask=mask)
-            state += tl.dot(tl.trans(onehot), d, input_precision="ieee")
-        state = wrap_phase(state)
+            added += tl.dot(tl.trans(onehot * (doc == last).to(tl.float32)[:, None]), d, input_precision="ieee")
+        state = wrap_phase(tl.where(last == entering, state, 0.0) + added)
 
 
 @triton.jit
 def _phasor_bwd_kernel(
-    d_read, slots, d_states, d_delta, seq_len, SPAN, L, M, NS, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+    d_read,
+    slots,
+    docs,
+    d_states,
+    d_delta,
+    seq_len,
+    SPAN,
+    L,
+    M,
+    NS,
+    BT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
 ):
     """The increment gradients of one span, walking it in reverse from the gradient of the phases leaving
     it (slot ``span + 1`` of ``d_states``)."""
@@ -119,13 +173,19 @@ def _phasor_bwd_kernel(
     after = offs_t[:, None] < offs_t[None, :]
     n_chunks = tl.cdiv(hi - lo, BT)
     for rev in range(0, n_chunks):
-        t = lo + (n_chunks - 1 - rev) * BT + offs_t
+        start = lo + (n_chunks - 1 - rev) * BT
+        t = start + offs_t
+        doc, entering, last = chunk_documents(docs, b, start, seq_len, BT)
+        later = after & (doc[:, None] == doc[None, :])
+        added = tl.zeros([BN, BM], dtype=tl.float32)
         for lvl in range(0, L):
             entry, mask, sl, onehot, g = _level_rows(d_read, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
-            same = ((sl[:, None] == sl[None, :]) & after).to(tl.float32)
-            gd = tl.dot(onehot, g_state, input_precision="ieee") + tl.dot(same, g, input_precision="ieee")
+            same = ((sl[:, None] == sl[None, :]) & later).to(tl.float32)
+            writes = onehot * (doc == last).to(tl.float32)[:, None]
+            gd = tl.dot(writes, g_state, input_precision="ieee") + tl.dot(same, g, input_precision="ieee")
             tl.store(d_delta + entry[:, None] * M + offs_m[None, :], gd, mask=mask)
-            g_state += tl.dot(tl.trans(onehot), g, input_precision="ieee")
+            added += tl.dot(tl.trans(onehot * (doc == entering).to(tl.float32)[:, None]), g, input_precision="ieee")
+        g_state = tl.where(last == entering, g_state, 0.0) + added
 
 
 # Per target: (tokens per chunk, widest block of phase columns, warps, pipeline stages). The compile
@@ -153,13 +213,13 @@ def phasor_launches(
     grid = (batch, blocks, triton.cdiv(seq_len, span))
     constexprs = {"BT": bt, "BM": bm, "BN": bn}
     scalars = {"seq_len": "i32", "SPAN": "i32", "L": "i32", "M": "i32", "NS": "i32"}
-    fwd = {"delta": triton_type(dtype), "slots": "i32", "states": "fp32", "read": "fp32"}
-    bwd = {"d_read": "fp32", "slots": "i32", "d_states": "fp32", "d_delta": "fp32"}
+    fwd = {"delta": triton_type(dtype), "slots": "i32", "docs": "i32", "states": "fp32", "read": "fp32"}
+    bwd = {"d_read": "fp32", "slots": "i32", "docs": "i32", "d_states": "fp32", "d_delta": "fp32"}
     n_state = batch * n_slots * width
 
     def sums(values: str, reverse: bool) -> Launch:
         """The per-span sums of increments (forward) or of read gradients (reverse)."""
-        pointers = {"values": values, "slots": "i32", "states": "fp32"}
+        pointers = {"values": values, "slots": "i32", "docs": "i32", "states": "fp32"}
         return Launch(_phasor_span_kernel, pointers, scalars, constexprs | {"REVERSE": reverse}, grid, warps, stages)
 
     return span, {
@@ -172,35 +232,39 @@ def phasor_launches(
     }
 
 
-def _pass_args(states: torch.Tensor, seq_len: int, span: int) -> tuple:
-    """Arguments of the span pass over ``states`` [n_spans + 1, B, NS, M] (no decay: log_lam unused)."""
-    return states, states, states.shape[0] - 1, seq_len, span, states[0].numel(), 1, 1
+def _pass_args(states: torch.Tensor, carry: torch.Tensor, seq_len: int, span: int) -> tuple:
+    """Arguments of the span pass over ``states`` [n_spans + 1, B, NS, M] with the spans' ``carry``
+    (kernels.span.span_carry; no decay: log_lam unused)."""
+    return states, states, carry, states.shape[0] - 1, seq_len, span, states[0].numel(), 1, 1, states[0, 0].numel()
 
 
 class PhasorScanTriton(torch.autograd.Function):
-    """Triton forward and backward in spans (kernels/span.py); saves only the slot ids."""
+    """Triton forward and backward in spans (kernels/span.py); saves only the slot ids and the document
+    numbers. ``reset`` (bool [B, T] or None) zeroes the phases before each document's first token."""
 
     @staticmethod
-    def forward(ctx, delta, slots, n_slots, init):
+    def forward(ctx, delta, slots, n_slots, init, reset=None):
         check_triton_inputs(delta, _phasor_fwd_kernel)
         batch, seq_len, levels, width = delta.shape
         delta, slots = delta.contiguous(), slots.to(torch.int32).contiguous()
         span, launches = phasor_launches(batch, seq_len, levels, width, n_slots, delta.dtype, device_capability(delta))
         states = torch.empty(triton.cdiv(seq_len, span) + 1, *init.shape, dtype=torch.float32, device=delta.device)
         states[0] = init
+        docs = document_numbers(reset, batch, seq_len, delta.device)
+        carry = span_carry(docs, span)
         read = torch.empty(delta.shape, dtype=torch.float32, device=delta.device)
         sizes = (seq_len, span, levels, width, n_slots)
-        launches["fwd_spans"].run(delta, slots, states, *sizes)
-        launches["fwd_pass"].run(*_pass_args(states, seq_len, span))
-        launches["fwd"].run(delta, slots, states, read, *sizes)
-        ctx.save_for_backward(slots)
+        launches["fwd_spans"].run(delta, slots, docs, states, *sizes)
+        launches["fwd_pass"].run(*_pass_args(states, carry, seq_len, span))
+        launches["fwd"].run(delta, slots, docs, states, read, *sizes)
+        ctx.save_for_backward(slots, docs, carry)
         ctx.meta = (n_slots, delta.dtype, init.dtype)
         ctx.set_materialize_grads(False)
         return read.to(delta.dtype), states[-1].clone()
 
     @staticmethod
     def backward(ctx, d_read, d_final):
-        (slots,) = ctx.saved_tensors
+        slots, docs, carry = ctx.saved_tensors
         n_slots, dtype, init_dtype = ctx.meta
         batch, seq_len, levels = slots.shape
         dev = slots.device
@@ -213,7 +277,7 @@ class PhasorScanTriton(torch.autograd.Function):
             d_states[-1] = d_final
         d_delta = torch.empty(batch, seq_len, levels, width, dtype=torch.float32, device=dev)
         sizes = (seq_len, span, levels, width, n_slots)
-        launches["bwd_spans"].run(g_read, slots, d_states, *sizes)
-        launches["bwd_pass"].run(*_pass_args(d_states, seq_len, span))
-        launches["bwd"].run(g_read, slots, d_states, d_delta, *sizes)
-        return d_delta.to(dtype), None, None, d_states[0].to(init_dtype)
+        launches["bwd_spans"].run(g_read, slots, docs, d_states, *sizes)
+        launches["bwd_pass"].run(*_pass_args(d_states, carry, seq_len, span))
+        launches["bwd"].run(g_read, slots, docs, d_states, d_delta, *sizes)
+        return d_delta.to(dtype), None, None, d_states[0].to(init_dtype), None

@@ -52,8 +52,8 @@ def soe_scan(
     same structure. ``backend``: "reference" (sequential), "torch" (chunked, CPU default), "triton"
     (CUDA default, also runs under TRITON_INTERPRET=1) or "auto".
     ``reset`` (bool [B, T], optional): True where a token starts a document; the state is zeroed just
-    before that token writes, so each document is scanned as if alone. The reference and the chunked
-    backends honour it; the Triton backend refuses it (not implemented yet).
+    before that token writes, so each document is scanned as if alone (every backend, forward and
+    backward).
     """
     _check(q, k, v, coef, log_lam, initial_state, reset)
     if chunk_size < 1:
@@ -61,11 +61,6 @@ def soe_scan(
     which = resolve_backend(backend, q)
     if which == "reference":
         return soe_scan_reference(q, k, v, coef, log_lam, initial_state, output_final_state, reset)
-    if reset is not None and which == "triton":
-        raise ValueError(
-            "the triton SOE scan does not reset at document starts yet: with data.doc_boundaries: true "
-            "use vort.scan_backend: torch or reference"
-        )
     if initial_state is None:
         batch, _, heads, feat = q.shape
         n_terms = log_lam.shape[-1]
@@ -74,11 +69,11 @@ def soe_scan(
         b0 = q.new_zeros(batch, heads, n_terms, feat, dtype=dtype)
     else:
         g0, b0 = initial_state
-    args = (q, k, v, coef, log_lam, g0, b0, chunk_size)
+    args = (q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
     if which == "triton":
         from kernels.soe.triton import SoeScanTriton
 
         o, z, g_t, b_t = SoeScanTriton.apply(*args)
     else:
-        o, z, g_t, b_t = SoeScanChunked.apply(*args, reset)
+        o, z, g_t, b_t = SoeScanChunked.apply(*args)
     return o, z, ((g_t, b_t) if output_final_state else None)

@@ -5,7 +5,9 @@ kept in registers by its own program and the terms' outputs summed by atomic add
 into spans of whole chunks (kernels/span.py) so that a batch-1 step still launches enough programs:
 per-span state contributions, one pass over the spans for the entering states (and, in reverse, their
 gradients), then the per-span walks. States cross kernels packed as [n_spans + 1, B*H*S, F*D + F]
-(each term's G_s row-major, then b_s). docs/kernels.md, "SOE scan: the chunked algorithm", gives the
+(each term's G_s row-major, then b_s). Every chunk kernel takes the tokens' document numbers (all zero
+without resets) and cuts its decay tables at document starts (``_chunk_decays``), as the chunked path
+does. docs/kernels.md, "SOE scan: the chunked algorithm", gives the
 formulas, the program layout and the precision rules.
 """
 
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
-from kernels.span import span_chunks, span_pass_launch
+from kernels.span import chunk_documents, chunk_start, document_numbers, span_carry, span_chunks, span_pass_launch
 
 
 @triton.jit
@@ -46,18 +48,24 @@ def _slot(states, i, W):
 
 
 @triton.jit
-def _chunk_decays(ll, start, seq_len, BT: tl.constexpr):
-    """Positions and decay factors of the chunk starting at ``start`` (all exponents >= 0)."""
+def _chunk_decays(ll, docs, b, start, seq_len, BT: tl.constexpr):
+    """Positions and decay factors of the chunk starting at ``start`` (all exponents >= 0), cut at the
+    document starts of batch row ``b`` (``docs``, kernels.span.chunk_documents): a token reads the
+    entering state only if no reset is at or before it in the chunk (q_dec), only the chunk's last
+    document writes the state it leaves (k_dec), the entering state passes through only if the chunk has
+    no reset (chunk_dec), and ``intra`` is zero between tokens of different documents."""
     offs_t = tl.arange(0, BT)
     pos = offs_t.to(tl.float32)
     mask_t = start + offs_t < seq_len
+    doc, entering, last = chunk_documents(docs, b, start, seq_len, BT)
     n = tl.minimum(seq_len - start, BT).to(tl.float32)
-    q_dec = tl.exp((pos + 1.0) * ll)
-    k_dec = tl.where(mask_t, tl.exp(tl.maximum(n - 1.0 - pos, 0.0) * ll), 0.0)
-    chunk_dec = tl.exp(n * ll)
+    q_dec = tl.where(doc == entering, tl.exp((pos + 1.0) * ll), 0.0)
+    k_dec = tl.where(mask_t & (doc == last), tl.exp(tl.maximum(n - 1.0 - pos, 0.0) * ll), 0.0)
+    chunk_dec = tl.where(last == entering, tl.exp(n * ll), 0.0)
     diff = pos[:, None] - pos[None, :]
     causal = diff >= 0
-    intra = tl.where(causal, tl.exp(tl.where(causal, diff, 0.0) * ll), 0.0)
+    linked = causal & (doc[:, None] == doc[None, :])
+    intra = tl.where(linked, tl.exp(tl.where(causal, diff, 0.0) * ll), 0.0)
     return mask_t, q_dec, k_dec, chunk_dec, diff, intra
 
 
@@ -107,6 +115,7 @@ def _soe_span_kernel(
     coef,
     y_norm,
     log_lam,
+    docs,
     states,
     seq_len,
     SPAN,
@@ -132,13 +141,10 @@ def _soe_span_kernel(
     acc_norm = tl.zeros([BF], dtype=tl.float32)
     n_chunks = tl.cdiv(hi - lo, BT)
     for i in range(0, n_chunks):
-        if REVERSE:
-            start = lo + (n_chunks - 1 - i) * BT
-        else:
-            start = lo + i * BT
+        start = chunk_start(lo, i, n_chunks, BT, REVERSE)
         base = ((b * seq_len + start) * H + h).to(tl.int64)
         loc = tl.arange(0, BT) * H
-        mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, start, seq_len, BT)
+        mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, docs, b, start, seq_len, BT)
         xc = tl.load(_tile(x, base, loc, F, offs_f), mask=mask_t[:, None] & (offs_f < F)[None, :], other=0.0)
         yc = tl.load(_tile(y, base, loc, DV, offs_d), mask=mask_t[:, None] & (offs_d < DV)[None, :], other=0.0)
         if REVERSE:
@@ -165,6 +171,7 @@ def _soe_fwd_kernel(
     v,
     coef,
     log_lam,
+    docs,
     states,
     out,
     z,
@@ -192,7 +199,7 @@ def _soe_fwd_kernel(
         base, loc, _mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
-        mask_t, q_dec, k_dec, chunk_dec, _diff, intra = _chunk_decays(ll, start, seq_len, BT)
+        mask_t, q_dec, k_dec, chunk_dec, _diff, intra = _chunk_decays(ll, docs, b, start, seq_len, BT)
         scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * (intra * cc[None, :])
         qd = qc * q_dec[:, None]
         o = tl.dot(scores.to(vc.dtype), vc, input_precision=PRECISION)
@@ -212,6 +219,7 @@ def _soe_bwd_forward_order_kernel(
     v,
     coef,
     log_lam,
+    docs,
     states,
     d_out,
     d_z,
@@ -247,7 +255,7 @@ def _soe_bwd_forward_order_kernel(
         base, loc, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
-        mask_t, q_dec, k_dec, chunk_dec, diff, intra = _chunk_decays(ll, start, seq_len, BT)
+        mask_t, q_dec, k_dec, chunk_dec, diff, intra = _chunk_decays(ll, docs, b, start, seq_len, BT)
         qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
         doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
         dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)  # zero outside the normaliser's program
@@ -283,6 +291,7 @@ def _soe_bwd_reverse_order_kernel(
     v,
     coef,
     log_lam,
+    docs,
     states,
     d_out,
     d_z,
@@ -320,7 +329,7 @@ def _soe_bwd_reverse_order_kernel(
         base, loc, mask_qk, mask_v, qc, kc, vc, cc = _load_chunk(
             q, k, v, coef, b, h, s, start, seq_len, H, S, F, DV, i_d, BT, BF, BD
         )
-        mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, start, seq_len, BT)
+        mask_t, q_dec, k_dec, chunk_dec, _diff, _intra = _chunk_decays(ll, docs, b, start, seq_len, BT)
         qf, kf, vf = qc.to(tl.float32), kc.to(tl.float32), vc.to(tl.float32)
         doc = tl.load(_tile(d_out, base, loc, DV, offs_d), mask=mask_v, other=0.0)
         dzc = tl.load(d_z + base + loc, mask=mask_t & first, other=0.0)
@@ -495,6 +504,7 @@ def soe_launches(
     n_spans = triton.cdiv(seq_len, span)
     ints = {"seq_len": "i32", "SPAN": "i32", "H": "i32", "S": "i32", "F": "i32", "DV": "i32", "W": "i32"}
     inputs = dict.fromkeys(("q", "k", "v"), triton_type(dtype)) | dict.fromkeys(("coef", "log_lam", "states"), "fp32")
+    inputs["docs"] = "i32"
     grads = ("d_out", "d_z", "d_states")
     backward_ints = ints | {"centre": "fp32"}
     made = {
@@ -502,14 +512,17 @@ def soe_launches(
         "fwd_spans": (
             _soe_span_kernel,
             {"x": triton_type(dtype), "y": triton_type(dtype)}
-            | dict.fromkeys(("coef", "y_norm", "log_lam", "states"), "fp32"),
+            | dict.fromkeys(("coef", "y_norm", "log_lam", "states"), "fp32")
+            | {"docs": "i32"},
             ints,
             fwd,
             {"REVERSE": False},
         ),
         "bwd_spans": (
             _soe_span_kernel,
-            {"x": triton_type(dtype)} | dict.fromkeys(("y", "coef", "y_norm", "log_lam", "states"), "fp32"),
+            {"x": triton_type(dtype)}
+            | dict.fromkeys(("y", "coef", "y_norm", "log_lam", "states"), "fp32")
+            | {"docs": "i32"},
             ints,
             bwd,
             {"REVERSE": True},
@@ -621,6 +634,13 @@ def _pack(g: torch.Tensor, b: torch.Tensor, n_spans: int, slot: int) -> torch.Te
     return out
 
 
+def _pass_sizes(states: torch.Tensor, terms_per_row: int) -> tuple[int, int, int, int]:
+    """The span pass's sizes for packed states [n_spans + 1, B*H*S, W]: elements per slot, W, H*S, and
+    elements per batch row."""
+    width = states.shape[-1]
+    return states[0].numel(), width, terms_per_row, terms_per_row * width
+
+
 def _unpack(packed: torch.Tensor, like_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One slot [B*H*S, F*D + F] of a packed buffer as (G [B, H, S, F, D], b [B, H, S, F]), copies."""
     n = like_g[0, 0, 0].numel()
@@ -630,10 +650,12 @@ def _unpack(packed: torch.Tensor, like_g: torch.Tensor) -> tuple[torch.Tensor, t
 class SoeScanTriton(torch.autograd.Function):
     """Triton forward and backward in spans (kernels/span.py). Saves the inputs and the states entering
     the spans (a few MB: there are only as many spans as the grid needs); the backward recomputes the
-    rest and derives the state gradients at the span boundaries with one reverse pass."""
+    rest and derives the state gradients at the span boundaries with one reverse pass. ``reset`` (bool
+    [B, T] or None) zeroes the state before each document's first token: the kernels get the document
+    numbers and the span passes a per-span carry (kernels/span.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size):
+    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
         batch, seq_len, heads, feat = q.shape
         n_terms, width = log_lam.shape[-1], v.shape[-1]
         check_triton_inputs(q, _soe_fwd_kernel)
@@ -643,24 +665,24 @@ class SoeScanTriton(torch.autograd.Function):
             batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q)
         )
         n_spans = triton.cdiv(seq_len, span)
+        docs = document_numbers(reset, batch, seq_len, q.device)
+        carry = span_carry(docs, span)
         states = _pack(g0.float(), b0.float(), n_spans, 0)
         out = torch.zeros(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
         z = torch.zeros(batch, seq_len, heads, dtype=torch.float32, device=q.device)
         sizes = (heads, n_terms, feat, width, states.shape[-1])
-        launches["fwd_spans"].run(k, v, coef, coef, ll, states, seq_len, span, *sizes)
-        launches["fwd_pass"].run(
-            states, ll, n_spans, seq_len, span, states[0].numel(), states.shape[-1], heads * n_terms
-        )
-        launches["fwd"].run(q, k, v, coef, ll, states, out, z, seq_len, span, *sizes)
+        launches["fwd_spans"].run(k, v, coef, coef, ll, docs, states, seq_len, span, *sizes)
+        launches["fwd_pass"].run(states, ll, carry, n_spans, seq_len, span, *_pass_sizes(states, heads * n_terms))
+        launches["fwd"].run(q, k, v, coef, ll, docs, states, out, z, seq_len, span, *sizes)
         g_t, b_t = _unpack(states[n_spans], g0)
-        ctx.save_for_backward(q, k, v, coef, ll, states)
+        ctx.save_for_backward(q, k, v, coef, ll, states, docs, carry)
         ctx.set_materialize_grads(False)
         ctx.meta = (chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)])
         return out.to(q.dtype), z.to(q.dtype), g_t, b_t
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
-        q, k, v, coef, ll, states = ctx.saved_tensors
+        q, k, v, coef, ll, states, docs, carry = ctx.saved_tensors
         chunk_size, dtypes = ctx.meta
         batch, seq_len, heads, feat = q.shape
         n_terms, width = ll.shape[-1], v.shape[-1]
@@ -683,10 +705,9 @@ class SoeScanTriton(torch.autograd.Function):
         dll = torch.zeros_like(ll)
         centre = (seq_len - 1) / 2.0
         sizes = (heads, n_terms, feat, width, states.shape[-1])
-        launches["bwd_spans"].run(q, d_out, coef, d_zz, ll, d_states, seq_len, span, *sizes)
-        n_state = states[0].numel()
-        launches["bwd_pass"].run(d_states, ll, n_spans, seq_len, span, n_state, states.shape[-1], heads * n_terms)
-        common = (q, k, v, coef, ll, states, d_out, d_zz, d_states)
+        launches["bwd_spans"].run(q, d_out, coef, d_zz, ll, docs, d_states, seq_len, span, *sizes)
+        launches["bwd_pass"].run(d_states, ll, carry, n_spans, seq_len, span, *_pass_sizes(states, heads * n_terms))
+        common = (q, k, v, coef, ll, docs, states, d_out, d_zz, d_states)
         launches["bwd_forward_order"].run(*common, dq, dk, dv, dcoef, dll, seq_len, span, centre, *sizes)
         launches["bwd_reverse_order"].run(*common, dk, dv, dcoef, dll, seq_len, span, centre, *sizes)
         # The decay gradient's boundary terms: the final state is read at position T - 1 and the
@@ -697,4 +718,4 @@ class SoeScanTriton(torch.autograd.Function):
         dll += boundary.sum((0, 2)).view_as(dll)
         dg0, db0 = _unpack(d_states[0], torch.empty(g_shape, device="meta"))
         grads = (dq, dk, dv, dcoef, dll, dg0, db0)
-        return (*(g.to(d) for g, d in zip(grads, dtypes)), None)
+        return (*(g.to(d) for g, d in zip(grads, dtypes)), None, None)
