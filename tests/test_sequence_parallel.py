@@ -322,6 +322,25 @@ def test_two_rank_sequence_parallel_equals_one_process(family: str, engine: str,
     assert_follows_one_process(family, finished_run(tmp_path / "sp"), expected, engine)
 
 
+def test_two_rank_run_with_document_boundaries_equals_one_process(tmp_path: Path) -> None:
+    """data.doc_boundaries through the trainer: on shards of short documents (about 5 per 128-token
+    sequence) each rank gets its slice of doc_start and the 2-rank run follows one process step by step."""
+    from data_pipeline.build import build_shards
+
+    text = HELD_OUT.read_text()
+    lengths = torch.randint(5, 50, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text[o : o + n]}) + "\n" for o, n in zip(offsets, lengths)))
+    build_shards([str(corpus)], str(tmp_path / "shards"), tokenizer="bytes", shard_tokens=4000)
+    shards = {"train": str(tmp_path / "shards")}
+    single = ["engine.kind=single", "engine.sequence_parallel=1", "data.doc_boundaries=true"]
+    run_training("python", 1, sp_args("vort", shards, tmp_path / "single", single))
+    launcher, overrides = ENGINES["zero2"]
+    run_training(launcher, 2, sp_args("vort", shards, tmp_path / "sp", [*overrides, "data.doc_boundaries=true"]))
+    assert_follows_one_process("vort", finished_run(tmp_path / "sp"), finished_run(tmp_path / "single"), "doc")
+
+
 MESHES = [  # family, engine, sequence-parallel ranks of the 4
     ("vort", "zero2", 4), ("pmnet", "fsdp2", 4), ("vort", "fsdp2", 2), ("pmnet", "zero3", 2),
 ]
