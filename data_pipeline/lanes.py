@@ -5,7 +5,7 @@ in the text, but truncated backpropagation through time needs row i of every ste
 i of the step before. Here each row of the global batch is a lane: a run of consecutive windows of
 the epoch's unshuffled token stream, read one window per optimizer step. The layout depends only on
 the global batch, so a run resumes at any world size. docs/training.md, "Carrying the state across
-windows", gives the layout and why the state is not reset at document boundaries.
+windows", gives the layout; with `doc_boundaries` the model resets at document starts inside a lane.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class LaneStream:
         seed: seeds the shard order of each epoch.
         rank, world_size: this data-parallel rank and the number of ranks.
         expected_tokenizer: as in `PackedStream` (a mismatch raises TokenizerMismatchError).
+        doc_boundaries: add `doc_start` [micro_batch, seq_len] to each micro-batch, True where a token
+            starts a document (as `PackedStream`'s; a window's first token only after an EOS).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class LaneStream:
         rank: int = 0,
         world_size: int = 1,
         expected_tokenizer: str | dict[str, Any] | None = None,
+        doc_boundaries: bool = False,
     ) -> None:
         if lanes % (world_size * micro_batch):
             raise LaneError(
@@ -61,6 +64,7 @@ class LaneStream:
             shuffle_buffer=1,
             shuffle=True,
             expected_tokenizer=expected_tokenizer,
+            doc_boundaries=doc_boundaries,
         )
         self.seq_len, self.lanes, self.micro_batch, self.seed = seq_len, lanes, micro_batch, seed
         self.rank, self.world_size = rank, world_size
@@ -90,20 +94,16 @@ class LaneStream:
 
     def next_step(self) -> list[dict[str, Any]]:
         """This rank's micro-batches for the next optimizer step: dicts with `input_ids` and
-        `labels` [micro_batch, seq_len], `lanes` (global lane numbers) and `reset` (True when every
-        lane starts a new stretch of text, so the carried state must start from zero)."""
+        `labels` [micro_batch, seq_len] (and `doc_start` with doc_boundaries), `lanes` (global lane
+        numbers) and `reset` (True when every lane starts a new stretch of text, so the carried state
+        must start from zero)."""
         batches = []
         for micro in range(self.rows_per_rank // self.micro_batch):
             lanes = self.lane_ids(micro)
             samples = [self.stream.get(self.window_of(lane, self.step)) for lane in lanes]
-            batches.append(
-                {
-                    "input_ids": torch.stack([s["input_ids"] for s in samples]),
-                    "labels": torch.stack([s["labels"] for s in samples]),
-                    "lanes": lanes,
-                    "reset": self.step % self.steps_per_epoch == 0,
-                }
-            )
+            batch: dict[str, Any] = {key: torch.stack([s[key] for s in samples])
+                                     for key in ("input_ids", "labels", "doc_start") if key in samples[0]}
+            batches.append({**batch, "lanes": lanes, "reset": self.step % self.steps_per_epoch == 0})
         self.step += 1
         return batches
 

@@ -63,6 +63,15 @@ class _Source:
         return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)), has_prev
 
 
+def document_starts(ids: np.ndarray, eos_id: int, first: bool = True) -> np.ndarray:
+    """bool [len(ids)]: True where a token starts a document, i.e. follows an EOS; ``first`` is ids[0]'s
+    (whose predecessor is not in ids). The ``doc_start`` of data.doc_boundaries."""
+    starts = np.empty(ids.shape[0], dtype=bool)
+    starts[0] = first
+    starts[1:] = ids[:-1] == eos_id
+    return starts
+
+
 class PackedStream(IterableDataset):
     """Packed, shuffled, mixed token sequences from shard manifests, resumable at any world size.
 
@@ -198,10 +207,8 @@ class PackedStream(IterableDataset):
         }
         if self.doc_boundaries:
             eos = self._sources[s].eos
-            starts = np.empty(self.seq_len, dtype=bool)
-            starts[0] = tokens[0] == eos if has_prev else True
-            starts[1:] = seq[: self.seq_len - 1] == eos
-            out["doc_start"] = torch.from_numpy(starts)
+            first = bool(tokens[0] == eos) if has_prev else True
+            out["doc_start"] = torch.from_numpy(document_starts(seq[: self.seq_len], eos, first))
         return out
 
     def _local_indices(self) -> Iterator[int]:

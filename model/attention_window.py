@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.parallel import exchange_with_neighbours
-from model.blocks import apply_rotary, document_ids, rotary_tables, token_positions
+from model.blocks import Offset, apply_rotary, prefix_document_ids, rotary_tables, token_positions
 from model.interface import SequenceParallel
 
 
@@ -50,16 +50,17 @@ class SlidingWindowAttention(nn.Module):
         x: torch.Tensor,
         cache_k: torch.Tensor | None,
         cache_v: torch.Tensor | None,
-        offset: int,
+        offset: Offset,
         sequence_parallel: SequenceParallel | None = None,
         doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attend x [B, T, d] at absolute positions offset.. ; returns (output, new cache_k, new cache_v).
+        """Attend x [B, T, d] at positions offset.. ; returns (output, new cache_k, new cache_v).
 
         Caches are [B, heads, C, head_dim] with C <= window - 1 (rotated keys), or None before the
         first token. With ``sequence_parallel`` the cache is the previous rank's halo (T >= window - 1).
-        With ``doc_start`` (bool [B, T]; no cache, no sequence parallelism) a token attends only to
-        its own document, at positions counted from the document's start.
+        With ``doc_start`` (bool [B, T]) a token attends only to its own document, at positions counted
+        from the document's start; ``offset`` is then the first token's position within its document,
+        which says how many cached (or halo) keys belong to that document.
         """
         B, T, _ = x.shape
         W = self.window
@@ -84,9 +85,9 @@ class SlidingWindowAttention(nn.Module):
         q_blocks = q_pad.view(B, self.n_heads, n_blocks, W, self.head_dim)
         mask = window_band_mask(W, n_blocks, n_cached, x.device)
         if doc_start is not None:  # keys and queries padded and cut into blocks as k and q are
-            ids = document_ids(doc_start)
-            key_ids = F.pad(ids, (W, n_blocks * W - T), value=-1).unfold(1, 2 * W, W)  # [B, nb, 2W]
-            query_ids = F.pad(ids, (0, n_blocks * W - T), value=-1).view(B, n_blocks, W)
+            ids = prefix_document_ids(doc_start, offset, W)  # the W key slots before the first query, then T
+            key_ids = F.pad(ids, (0, n_blocks * W - T), value=-1).unfold(1, 2 * W, W)  # [B, nb, 2W]
+            query_ids = F.pad(ids[:, W:], (0, n_blocks * W - T), value=-1).view(B, n_blocks, W)
             mask = mask[None] & (query_ids[..., None] == key_ids[:, :, None, :])[:, :, None]  # [B, nb, 1, W, 2W]
         y = F.scaled_dot_product_attention(
             q_blocks.transpose(1, 2), k_blocks.transpose(1, 2), v_blocks.transpose(1, 2), attn_mask=mask

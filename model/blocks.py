@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -70,10 +72,12 @@ class ShortConvolution(nn.Module):
         tail: torch.Tensor | None,
         sequence_parallel: SequenceParallel | None = None,
         doc_start: torch.Tensor | None = None,
+        offset: Offset = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, dim] after the inputs in `tail` [B, K-1, dim] (zeros when None) -> (y [B, T, dim],
         the new tail). With ``sequence_parallel`` the tail comes from the previous rank instead. With
-        ``doc_start`` (bool [B, T]) a token mixes only inputs of its own document."""
+        ``doc_start`` (bool [B, T]) a token mixes only inputs of its own document; ``offset``, the first
+        token's position within its document, says how many of the tail's inputs are in that document."""
         n = self.kernel - 1
         if sequence_parallel is not None and n > 0:
             if x.shape[1] < n:
@@ -86,9 +90,8 @@ class ShortConvolution(nn.Module):
         if doc_start is None:
             y = self.conv(padded.transpose(1, 2)).transpose(1, 2)
         else:  # each tap weighted by whether its input is in the token's document
-            ids = document_ids(doc_start)
-            tap_ids = F.pad(ids, (n, 0), value=-1).unfold(1, self.kernel, 1)  # [B, T, K]
-            same = (tap_ids == ids[..., None]).to(x.dtype)
+            ids = prefix_document_ids(doc_start, offset, n)  # [B, K-1 + T]
+            same = (ids.unfold(1, self.kernel, 1) == ids[:, n:, None]).to(x.dtype)  # [B, T, K]
             y = torch.einsum("btck,ck,btk->btc", padded.unfold(1, self.kernel, 1), self.conv.weight[:, 0], same)
         return y, padded[:, padded.shape[1] - n :]
 
@@ -104,15 +107,67 @@ def document_ids(doc_start: torch.Tensor) -> torch.Tensor:
     return doc_start.long().cumsum(1)
 
 
-def token_positions(offset: int, length: int, doc_start: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Positions of `length` tokens that follow `offset` earlier ones: [T] offset.. , or with
-    ``doc_start`` (bool [B, T]) [B, T] counted from each token's document start (tokens before a
-    row's first start continue from ``offset``), so a packed document has the positions it has alone."""
+Offset = int | torch.Tensor
+"""Position of a call's first token: one int for every row, or per row (long [B]) once documents restart
+positions (then it is the position within the row's current document)."""
+
+
+def token_positions(offset: Offset, length: int, doc_start: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Positions of `length` tokens whose first is at `offset`: [T] offset.. (or [B, T] for per-row
+    offsets), or with ``doc_start`` (bool [B, T]) [B, T] counted from each token's document start (tokens
+    before a row's first start continue from ``offset``), so a packed document has the positions it has
+    alone."""
     index = torch.arange(length, device=device)
+    base = offset if isinstance(offset, int) else offset.to(device)[:, None]
     if doc_start is None:
-        return offset + index
+        return base + index
     last_start = torch.where(doc_start, index, -1).cummax(dim=1).values
-    return torch.where(last_start >= 0, index - last_start, offset + index)
+    return torch.where(last_start >= 0, index - last_start, base + index)
+
+
+def call_offset(carried: Offset | None, sequence_parallel: SequenceParallel | None) -> Offset:
+    """Position of a call's first token: the sequence-parallel piece's, else the carried state's (0 without)."""
+    if sequence_parallel is not None:
+        return sequence_parallel.offset
+    return 0 if carried is None else carried
+
+
+def next_offset(offset: Offset, length: int, doc_start: torch.Tensor | None) -> Offset:
+    """The offset of the call that follows a call of `length` tokens at `offset`: offset + length, or
+    with ``doc_start`` the position after each row's last token within its document (long [B])."""
+    if doc_start is None:
+        return offset + length
+    return token_positions(offset, length, doc_start, doc_start.device)[:, -1] + 1
+
+
+def prefix_document_ids(doc_start: torch.Tensor, offset: Offset, n_prefix: int) -> torch.Tensor:
+    """Document numbers [B, n_prefix + T] of the `n_prefix` tokens before a call (a key cache, an
+    attention halo, a convolution's tail) followed by the call's own (`document_ids`). An earlier token
+    at distance d before the first is in the first token's document, number 0, when d <= offset (the
+    first token's position within its document), and in another one, -1, which matches nothing."""
+    distance = torch.arange(n_prefix, 0, -1, device=doc_start.device)
+    reach = torch.as_tensor(offset, device=doc_start.device).reshape(-1, 1)
+    prefix = torch.where(distance <= reach, 0, -1).expand(doc_start.shape[0], n_prefix)
+    return torch.cat((prefix, document_ids(doc_start)), dim=1)
+
+
+def documents_across_pieces(doc_start: torch.Tensor, sp: SequenceParallel) -> SequenceParallel:
+    """`sp` for a sequence-parallel piece whose tokens start documents where doc_start (bool [B, T]) is
+    True: ``offset`` becomes each row's first-token position within its document (its global index minus
+    the global index of its document's start, which may lie on an earlier rank), ``first_document`` the
+    starts in earlier pieces and ``n_documents`` the most starts of a row, plus one (the same on every
+    rank). One all-gather of two numbers per row: each piece's last start and its number of starts."""
+    index = torch.arange(doc_start.shape[1], device=doc_start.device)
+    last_start = torch.where(doc_start, sp.offset + index, -1).max(dim=1).values  # [B], -1: none in the piece
+    mine = torch.stack((last_start, doc_start.long().sum(1)))  # [2, B]
+    every = [torch.empty_like(mine) for _ in range(sp.size)]
+    dist.all_gather(every, mine.contiguous(), group=sp.group)
+    earlier = torch.stack(every[: sp.rank] or [torch.stack((torch.full_like(last_start, -1),
+                                                            torch.zeros_like(last_start)))])
+    entering_start = earlier[:, 0].max(dim=0).values
+    offset = torch.where(entering_start >= 0, sp.offset - entering_start, sp.offset)
+    n_documents = int(torch.stack(every)[:, 1].sum(0).max()) + 1
+    return dataclasses.replace(sp, offset=offset, first_document=earlier[:, 1].sum(0), n_documents=n_documents)
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +194,9 @@ class StackedLM(CausalLM):
     Each block is called as `block(x, state, sequence_parallel, doc_start) -> (x, state)`; the
     stack's state is the list of the blocks' states, so a family only has to say what one block
     carries. With ``doc_start`` (bool [B, T], True where a token starts a document) every block keeps
-    each document to itself, as if it were run alone; it is refused with a carried state or a
-    sequence-parallel piece, which do not track documents yet.
+    each document to itself, as if it were run alone: also when a carried state or the earlier pieces
+    of a sequence-parallel group hold the start of the first tokens' document, whose positions then
+    continue (the states carry positions within the current document).
     """
 
     def __init__(self, config: ModelConfig, make_block: Callable[[int], nn.Module]):
@@ -184,20 +240,16 @@ class StackedLM(CausalLM):
         sequence_parallel: SequenceParallel | None = None,
         doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[Any]]:
-        if doc_start is not None:
-            if doc_start.shape != input_ids.shape or doc_start.dtype != torch.bool:
-                raise ValueError(f"doc_start must be bool {tuple(input_ids.shape)}, got {doc_start.dtype} "
-                                 f"{tuple(doc_start.shape)}")
-            if sequence_parallel is not None:
-                raise ValueError("data.doc_boundaries: true is not supported with sequence parallelism yet")
-            if state is not None:
-                raise ValueError("data.doc_boundaries: true is not supported with a carried state "
-                                 "(train.carry_state, streaming) yet")
+        if doc_start is not None and (doc_start.shape != input_ids.shape or doc_start.dtype != torch.bool):
+            raise ValueError(f"doc_start must be bool {tuple(input_ids.shape)}, got {doc_start.dtype} "
+                             f"{tuple(doc_start.shape)}")
         if sequence_parallel is not None:
             if not self.supports_sequence_parallel:
                 raise ValueError(f"model kind {self.config.kind!r} does not run sequence-parallel")
             if state is not None:
                 raise ValueError("a sequence-parallel piece takes no carried state (it comes from the other ranks)")
+            if doc_start is not None:
+                sequence_parallel = documents_across_pieces(doc_start, sequence_parallel)
         x = self.embed(input_ids)
         states = state if state is not None else [None] * len(self.blocks)
         new_states = []

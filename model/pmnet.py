@@ -8,7 +8,6 @@ piecewise gives the outputs it gives processed whole, in memory that does not gr
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 
 from model.attention_window import SlidingWindowAttention
-from model.blocks import RMSNorm, StackedLM, SwiGLU, short_convolution
+from model.blocks import Offset, RMSNorm, StackedLM, SwiGLU, call_offset, next_offset, short_convolution
 from model.config import ModelConfig, PMNetConfig
 from model.interface import SequenceParallel
 from model.pmnet_memory import MemoryState, PhasorMemory
@@ -24,9 +23,10 @@ from model.pmnet_memory import MemoryState, PhasorMemory
 
 class PMNetBlockState(NamedTuple):
     """What one block carries between calls (keys/values None before the first token; conv, the
-    short convolution's last inputs, None without one)."""
+    short convolution's last inputs, None without one). position: the next token's, within its
+    document under doc_start (long [B])."""
 
-    position: int
+    position: Offset
     keys: torch.Tensor | None
     values: torch.Tensor | None
     memory: MemoryState | None
@@ -68,38 +68,18 @@ class PMNetBlock(nn.Module):
         sp = sequence_parallel
         if state is None:
             state = self.init_state(x.shape[0], x.device)
-        if sp is not None:
-            state = state._replace(position=sp.offset)
+        offset = call_offset(state.position, sp)
         h, conv = self.attn_norm(x), None
         if self.short_conv is not None:
-            h, conv = self.short_conv(h, state.conv, sp, doc_start)
-        attended, keys, values = self.attn(h, state.keys, state.values, state.position, sp, doc_start)
+            h, conv = self.short_conv(h, state.conv, sp, doc_start, offset)
+        attended, keys, values = self.attn(h, state.keys, state.values, offset, sp, doc_start)
         x = x + attended
         memory = state.memory
-        if self.memory is not None and doc_start is not None:
-            read, memory = self._memory_by_document(self.memory_norm(x), doc_start)
-            x = x + read
-        elif self.memory is not None:
-            read, memory = self.memory(self.memory_norm(x), memory, state.position, sp)
+        if self.memory is not None:
+            read, memory = self.memory(self.memory_norm(x), memory, offset, sp, doc_start)
             x = x + read
         x = x + self.mlp(self.mlp_norm(x))
-        return x, PMNetBlockState(state.position + x.shape[1], keys, values, memory, conv)
-
-    def _memory_by_document(self, h: torch.Tensor, doc_start: torch.Tensor) -> tuple[torch.Tensor, MemoryState]:
-        """The memory's read of h [B, T, d] with each document of each row run on its own from the initial
-        phases at position 0 (segments, routing and collision counts included), and the rows' states after
-        their last documents. One memory call per document: its routing and segments depend on the phases
-        non-linearly, so there is no cheaper exact reset. The slot statistics are the last call's."""
-        reads, states = [], []
-        for row in range(h.shape[0]):
-            bounds = [0, *doc_start[row, 1:].nonzero()[:, 0].add(1).tolist(), h.shape[1]]
-            pieces = []
-            for lo, hi in itertools.pairwise(bounds):
-                read, memory = self.memory(h[row : row + 1, lo:hi], self.memory.init_state(1, h.device), 0)
-                pieces.append(read)
-            reads.append(torch.cat(pieces, dim=1))
-            states.append(memory)
-        return torch.cat(reads), MemoryState(*(torch.cat(parts) for parts in zip(*states, strict=True)))
+        return x, PMNetBlockState(next_offset(offset, x.shape[1], doc_start), keys, values, memory, conv)
 
 
 class PMNet(StackedLM):

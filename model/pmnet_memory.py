@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
+from kernels._common import wrap_angle
 from kernels.parallel import receive_from_previous, send_to_next
+from model.blocks import Offset, document_ids, token_positions
 from model.config import PMNetConfig
 from model.interface import SequenceParallel
 
@@ -199,10 +201,17 @@ class PhasorMemory(nn.Module):
         self.last_write_grad_sq = grad.detach().float().pow(2).sum()
 
     def forward(
-        self, h: torch.Tensor, state: MemoryState, position: int, sequence_parallel: SequenceParallel | None = None
+        self,
+        h: torch.Tensor,
+        state: MemoryState,
+        position: Offset,
+        sequence_parallel: SequenceParallel | None = None,
+        doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MemoryState]:
-        """Read and write the memory for h [B, T, d] at absolute positions position.. ; a
-        sequence-parallel piece takes its entering state from the previous rank (relay)."""
+        """Read and write the memory for h [B, T, d] at positions position.. ; a sequence-parallel piece
+        takes its entering state from the previous rank (relay). With ``doc_start`` (bool [B, T]) each
+        document starts from the initial phases (the carried or entering phases reach only the tokens
+        before a row's first start), and its segments and collision counts are its own."""
         B, T, _ = h.shape
         L, M = self.n_levels, self.memory_dim
         sp = sequence_parallel
@@ -215,13 +224,16 @@ class PhasorMemory(nn.Module):
             increment = phase_q.new_zeros(B, T, M)
         memory = state.memory
         if sp is not None:  # after the projections: sharded engines gather their weights collectively
+            if self.collision_scope == "segment" and doc_start is not None:
+                raise ValueError("collision_scope 'segment' with document starts does not run sequence-parallel "
+                                 "(a document's segments cross the pieces' borders); use 'sequence'")
             if self.collision_scope == "segment" and (position % self.segment_len or T % self.segment_len):
                 raise ValueError(f"sequence-parallel pieces must be whole segments of {self.segment_len} tokens")
             phase_q, received = receive_from_previous(memory, phase_q, sp.group)
             if received is not None:
                 memory = received
         with torch.autocast(h.device.type, enabled=False):  # phases, routing scores and reads stay fp32
-            features, memory, sequence = self._read_write(phase_q, increment, memory, position)
+            features, memory, sequence = self._read_write(phase_q, increment, memory, position, doc_start, sp)
         if sp is not None:  # before the collision counts' all-reduce, which the next rank reaches after this
             features = send_to_next(memory, features, sp.group)
         if sequence is not None:
@@ -229,10 +241,21 @@ class PhasorMemory(nn.Module):
         return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), MemoryState(memory)
 
     def _read_write(
-        self, phase_q: torch.Tensor, increment: torch.Tensor, memory: torch.Tensor, position: int
+        self,
+        phase_q: torch.Tensor,
+        increment: torch.Tensor,
+        memory: torch.Tensor,
+        position: Offset,
+        doc_start: torch.Tensor | None,
+        sp: SequenceParallel | None,
     ) -> tuple[torch.Tensor, torch.Tensor, SequenceCollisions | None]:
         """Route every token, write and read through one scan: features [B, T, L, 2M], the phases after
         the call, and the sequence-scope collision counts still to be attached (None otherwise).
+
+        Routing compares queries with the anchors only, never with the phases, so a document start
+        needs nothing but the scan's reset: the phases go back to the initial ones there. Segments are
+        fixed chunks of positions within a document, and the sequence scope counts each document's
+        writers apart (across the pieces of a sequence-parallel group: ``sp.first_document``).
 
         The scan takes each token's path with its write and, when gradients are wanted, the other
         children of every node on the path with zero increments (pure reads of the same state): the
@@ -251,13 +274,27 @@ class PhasorMemory(nn.Module):
         else:
             path, children, weights = self.route(query_phasor, keys)
         delta = increment[:, :, None, :].expand(B, T, L, M)
-        first = position // self.segment_len  # segments: fixed chunks of absolute positions
-        segment = (position + torch.arange(T, device=path.device)) // self.segment_len - first
-        n_segments = (position + T - 1) // self.segment_len - first + 1
-        by_segment = path + (segment * self.n_slots)[None, :, None]  # one slot id per (segment, slot)
-        sequence = SequenceCollisions(B, self.n_slots, phase_q.device) if self.collision_scope == "sequence" else None
-        if sequence is not None:
-            sequence.add(delta, path)
+        positions = token_positions(position, T, doc_start, path.device)  # [T], or [B, T] per row
+        starts = (positions % self.segment_len == 0) | (torch.arange(T, device=path.device) == 0)
+        if doc_start is not None:
+            starts = starts | doc_start
+        segment = starts.long().cumsum(-1) - 1  # the call's segments, numbered from 0 in each row
+        # an upper bound without documents (a host sync only with them): extra segments stay empty
+        n_segments = int(segment.max()) + 1 if doc_start is not None else (T - 1) // self.segment_len + 2
+        by_segment = path + (segment * self.n_slots)[..., None]  # one slot id per (segment, slot)
+        if doc_start is None:
+            by_document, n_documents = path, 1
+        else:  # one slot id per (document, slot)
+            documents = document_ids(doc_start)
+            if sp is not None:
+                documents, n_documents = documents + sp.first_document[:, None], sp.n_documents
+            else:
+                n_documents = int(documents.max()) + 1
+            by_document = path + (documents * self.n_slots)[..., None]
+        sequence = None
+        if self.collision_scope == "sequence":
+            sequence = SequenceCollisions(B, n_documents * self.n_slots, phase_q.device)
+            sequence.add(delta, by_document)
         elif self.collision_scope == "segment":
             delta = normalise_collisions(delta, by_segment, n_segments * self.n_slots)
         mixture = torch.is_grad_enabled()
@@ -268,7 +305,7 @@ class PhasorMemory(nn.Module):
             entry_delta = torch.cat((delta[:, :, :1], sibling_delta), dim=2)
         else:
             entries, entry_delta = path, delta
-        read, memory = self._scan(entry_delta, entries, memory)
+        read, memory = self._scan(entry_delta, entries, memory, doc_start)
         if mixture:
             hard_read = torch.cat((read[:, :, :1], read[:, :, 1:].reshape(B, T, L - 1, N, M)[chosen]
                                    .view(B, T, L - 1, M)), dim=2)
@@ -286,18 +323,37 @@ class PhasorMemory(nn.Module):
         return features, memory, sequence
 
     def _scan(
-        self, delta: torch.Tensor, slots: torch.Tensor, memory: torch.Tensor
+        self, delta: torch.Tensor, slots: torch.Tensor, memory: torch.Tensor, reset: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """kernels.phasor_scan over the call, or token by token with the sequential reference."""
-        if not self.reference:
+        """kernels.phasor_scan over the call, or token by token with the sequential reference, from the
+        phases `memory` carried (or relayed) into the call.
+
+        With reset (bool [B, T], document starts) a document starts from the initial phases, zero, not
+        from `memory`; the kernel's reset goes back to its `initial_state`, so the scan runs from zero
+        and `memory` is added to what the tokens before a row's first start read, and to the final
+        phases of the rows without a start.
+        """
+        if self.reference:
+            reads = []
+            for t in range(delta.shape[1]):
+                if reset is not None:
+                    memory = torch.where(reset[:, t, None, None], 0.0, memory)
+                read, memory = kernels.phasor_scan(delta[:, t : t + 1], slots[:, t : t + 1], self.n_slots,
+                                                   initial_state=memory, output_final_state=True,
+                                                   backend="reference")
+                reads.append(read)
+            return torch.cat(reads, dim=1), memory
+        if reset is None:
             return kernels.phasor_scan(delta, slots, self.n_slots, initial_state=memory, output_final_state=True,
                                        backend=self.scan_backend)
-        reads = []
-        for t in range(delta.shape[1]):
-            read, memory = kernels.phasor_scan(delta[:, t : t + 1], slots[:, t : t + 1], self.n_slots,
-                                               initial_state=memory, output_final_state=True, backend="reference")
-            reads.append(read)
-        return torch.cat(reads, dim=1), memory
+        read, final = kernels.phasor_scan(delta, slots, self.n_slots, output_final_state=True,
+                                          backend=self.scan_backend, reset=reset)
+        B, T, E, M = delta.shape
+        carried = memory.gather(1, slots.reshape(B, T * E, 1).expand(-1, -1, M)).view(B, T, E, M)
+        before_first_start = (reset.cumsum(1) == 0)[..., None, None]
+        read = wrap_angle(read + torch.where(before_first_start, carried, 0.0).to(read.dtype))
+        final = wrap_angle(final + torch.where(reset.any(1)[:, None, None], 0.0, memory).to(final.dtype))
+        return read, final
 
     @staticmethod
     def _demodulate(read: torch.Tensor, phase_q: torch.Tensor) -> torch.Tensor:

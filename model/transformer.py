@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.blocks import (
+    Offset,
     RMSNorm,
     StackedLM,
     SwiGLU,
     apply_rotary,
     document_ids,
+    next_offset,
     rotary_tables,
     short_convolution,
     token_positions,
@@ -24,10 +26,11 @@ from model.config import ModelConfig
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention through torch's fused SDPA.
 
-    Streaming state is the number of tokens seen so far (positions continue across calls); the
+    Streaming state is the position of the next token (positions continue across calls); the
     baseline keeps no KV cache, so a piece attends only within itself — by design it is the
     fixed-window model the recurrent families are compared against. With ``doc_start`` a token
-    attends only to its own document, at positions counted from the document's start.
+    attends only to its own document, at positions counted from the document's start (a document
+    begun in an earlier call continues its positions).
     """
 
     def __init__(self, config: ModelConfig):
@@ -36,7 +39,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, offset: int, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: Offset, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         positions = token_positions(offset, T, doc_start, x.device)
@@ -69,14 +72,14 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, state: Any, sequence_parallel: None = None, doc_start: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, int]:
-        offset = 0 if state is None else int(state)
+    ) -> tuple[torch.Tensor, Offset]:
+        offset = 0 if state is None else state
         h = self.attn_norm(x)
         if self.short_conv is not None:
             h, _ = self.short_conv(h, None, doc_start=doc_start)
         x = x + self.attn(h, offset, doc_start)
         x = x + self.mlp(self.mlp_norm(x))
-        return x, offset + x.shape[1]
+        return x, next_offset(offset, x.shape[1], doc_start)
 
 
 class Transformer(StackedLM):

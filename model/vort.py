@@ -21,7 +21,18 @@ from torch import nn
 import kernels
 from kernels.parallel import soe_scan_sequence_parallel
 from model import soe
-from model.blocks import RMSNorm, StackedLM, SwiGLU, apply_rotary, rotary_tables, short_convolution, token_positions
+from model.blocks import (
+    Offset,
+    RMSNorm,
+    StackedLM,
+    SwiGLU,
+    apply_rotary,
+    call_offset,
+    next_offset,
+    rotary_tables,
+    short_convolution,
+    token_positions,
+)
 from model.config import ModelConfig, VortConfig
 from model.entity_labels import capitalised_word_mask
 from model.interface import SequenceParallel
@@ -37,7 +48,7 @@ class VortState(NamedTuple):
 
     G: torch.Tensor  # [B, H, S, F, D] fp32 (fp64 in a float64 run)
     b: torch.Tensor  # [B, H, S, F]
-    offset: int  # tokens seen so far (rotary positions continue from here)
+    offset: Offset  # position of the next token (within its document under doc_start: long [B])
     conv: torch.Tensor | None = None  # [B, K-1, d]; None without a short convolution
 
 
@@ -340,10 +351,11 @@ class VortLayer(nn.Module):
         doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, VortState]:
         """x [B, T, d] at positions offset.. (the carried state's, or the sequence-parallel piece's);
-        with ``doc_start`` the scan's state is zeroed at each document start and positions restart."""
+        with ``doc_start`` the scan's state (carried or entering from earlier pieces) is zeroed at each
+        document start and positions restart."""
         B, T, _ = x.shape
         sp = sequence_parallel
-        offset = sp.offset if sp is not None else 0 if state is None else state.offset
+        offset = call_offset(None if state is None else state.offset, sp)
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         if self.rotary:
             positions = token_positions(offset, T, doc_start, x.device)
@@ -356,13 +368,13 @@ class VortLayer(nn.Module):
         initial = None if state is None else (state.G, state.b)
         if sp is not None:  # the state entering this piece is combined from the earlier ranks' states
             num, den, final = soe_scan_sequence_parallel(fq, fk, v.to(dt), coef, log_lam, sp.group, None, True,
-                                                         self.chunk_size, self.backend)
+                                                         self.chunk_size, self.backend, reset=doc_start)
         else:
             num, den, final = kernels.soe_scan(fq, fk, v.to(dt), coef, log_lam, initial_state=initial,
                                                output_final_state=True, chunk_size=self.chunk_size,
                                                backend=self.backend, reset=doc_start)
         y = (num / (den[..., None] + self.eps)).to(x.dtype)
-        return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], offset + T)
+        return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], next_offset(offset, T, doc_start))
 
     def extra_forward_flops(self) -> float:
         """Forward FLOPs per token not covered by 6 x parameters: fixed features and the chunked scan.
@@ -405,7 +417,8 @@ class VortBlock(nn.Module):
     ) -> tuple[torch.Tensor, VortState]:
         h, conv = self.mix_norm(x), None
         if self.short_conv is not None:
-            h, conv = self.short_conv(h, None if state is None else state.conv, sequence_parallel, doc_start)
+            offset = call_offset(None if state is None else state.offset, sequence_parallel)
+            h, conv = self.short_conv(h, None if state is None else state.conv, sequence_parallel, doc_start, offset)
         h, state = self.mixer(h, state, sequence_parallel, doc_start)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), state._replace(conv=conv)

@@ -76,7 +76,8 @@ def lane_tensors(state: Any, lanes: list[int]) -> dict[str, torch.Tensor]:
 class StateCarrier:
     """This rank's lanes and the states it carries: what the trainer uses in place of a loader.
 
-    `next_step()` gives the step's micro-batches as (input_ids, labels, state) for the engine;
+    `next_step()` gives the step's micro-batches as (input_ids, labels, state), or (input_ids, labels,
+    state, doc_start) under data.doc_boundaries, for the engine;
     `update()` keeps the states the engine returns. `state_dict()` is the lanes' position (saved
     in trainer_state.json); `save()` / `load()` write and read the states themselves.
     """
@@ -91,15 +92,16 @@ class StateCarrier:
         """The lanes' read counters (see ``PackedStream.stats``)."""
         return self.lanes.stream.stats()
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
+    def next_step(self) -> list[tuple[Any, ...]]:
         out = []
         for micro, batch in enumerate(self.lanes.next_step()):
             if batch["reset"] or micro not in self.states:
                 state = self.model.init_state(self.micro_batch, self.device)
             else:
                 state = self.states[micro]
-            ids, labels = (batch[key].to(self.device, non_blocking=True) for key in ("input_ids", "labels"))
-            out.append((ids, labels, state))
+            keys = ("input_ids", "labels", "doc_start") if "doc_start" in batch else ("input_ids", "labels")
+            ids, labels, *doc_start = (batch[key].to(self.device, non_blocking=True) for key in keys)
+            out.append((ids, labels, state, *doc_start))
         return out
 
     def update(self, states: list[Any]) -> None:
@@ -180,5 +182,6 @@ def make_carrier(cfg: RunConfig, model: CausalLM, rank: int, world: int, device:
     lanes = LaneStream(
         cfg.data.train[0].path, cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch,
         seed=cfg.run.seed, rank=rank, world_size=world, expected_tokenizer=cfg.data.tokenizer,
+        doc_boundaries=cfg.data.doc_boundaries,
     )
     return StateCarrier(lanes, model, device)

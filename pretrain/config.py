@@ -278,12 +278,11 @@ def doc_boundaries_problem(cfg: RunConfig) -> str | None:
     """Why this config cannot reset its models at document starts (None if it can, or does not ask to)."""
     if not cfg.data.doc_boundaries:
         return None
-    if cfg.engine.sequence_parallel > 1:
-        return ("not supported with sequence parallelism yet (the scan corrections and the memory relay do not "
-                "stop at a document start); set engine.sequence_parallel: 1 or data.doc_boundaries: false")
-    if cfg.train.carry_state:
-        return ("not supported with train.carry_state yet (a carried state does not know where its document "
-                "started); use one of the two")
+    model = cfg.model
+    if (cfg.engine.sequence_parallel > 1 and model.kind == "pmnet" and model.pmnet.memory_every
+            and model.pmnet.collision_scope == "segment"):
+        return ("model.pmnet.collision_scope=segment is not supported with sequence parallelism (a document's "
+                "segments cross the pieces' borders); use collision_scope: sequence")
     return None
 
 

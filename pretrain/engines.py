@@ -7,8 +7,8 @@ Every engine offers the same operations to the trainer:
     waits for the device: the skip is decided on it (AdamW's found_inf flag), and the trainer reads
     the StepInfos only at log steps. (DeepSpeed's ZeRO 1-3 optimizers read their own overflow flag
     every step; that wait is theirs.)
-  - `eval_loss(input_ids, labels, state)`: the loss without gradients (sharded engines gather
-    weights) and the state after the piece, so that long contexts are evaluated piece by piece.
+  - `eval_loss(input_ids, labels, state, doc_start=None)`: the loss without gradients (sharded engines
+    gather weights) and the state after the piece, so that long contexts are evaluated piece by piece.
   - `save(path)` / `load(path, scratch)`: the engine-native checkpoint of model and optimizer
     (formats in pretrain/engine_checkpoint.py; the files around it, trainer state and RNG, are
     pretrain/checkpoint.py's).
@@ -63,7 +63,7 @@ class TrainModule(nn.Module):
         detached: the gradient of this window stops at its start (truncated BPTT). ``doc_start``
         (data.doc_boundaries) resets the model at each document start."""
         if self.training and self.sequence_parallel is not None:
-            return sequence_parallel_loss(self.model, input_ids, labels, self.sequence_parallel)
+            return sequence_parallel_loss(self.model, input_ids, labels, self.sequence_parallel, doc_start)
         loss, new_state = self.model.loss(input_ids, labels, state, doc_start)
         if state is None:
             return loss
@@ -71,7 +71,7 @@ class TrainModule(nn.Module):
 
 
 # (input_ids, labels), (input_ids, labels, carried state) under train.carry_state, or
-# (input_ids, labels, None, doc_start) under data.doc_boundaries
+# (input_ids, labels, carried state or None, doc_start) under data.doc_boundaries
 Batch = tuple[Any, ...]
 
 
@@ -103,7 +103,9 @@ class Engine(Protocol):
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo: ...
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]: ...
+    def eval_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]: ...
 
     def save(self, path: str) -> None:
         """Collective: write model and optimizer state under `path` (a directory every rank sees)."""
@@ -190,12 +192,13 @@ def _poisoned(loss: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def eval_loss(
-    module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, state: Any
+    module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, Any]:
     """The loss in eval mode without gradients, starting from the carried `state`, and the state after
-    (through the wrapper, so sharded weights are gathered); the module is back in train mode afterwards."""
+    (through the wrapper, so sharded weights are gathered); the module is back in train mode afterwards.
+    ``doc_start`` (data.doc_boundaries) resets the model at each document start."""
     module.eval()
-    loss, new_state = module(input_ids, labels, state)
+    loss, new_state = module(input_ids, labels, state, doc_start)
     module.train()
     return loss, new_state
 
@@ -211,8 +214,10 @@ class _TorchOptimizerEngine:
     def _set_sync(self, last: bool) -> None:
         """FSDP reduces gradients only on the last micro-batch of a step."""
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        return eval_loss(self.module, input_ids, labels, state)
+    def eval_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        return eval_loss(self.module, input_ids, labels, state, doc_start)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo:
         losses, states = [], []
@@ -316,8 +321,10 @@ class DeepSpeedEngine:
         applied = torch.isfinite(norm) & bool(self.engine.was_step_applied())
         return StepInfo(local_loss, norm, applied, states)
 
-    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        return eval_loss(self.engine, input_ids, labels, state)
+    def eval_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        return eval_loss(self.engine, input_ids, labels, state, doc_start)
 
     def _grad_norm(self) -> torch.Tensor:
         """Global gradient norm at stage 0, where DeepSpeed's data-parallel gradients are whole."""

@@ -2,7 +2,7 @@
 
     python -m pretrain.evaluate --model <export dir> --data <text files> --context 4096,65536,524288 \
         [--chunk 2048] [--max-tokens 65536] [--soe-horizon N] [--temper N] [--json out.json] [--plot out.png] \
-        [--tasks copy,needle,zipf]
+        [--tasks copy,needle,zipf] [--doc-boundaries]
 
 A window is fed in chunks with the model's state passed along, so memory stays flat however long
 the context. docs/export_eval.md, "Evaluation", says what is scored and reported.
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from data_pipeline import synthetic
+from data_pipeline.stream import document_starts
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from model import CausalLM, build_model
 from model.vort import CERTIFIED_KINDS
@@ -130,9 +131,11 @@ def stream_logits(model: CausalLM, input_ids: torch.Tensor, chunk: int) -> Itera
 
 @torch.inference_mode()
 def evaluate_context(
-    model: CausalLM, text: Text, context: int, chunk: int, max_windows: int | None, device: torch.device
+    model: CausalLM, text: Text, context: int, chunk: int, max_windows: int | None, device: torch.device,
+    doc_start: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Streaming next-token loss over consecutive windows of `context` tokens."""
+    """Streaming next-token loss over consecutive windows of `context` tokens; with ``doc_start`` (bool
+    over the text's tokens, `document_starts`) the model resets at each document start inside a window."""
     n_windows = (text.ids.size - 1) // context
     if max_windows is not None:
         n_windows = min(n_windows, max_windows)
@@ -146,10 +149,12 @@ def evaluate_context(
     for w in range(n_windows):
         window = torch.from_numpy(text.ids[w * context : (w + 1) * context + 1]).to(device)
         inputs, targets = window[None, :-1], window[1:]
+        starts = None if doc_start is None else torch.from_numpy(doc_start[w * context : (w + 1) * context])[None]
         state = model.init_state(1, device)
         for start in range(0, context, chunk):
             piece = slice(start, start + chunk)
-            losses, state = model.token_losses(inputs[:, piece], targets[None, piece], state)
+            losses, state = model.token_losses(inputs[:, piece], targets[None, piece], state,
+                                               None if starts is None else starts[:, piece].to(device))
             nll = losses[0].double().cpu()
             n = nll.shape[0]
             buckets = bucket_of[start : start + n]
@@ -291,12 +296,14 @@ def evaluate(
     max_tokens: int | None = None,
     soe_horizon: int | None = None,
     temper: int | None = None,
+    doc_boundaries: bool = False,
 ) -> dict[str, Any]:
     """Evaluate an export directory; returns the JSON-able report (see module docstring).
 
     `max_windows` caps the windows of every context; `max_tokens` caps each context at
     max(1, max_tokens // context) windows, so that all contexts score about the same tokens.
     `soe_horizon` and `temper` rebuild a VORT-family model's SOE tables (see `rebuild_kernel`).
+    `doc_boundaries` resets the model at each file's start, as data.doc_boundaries does in training.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -334,14 +341,16 @@ def evaluate(
         "chunk": chunk,
         "soe_horizon": model.config.vort.soe_horizon,
         "temper": model.config.vort.temper,
+        "doc_boundaries": doc_boundaries,
         "contexts": {},
     }
+    doc_start = document_starts(text.ids, tok.eos_id) if doc_boundaries else None
     for context in contexts:
         limit = max_windows
         if max_tokens is not None:
             by_tokens = max(1, max_tokens // context)
             limit = by_tokens if limit is None else min(limit, by_tokens)
-        result = evaluate_context(model, text, context, chunk, limit, dev)
+        result = evaluate_context(model, text, context, chunk, limit, dev, doc_start)
         add_text_units(result, text, tok)
         result["warnings"] = context_warnings(model, context, chunk)
         for message in result["warnings"]:
@@ -385,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--task-len", type=int, default=2048, help="tokens per synthetic-task example")
     parser.add_argument("--task-examples", type=int, default=8, help="examples per synthetic task")
+    parser.add_argument("--doc-boundaries", action="store_true",
+                        help="reset the model at each file's start (for models trained with data.doc_boundaries)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write a PNG of bits per token against position here")
@@ -403,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.max_tokens,
             args.soe_horizon,
             args.temper,
+            args.doc_boundaries,
         )
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)

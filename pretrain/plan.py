@@ -12,6 +12,7 @@ their shapes. docs/sequence_parallel.md, "Memory plan", explains the method and 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import re
@@ -151,7 +152,7 @@ def _model_step(
 
     def evaluation() -> None:  # the trainer's periodic evaluation of one sequence, through the engine's wrapper
         module = TrainModule(model)
-        streamed_loss(lambda i, t, s: eval_loss(module, i, t, s), model, ids[:, :-1], ids[:, 1:], tokens)
+        streamed_loss(functools.partial(eval_loss, module), model, ids[:, :-1], ids[:, 1:], tokens)
 
     return train_step if mode == "train" else evaluation
 

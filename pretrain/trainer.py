@@ -169,16 +169,18 @@ def eval_piece_tokens(cfg: RunConfig, model: CausalLM, context: int) -> int:
 
 
 def streamed_loss(
-    eval_loss: Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]],
-    model: CausalLM, inputs: torch.Tensor, labels: torch.Tensor, piece: int,
+    eval_loss: Callable[..., tuple[torch.Tensor, Any]],
+    model: CausalLM, inputs: torch.Tensor, labels: torch.Tensor, piece: int, doc_start: torch.Tensor | None = None,
 ) -> tuple[float, int]:
     """(summed loss, scored tokens) of [1, T] inputs fed `piece` tokens at a time through `eval_loss`
-    (an engine's), the state carried from piece to piece: memory stays that of one piece."""
+    (an engine's), the state carried from piece to piece: memory stays that of one piece. With
+    ``doc_start`` (data.doc_boundaries) the model resets at each document start, as in training."""
     state = model.init_state(inputs.shape[0], inputs.device)
     total, count = 0.0, 0
     for start in range(0, inputs.shape[1], piece):
         piece_labels = labels[:, start : start + piece]
-        loss, state = eval_loss(inputs[:, start : start + piece], piece_labels, state)
+        piece_starts = None if doc_start is None else doc_start[:, start : start + piece]
+        loss, state = eval_loss(inputs[:, start : start + piece], piece_labels, state, piece_starts)
         scored = int((piece_labels != IGNORE_INDEX).sum())
         total += float(loss) * scored
         count += scored
@@ -190,7 +192,8 @@ def heldout_bits_per_token(
 ) -> dict[str, float]:
     """Held-out loss at each configured context length, as bits per token (= per byte for byte
     models); every rank evaluates its share of the sequences, streaming each in pieces with the
-    carried state (`eval_piece_tokens`), and the sums are reduced."""
+    carried state (`eval_piece_tokens`), and the sums are reduced. Under data.doc_boundaries the
+    model resets at the documents' starts, as it does in training."""
     results: dict[str, float] = {}
     model = engine.model
     for context in cfg.eval.contexts:
@@ -201,10 +204,12 @@ def heldout_bits_per_token(
             stream = PackedStream(
                 [(path, 1.0)], seq_len=context, seed=0, rank=rank, world_size=world, shuffle=False,
                 max_samples=n_seq - n_seq % world, batch_size=1, expected_tokenizer=cfg.data.tokenizer,
+                doc_boundaries=cfg.data.doc_boundaries,
             )
             for sample in stream:
                 inputs, labels = sample["input_ids"][None].to(device), sample["labels"][None].to(device)
-                summed, scored = streamed_loss(engine.eval_loss, model, inputs, labels, piece)
+                doc_start = sample["doc_start"][None].to(device) if "doc_start" in sample else None
+                summed, scored = streamed_loss(engine.eval_loss, model, inputs, labels, piece, doc_start)
                 total += summed
                 count += scored
         total, count = all_reduce_sum([total, count])
@@ -352,12 +357,11 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
             micro_batches = []
             for _ in range(gas):
                 batch = next(batches)
-                pieces = (local_slice(batch[key], sequence_parallel).to(device, non_blocking=True)
-                          for key in ("input_ids", "labels"))
-                if "doc_start" in batch:  # data.doc_boundaries (never with sequence parallelism)
-                    micro_batches.append((*pieces, None, batch["doc_start"].to(device, non_blocking=True)))
-                else:
-                    micro_batches.append(tuple(pieces))
+                keys = ("input_ids", "labels", "doc_start") if "doc_start" in batch else ("input_ids", "labels")
+                pieces = [local_slice(batch[key], sequence_parallel).to(device, non_blocking=True) for key in keys]
+                if len(pieces) == 3:  # data.doc_boundaries: this rank's slice of the document starts
+                    pieces.insert(2, None)  # no carried state
+                micro_batches.append(tuple(pieces))
         info = engine.train_step(micro_batches, lr)
         if carrier is not None:
             carrier.update(info.states)

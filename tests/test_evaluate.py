@@ -68,6 +68,30 @@ def test_streaming_equals_one_shot(exports: dict[str, Path], text_file: Path, fa
         assert a["bits_per_token"] == pytest.approx(b["bits_per_token"], rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.parametrize("family", ["vort", "pmnet"])
+def test_doc_boundaries_score_each_file_as_if_alone(exports: dict[str, Path], tmp_path: Path, family: str) -> None:
+    """With doc_boundaries two files in one window, streamed in chunks of 37, score as each file run alone
+    from its first token; the EOS that ends the first file is its last input and predicts the second's first
+    token, as in training."""
+    model = load_exported(exports[family])
+    tok = ev.load_export_tokenizer(exports[family])
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_bytes(BOOK.read_bytes()[:300])
+    second.write_bytes(BOOK.read_bytes()[5000:5400])
+    text = ev.read_text([str(first), str(second)], tok)
+    starts = ev.document_starts(text.ids, tok.eos_id)
+    assert starts.nonzero()[0].tolist() == [0, 301]  # the text: 300 bytes, EOS, 400 bytes, EOS
+    context, cpu = 512, torch.device("cpu")
+    reset = ev.evaluate_context(model, text, context, chunk=37, max_windows=1, device=cpu, doc_start=starts)
+    read_across = ev.evaluate_context(model, text, context, chunk=37, max_windows=1, device=cpu)
+    ids = torch.from_numpy(text.ids)
+    with torch.no_grad():
+        nll = sum(F.cross_entropy(model(ids[None, lo:hi]).logits[0], ids[lo + 1 : hi + 1], reduction="sum").item()
+                  for lo, hi in ((0, 301), (301, context)))
+    assert reset["bits_per_token"] == pytest.approx(nll / context / math.log(2), rel=1e-5)
+    assert reset["bits_per_token"] != pytest.approx(read_across["bits_per_token"], rel=1e-5)
+
+
 def test_cli_report_plot_and_tasks(exports: dict[str, Path], text_file: Path, tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "report.json", tmp_path / "loss.png"
     code = ev.main([

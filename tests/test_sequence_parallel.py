@@ -140,6 +140,93 @@ def test_pmnet_pieces_equal_the_whole_at_16k_tokens(tmp_path: Path) -> None:
     _check_pieces(tmp_path, WORLD, 1e-6)
 
 
+# ----------------------------------------------------------------------------- document boundaries
+
+DOC_LENGTH = 64
+# Row 0: starts inside pieces (10, 45), on the edges of 4 pieces (16, 48) and of 2 (32). Row 1 opens
+# mid-document, whose first document then spans ranks 0-2 of 4 (a middle rank with no start of its own), has
+# one-token document at 33 and a document begun on rank 2 that ends on rank 3.
+DOC_STARTS = [[10, 16, 32, 45, 48], [3, 33, 34, 60]]
+DOC_CASES = {  # world -> (family of tests/test_short_conv.py, scan backend, activation checkpointing)
+    2: [("vort", "torch", False), ("pl", "reference", False), ("exp", "torch", True), ("m5", "torch", False),
+        ("pmnet", "torch", False), ("pmnet", "torch", True)],
+    4: [("vort", "torch", False), ("m5", "reference", False), ("pmnet", "torch", False)],
+}
+
+
+def _documents_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Every case of DOC_CASES[world] in one process group: the pieces' logits, loss and gradients against the
+    packed sequence's in one process (which tests/test_doc_boundaries.py checks against each document alone)."""
+    from tests.test_short_conv import FAMILIES
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ids = torch.randint(0, 258, (2, DOC_LENGTH + 1), generator=torch.Generator().manual_seed(1))
+        inputs, labels = ids[:, :-1], ids[:, 1:].clone()
+        labels[0, 20] = -100
+        doc_start = torch.zeros(2, DOC_LENGTH, dtype=torch.bool)
+        for row, starts in enumerate(DOC_STARTS):
+            doc_start[row, starts] = True
+        sp = ParallelDims(world, world).build(rank, DOC_LENGTH)
+        results = []
+        for kind, backend, checkpointing in DOC_CASES[world]:
+            torch.manual_seed(0)
+            model = build_model(FAMILIES[kind])
+            for block in model.blocks:
+                if hasattr(block, "mixer"):
+                    block.mixer.backend = backend
+            for memory in getattr(model, "memories", list)():  # wake PMNet's memory, as _model_worker does
+                torch.nn.init.normal_(memory.out.weight, std=0.1)
+                torch.nn.init.ones_(memory.write_gain)
+            model.activation_checkpointing = checkpointing
+            with torch.no_grad():
+                whole_logits = model(inputs, doc_start=doc_start).logits
+                piece_logits = model(local_slice(inputs, sp), sequence_parallel=sp,
+                                     doc_start=local_slice(doc_start, sp)).logits
+            parts = [torch.empty_like(piece_logits) for _ in range(world)]
+            dist.all_gather(parts, piece_logits.contiguous())
+            logits_err = float((torch.cat(parts, dim=1) - whole_logits).abs().max())
+            whole, _ = model.loss(inputs, labels, doc_start=doc_start)
+            whole.backward()
+            expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad()
+            loss = sequence_parallel_loss(model, local_slice(inputs, sp), local_slice(labels, sp), sp,
+                                          local_slice(doc_start, sp))
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            worst, worst_name = 0.0, ""
+            for name, param in model.named_parameters():
+                if name in expected:
+                    grad = param.grad.clone()
+                    dist.all_reduce(grad)
+                    scale = expected[name].abs().max().clamp_min(1e-6)
+                    worst, worst_name = max((worst, worst_name),
+                                            (float((grad / world - expected[name]).abs().max() / scale), name))
+            results.append({"case": [kind, backend, checkpointing], "logits_err": logits_err,
+                            "loss": float(total) / world, "whole": float(whole.detach()), "grad_err": worst,
+                            "worst_param": worst_name, "n_grads": len(expected)})
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pieces_with_document_boundaries_equal_the_packed_sequence(world: int, tmp_path: Path) -> None:
+    """data.doc_boundaries under sequence parallelism, every family that splits, reference and chunked scans:
+    positions continue from a start on an earlier rank, the halo, the convolution's tail and the entering
+    scan state stop at a start, and PMNet's memory restarts and counts each document's writers over all
+    pieces. Logits, loss and every gradient equal one process's to rounding."""
+    mp.spawn(_documents_worker, args=(world, free_port(), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        for result in json.loads((tmp_path / f"rank{rank}.json").read_text()):
+            assert result["logits_err"] < 1e-5, result
+            assert result["loss"] == pytest.approx(result["whole"], rel=1e-5), result
+            assert result["n_grads"] > 10 and result["grad_err"] < 1e-4, result
+
+
 # ----------------------------------------------------------------------------- through the trainer
 
 ENGINES = {
@@ -233,6 +320,25 @@ def test_two_rank_sequence_parallel_equals_one_process(family: str, engine: str,
     proc = run_training(launcher, 2, sp_args(family, demo_shards, tmp_path / "sp", overrides))
     assert "on 2 rank(s) (data-parallel 1 x sequence-parallel 2)" in proc.stdout + proc.stderr
     assert_follows_one_process(family, finished_run(tmp_path / "sp"), expected, engine)
+
+
+def test_two_rank_run_with_document_boundaries_equals_one_process(tmp_path: Path) -> None:
+    """data.doc_boundaries through the trainer: on shards of short documents (about 5 per 128-token
+    sequence) each rank gets its slice of doc_start and the 2-rank run follows one process step by step."""
+    from data_pipeline.build import build_shards
+
+    text = HELD_OUT.read_text()
+    lengths = torch.randint(5, 50, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text[o : o + n]}) + "\n" for o, n in zip(offsets, lengths)))
+    build_shards([str(corpus)], str(tmp_path / "shards"), tokenizer="bytes", shard_tokens=4000)
+    shards = {"train": str(tmp_path / "shards")}
+    single = ["engine.kind=single", "engine.sequence_parallel=1", "data.doc_boundaries=true"]
+    run_training("python", 1, sp_args("vort", shards, tmp_path / "single", single))
+    launcher, overrides = ENGINES["zero2"]
+    run_training(launcher, 2, sp_args("vort", shards, tmp_path / "sp", [*overrides, "data.doc_boundaries=true"]))
+    assert_follows_one_process("vort", finished_run(tmp_path / "sp"), finished_run(tmp_path / "single"), "doc")
 
 
 MESHES = [  # family, engine, sequence-parallel ranks of the 4

@@ -168,8 +168,37 @@ def test_doc_boundaries_reach_the_model(tmp_path: Path, demo_shards: dict[str, s
     assert all(d is not None and d.dtype == torch.bool and d.shape == (2, 64) for d in seen)
 
 
-def test_doc_boundaries_refused_where_not_supported_yet(demo_shards: dict[str, str], tmp_path: Path) -> None:
-    ok = [*data_overrides(demo_shards, tmp_path / "run"), "data.doc_boundaries=true"]
-    with pytest.raises(ConfigError, match=r"data.doc_boundaries=true: not supported with train.carry_state"):
-        load_config(TINY, [*ok, "train.carry_state=true"])
-    load_config(TINY, ok)
+def test_doc_boundaries_with_carried_states_reach_the_model(tmp_path: Path, demo_shards: dict[str, str],
+                                                            monkeypatch) -> None:
+    """Under train.carry_state the lanes' doc_start reaches the model with the carried state, and the states
+    carry positions within the current document: a lane's next window continues them."""
+    seen: list[tuple[torch.Tensor | None, object]] = []
+    hidden_states = StackedLM.hidden_states
+
+    def spy(self, input_ids, state=None, sequence_parallel=None, doc_start=None):
+        out = hidden_states(self, input_ids, state, sequence_parallel, doc_start)
+        if self.training:
+            seen.append((doc_start, out[1][0].offset))
+        return out
+
+    monkeypatch.setattr(StackedLM, "hidden_states", spy)
+    overrides = [*data_overrides(demo_shards, tmp_path / "run"), "data.doc_boundaries=true", "train.carry_state=true",
+                 "train.steps=2", "model.kind=exp", "data.valid=[]", "eval.every=0"]
+    assert main(["--config", TINY, *overrides]) == 0
+    assert len(seen) == 2 * 4  # steps x micro-batches
+
+    def position_after(doc_start: torch.Tensor, before: torch.Tensor | int) -> torch.Tensor:
+        last_start = torch.where(doc_start, torch.arange(64), -1).max(1).values
+        return torch.where(last_start >= 0, 64 - last_start, before + 64)
+
+    for (doc_start, first), (later_start, later) in zip(seen[:4], seen[4:], strict=True):
+        assert doc_start.dtype == torch.bool and doc_start.shape == later_start.shape == (2, 64)
+        assert torch.equal(first, position_after(doc_start, 0))  # step 1 starts every lane afresh
+        assert torch.equal(later, position_after(later_start, first))  # step 2 continues the lanes
+
+
+def test_doc_boundaries_refuse_the_segment_scope_under_sequence_parallelism() -> None:
+    sp = REPO / "configs" / "sp-cpu-pmnet.yaml"
+    load_config(sp, ["data.doc_boundaries=true"])
+    with pytest.raises(ConfigError, match=r"data.doc_boundaries=true: model.pmnet.collision_scope=segment"):
+        load_config(sp, ["data.doc_boundaries=true", "model.pmnet.collision_scope=segment"])
