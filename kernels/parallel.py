@@ -278,22 +278,22 @@ def phasor_scan_sequence_parallel(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kernels.phasor_scan` over a sequence split across the ranks of ``group`` (this rank's
     piece in delta, slots and ``reset``, bool [B, T_piece]). Returns this piece's (read, phases after it).
-    Phases add, and a reset restarts from ``initial_state``: a piece enters with the initial state plus
-    the local phases of the earlier pieces from the last one with a reset on; tokens from its first reset
-    on read the initial state plus their own piece's phases, and a piece with a reset leaves the initial
-    state plus its local phases."""
+    Phases add, and a reset restarts from zero (as in :func:`kernels.phasor_scan`): a piece enters with
+    the local phases of the earlier pieces from the last one with a reset on, plus ``initial_state`` only
+    if no earlier piece has a reset; tokens from its first reset on read only their own piece's phases,
+    and a piece with a reset leaves its local phases."""
     read, local = phasor_scan(delta, slots, n_slots, None, True, backend, reset=reset)
     pieces = _Pieces(reset, delta.shape[0], delta.shape[1], group, delta.device)
     totals = _GatherStates.apply(group, local)
-    init = torch.zeros_like(local) if initial_state is None else initial_state.to(local.dtype)
-    entering = init
+    entering = torch.zeros_like(local)
+    if initial_state is not None:
+        entering = pieces.reaches(-1).to(local.dtype)[:, None, None] * initial_state.to(local.dtype)
     for source in range(dist.get_world_size(group)):  # weight 0 from this rank on, as in the SOE scan
         entering = entering + pieces.reaches(source).to(local.dtype)[:, None, None] * totals[source]
     entering_read = slot_phases(entering, slots)
     if reset is not None:
-        after = ~_before_first_reset(reset)[..., None, None]
-        entering_read = torch.where(after, slot_phases(init, slots), entering_read)
-        entering = torch.where(pieces.has_reset[pieces.rank][:, None, None], init, entering)
+        entering_read = entering_read * _before_first_reset(reset)[..., None, None]
+        entering = entering * ~pieces.has_reset[pieces.rank][:, None, None]
     read = wrap_angle(read + entering_read.to(read.dtype))  # wrap counts as the identity for gradients
     return read, (wrap_angle(local + entering) if output_final_state else None)
 

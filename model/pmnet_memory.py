@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
-from kernels._common import wrap_angle
 from kernels.parallel import receive_from_previous, send_to_next
 from model.blocks import Offset, document_ids, token_positions
 from model.config import PMNetConfig
@@ -329,9 +328,7 @@ class PhasorMemory(nn.Module):
         phases `memory` carried (or relayed) into the call.
 
         With reset (bool [B, T], document starts) a document starts from the initial phases, zero, not
-        from `memory`; the kernel's reset goes back to its `initial_state`, so the scan runs from zero
-        and `memory` is added to what the tokens before a row's first start read, and to the final
-        phases of the rows without a start.
+        from `memory`: the kernel's reset forgets the carried phases.
         """
         if self.reference:
             reads = []
@@ -343,17 +340,8 @@ class PhasorMemory(nn.Module):
                                                    backend="reference")
                 reads.append(read)
             return torch.cat(reads, dim=1), memory
-        if reset is None:
-            return kernels.phasor_scan(delta, slots, self.n_slots, initial_state=memory, output_final_state=True,
-                                       backend=self.scan_backend)
-        read, final = kernels.phasor_scan(delta, slots, self.n_slots, output_final_state=True,
-                                          backend=self.scan_backend, reset=reset)
-        B, T, E, M = delta.shape
-        carried = memory.gather(1, slots.reshape(B, T * E, 1).expand(-1, -1, M)).view(B, T, E, M)
-        before_first_start = (reset.cumsum(1) == 0)[..., None, None]
-        read = wrap_angle(read + torch.where(before_first_start, carried, 0.0).to(read.dtype))
-        final = wrap_angle(final + torch.where(reset.any(1)[:, None, None], 0.0, memory).to(final.dtype))
-        return read, final
+        return kernels.phasor_scan(delta, slots, self.n_slots, initial_state=memory, output_final_state=True,
+                                   backend=self.scan_backend, reset=reset)
 
     @staticmethod
     def _demodulate(read: torch.Tensor, phase_q: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import BACKENDS, resolve_backend, work_dtype, wrap_angle
+from kernels._common import BACKENDS, resolve_backend
 from kernels.phasor.compiled import PhasorScanCompiled
 from kernels.phasor.naive import phasor_scan_reference
 from kernels.phasor.segment import PhasorScanSegmented
@@ -34,10 +34,10 @@ def phasor_scan(
     slot-sorted entries in PyTorch, any device); "triton" (the CUDA default); or "auto".
 
     ``reset`` (bool [B, T], optional): True where a token starts a document. Before that token reads,
-    every slot of its row goes back to ``initial_state`` (zero without one): the token reads the initial
-    phases and the increments before it are forgotten, so each document is scanned as if alone from the
-    initial state; the final phases are the initial state plus the increments of the row's last
-    document. Every backend honours it, forward and backward.
+    every slot of its row goes back to zero, a document's own initial phases: the increments before it
+    and ``initial_state`` (a state carried from earlier text) are forgotten, as :func:`kernels.soe_scan`
+    forgets its state at a reset, so each document is scanned as if alone; the final phases are the
+    increments of the row's last document. Every backend honours it, forward and backward.
     """
     if delta.dim() != 4 or slots.shape != delta.shape[:3]:
         raise ValueError(
@@ -69,8 +69,6 @@ def phasor_scan(
     else:
         fn = PhasorScanSegmented
     read, final = fn.apply(delta, slots, n_slots, init, reset)
-    if reset is not None and initial_state is not None:
-        read, final = _restart_from(initial_state, slots, reset, read, final)
     return read, (final if output_final_state else None)
 
 
@@ -80,15 +78,3 @@ def slot_phases(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     index = slots.long().reshape(batch, seq_len * levels, 1).expand(-1, -1, state.shape[-1])
     return state.gather(1, index).view(batch, seq_len, levels, -1)
 
-
-def _restart_from(
-    init: torch.Tensor, slots: torch.Tensor, reset: torch.Tensor, read: torch.Tensor, final: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backends zero the phases at a reset (the initial state counts only before the first one); a
-    reset restarts them from ``init``: add it to the reads from a row's first reset on and to the final
-    phases of rows with a reset. Phases add, so this equals restarting the scan; gradients reach ``init``
-    through autograd."""
-    compute = work_dtype(read.dtype)
-    after = (reset.cumsum(1) > 0)[..., None, None]
-    read = wrap_angle(read.to(compute) + slot_phases(init.to(compute), slots) * after).to(read.dtype)
-    return read, wrap_angle(final + init.to(final.dtype) * reset.any(1)[:, None, None])

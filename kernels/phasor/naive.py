@@ -21,8 +21,7 @@ def phasor_scan_reference(
     reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token phasor scan: read[b,t,l] = wrap(state[b, slots[b,t,l]]) before token t writes.
-    Where ``reset[b, t]`` (bool [B, T]), every slot of row b goes back to the initial state (zero without
-    one) before token t reads."""
+    Where ``reset[b, t]`` (bool [B, T]), every slot of row b goes back to zero before token t reads."""
     batch, seq_len, levels, width = delta.shape
     init = delta.new_zeros(batch, n_slots, width, dtype=torch.float64)
     if initial_state is not None:
@@ -32,7 +31,7 @@ def phasor_scan_reference(
     reads = []
     for t in range(seq_len):
         if reset is not None:
-            state = torch.where(reset[:, t, None, None], init, state)
+            state = torch.where(reset[:, t, None, None], 0.0, state)
         reads.append(wrap_angle(state.gather(1, idx[:, t])))
         state = state.scatter_add(1, idx[:, t], delta[:, t].to(torch.float64))
     read = torch.stack(reads, dim=1).to(delta.dtype)
