@@ -14,7 +14,10 @@ from model import build_model
 from model.blocks import token_positions
 from tests.test_short_conv import FAMILIES  # every family with a short convolution, at test size
 
-CASES = [(kind, "torch") for kind in FAMILIES] + [(kind, "reference") for kind in ("vort", "pl", "exp", "m5")]
+# The Triton scans run under the interpreter (tests/conftest.py); VORT's costs minutes there (a launch per
+# document and pass), so it is in the slow target; tests/test_kernels_triton.py checks its resets quickly.
+CASES = [(kind, "torch") for kind in FAMILIES] + [(kind, "reference") for kind in ("vort", "pl", "exp", "m5")] + [
+    pytest.param("vort", "triton", marks=pytest.mark.slow), ("pmnet", "triton")]
 
 SEQ = 40
 # Row 0 starts with a document; its others start inside a scan chunk / attention block of 8 (5, 29) and on
@@ -45,6 +48,7 @@ def _model(kind: str, backend: str) -> torch.nn.Module:
     for memory in getattr(model, "memories", list)():  # PMNet's read-out and write gain start at zero: wake
         torch.nn.init.normal_(memory.out.weight, std=0.1)  # them, so that the phases reach the logits
         torch.nn.init.ones_(memory.write_gain)
+        memory.scan_backend = backend
     return model
 
 
