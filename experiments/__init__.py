@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from experiments import extrapolation, mqar, orders, phasor, retrieval
+from experiments import extrapolation, long_context, mqar, orders, phasor, retrieval
 from experiments.runner import Experiment
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
     for e in (*retrieval.EXPERIMENTS, *phasor.EXPERIMENTS, *orders.EXPERIMENTS, *extrapolation.EXPERIMENTS,
-              *mqar.EXPERIMENTS)
+              *mqar.EXPERIMENTS, *long_context.EXPERIMENTS)
 }
 
 __all__ = ["EXPERIMENTS", "Experiment"]

@@ -18,6 +18,7 @@ VORT-family run it also records what the probe measures at the longest context.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +67,18 @@ QUICK = ("train.steps=2", "train.global_batch=4", "train.micro_batch=2", "data.s
          "model.d_model=32", "model.n_layers=1", "model.vort.soe_horizon=256")
 
 
+@dataclass
 class BooksExperiment(Experiment):
-    """Train-short-test-long on books: bits per byte by context and by position in the context."""
+    """Train-short-test-long on books: bits per byte by context and by position in the context.
+
+    `contexts` are scored on the same first max(contexts) bytes of the held-out novel, `long_contexts`
+    on the second novel (none: skipped); `train_len` marks the training length in the plots.
+    """
+
+    contexts: tuple[int, ...] = CONTEXTS
+    quick_contexts: tuple[int, ...] = QUICK_CONTEXTS
+    long_contexts: tuple[int, ...] = LONG_CONTEXTS
+    train_len: int = TRAIN_LEN
 
     def prepare(self, out: Path, quick: bool) -> None:
         shards = out / "shards" / "demo-train"
@@ -83,14 +94,14 @@ class BooksExperiment(Experiment):
 
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
         model.eval()
-        contexts = QUICK_CONTEXTS if quick else CONTEXTS
+        contexts = self.quick_contexts if quick else self.contexts
         text = read_text([str(HELD_OUT)], byte_tokenizer())
         scored = score_contexts(model, text, contexts)
         metrics: dict[str, Any] = {f"bpb@{c}": v["bits_per_token"] for c, v in scored.items()}
         metrics["contexts"] = scored  # pretrain.evaluate's report layout, for pretrain.compare
-        if model.config.kind != "transformer":
+        if model.config.kind != "transformer" and self.long_contexts:
             long_text = read_text([str(LONG_HELD_OUT)], byte_tokenizer())
-            long_scored = score_contexts(model, long_text, QUICK_LONG_CONTEXTS if quick else LONG_CONTEXTS)
+            long_scored = score_contexts(model, long_text, QUICK_LONG_CONTEXTS if quick else self.long_contexts)
             metrics.update({f"long_bpb@{c}": v["bits_per_token"] for c, v in long_scored.items()})
             metrics["long_contexts"] = long_scored
         max_tokens = max(contexts)
@@ -110,7 +121,7 @@ class BooksExperiment(Experiment):
         the same for the second novel's long window in plot-long.png."""
         runs = [r for r in results["runs"] if r["seed"] == 0]
         title = results["title"] + (" (quick)" if results["quick"] else "")
-        train_len = None if results["quick"] else TRAIN_LEN
+        train_len = None if results["quick"] else self.train_len
         compare.plot({r["family"]: {"contexts": r["metrics"]["contexts"]} for r in runs}, str(path), title, train_len)
         long = {r["family"]: {"contexts": r["metrics"]["long_contexts"]}
                 for r in runs if "long_contexts" in r["metrics"]}

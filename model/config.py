@@ -19,12 +19,22 @@ class VortConfig:
     them (pl: `pl_alpha`; exp: nothing kernel-specific; m5: `m5_timescales`). `temper` (tokens)
     tempers the vort and pl kernels: w_n(alpha) exp(-n / temper). `entity_aux_weight` (vort only)
     adds the weak-label entity loss of model/entity_labels.py to training.
+
+    The q.k score is exp(temperature * cos(q, k)); `learn_temperature` makes it one learned
+    temperature per head and layer (log-parametrised, starting at `temperature`), capped at
+    `temperature_max`, which bounds the random features' exponent for every head (docs/vort.md).
+    `readout` is how the layer turns the scan's sums into its output: "numden" the normalised
+    average num / den, "norm_gate" that average through a per-head RMS norm and a sigmoid gate
+    computed from the token (GLA/RetNet style), every kind alike.
     """
 
     n_features: int = 64
     feature_map: Literal["fixed", "learned"] = "fixed"
     feature_seed: int = 0
     temperature: float = 2.0
+    learn_temperature: bool = False
+    temperature_max: float = 8.0
+    readout: Literal["numden", "norm_gate"] = "numden"
     rotary: bool = True
     delta: float = 0.1
     n_banks: int = 8
@@ -54,6 +64,11 @@ class VortConfig:
             raise ValueError(f"pl_alpha: must be in [delta={self.delta}, 1], got {self.pl_alpha}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+        if self.temperature > self.temperature_max:
+            raise ValueError(f"temperature: must be <= temperature_max={self.temperature_max} (the bound that keeps "
+                             f"the random features finite in fp32), got {self.temperature}")
+        if self.readout not in ("numden", "norm_gate"):
+            raise ValueError(f"readout: must be 'numden' or 'norm_gate', got {self.readout!r}")
         if self.temper is not None and self.temper < 1:
             raise ValueError(f"temper: must be a number of tokens >= 1 or null (no tempering), got {self.temper}")
         if not 0 < self.soe_eps < 1:

@@ -319,7 +319,9 @@ class VortLayer(nn.Module):
 
     q and k get rotary positions, are L2-normalised and scaled to norm sqrt(temperature) (so the
     approximated score is exp(temperature * cos(q, k)) and the random features stay bounded), then
-    feature-mapped. The kernel's per-token coefficients are folded into the scan's write.
+    feature-mapped. With `learn_temperature` each head learns its temperature (log-parametrised,
+    capped at `temperature_max`). The kernel's per-token coefficients are folded into the scan's
+    write; `readout` turns the scan's sums into the output (`readout`'s docstring).
     `backend` and `chunk_size` select the scan path (set them on the instance to switch).
     """
 
@@ -327,16 +329,49 @@ class VortLayer(nn.Module):
         super().__init__()
         cfg = config.vort
         self.n_heads, self.head_dim, self.rope_base = config.n_heads, config.head_dim, config.rope_base
-        self.rotary, self.scale, self.eps = cfg.rotary, math.sqrt(cfg.temperature), cfg.eps
+        self.rotary, self.eps = cfg.rotary, cfg.eps
         self.backend, self.chunk_size = cfg.scan_backend, cfg.chunk_size
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.fixed_temperature, self.max_log_temperature = cfg.temperature, math.log(cfg.temperature_max)
+        # 1-D, so pretrain.optim leaves it out of weight decay (which would pull it towards temperature 1)
+        self.log_temperature = (nn.Parameter(torch.full((config.n_heads,), math.log(cfg.temperature)))
+                                if cfg.learn_temperature else None)
+        if cfg.readout == "norm_gate":
+            self.read_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.gate = nn.Linear(config.d_model, config.d_model, bias=False)
+        else:
+            self.read_norm = self.gate = None
         self.features = PositiveRandomFeatures(config.n_heads, config.head_dim, cfg, layer_index)
         self.memory = MEMORIES[config.kind](config)
 
     @property
     def n_features(self) -> int:
         return self.features.weight.shape[1]
+
+    def temperature(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | float:
+        """The q.k temperature: `temperature`, or with `learn_temperature` one per head [H] in
+        `dtype`, capped at `temperature_max` by a clamp (as CLIP caps its logit scale: at the cap
+        the gradient stops pushing it further)."""
+        if self.log_temperature is None:
+            return self.fixed_temperature
+        return self.log_temperature.to(dtype).clamp(max=self.max_log_temperature).exp()
+
+    def readout(self, num: torch.Tensor, den: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The scan's sums num [B, T, H, D] and den [B, T, H] -> the read [B, T, H, D], before `out`.
+
+        "numden": num / (den + eps), the kernel- and score-weighted average of the values.
+        "norm_gate": that average through a per-head RMS norm, times sigmoid(gate(x)) from the token.
+        The norm of num and of num / den are the same (den is a positive scalar per token and head),
+        so the average is what gets normalised: its range is the values', whereas num grows with the
+        kernel's mass over a long context. The norm discards how diffuse the average is (an average
+        over many unrelated values is short); the gate lets each token scale its read instead.
+        """
+        y = num / (den[..., None] + self.eps)
+        if self.read_norm is None:
+            return y
+        gate = torch.sigmoid(self.gate(x).view(y.shape).to(y.dtype))
+        return self.read_norm(y) * gate
 
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> VortState:
         shape = (batch_size, self.n_heads, self.memory.n_terms, self.n_features)
@@ -362,8 +397,10 @@ class VortLayer(nn.Module):
             cos, sin = rotary_tables(positions, self.head_dim, self.rope_base)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         dt = kernels.work_dtype(x.dtype)
-        fq = self.features(F.normalize(q.to(dt), dim=-1) * self.scale)
-        fk = self.features(F.normalize(k.to(dt), dim=-1) * self.scale)
+        temperature = self.temperature(dt)  # q, k [B, T, H, D] get norm sqrt(temperature)
+        scale = math.sqrt(temperature) if isinstance(temperature, float) else temperature.sqrt()[:, None]
+        fq = self.features(F.normalize(q.to(dt), dim=-1) * scale)
+        fk = self.features(F.normalize(k.to(dt), dim=-1) * scale)
         coef, log_lam = self.memory(x)
         initial = None if state is None else (state.G, state.b)
         if sp is not None:  # the state entering this piece is combined from the earlier ranks' states
@@ -373,7 +410,7 @@ class VortLayer(nn.Module):
             num, den, final = kernels.soe_scan(fq, fk, v.to(dt), coef, log_lam, initial_state=initial,
                                                output_final_state=True, chunk_size=self.chunk_size,
                                                backend=self.backend, reset=doc_start)
-        y = (num / (den[..., None] + self.eps)).to(x.dtype)
+        y = self.readout(num, den, x).to(x.dtype)
         return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], next_offset(offset, T, doc_start))
 
     def extra_forward_flops(self) -> float:

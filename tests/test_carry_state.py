@@ -60,8 +60,10 @@ def long_pass_losses(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Te
 
 
 @pytest.mark.parametrize("config", [TINY_VORT, TINY_PMNET, dataclasses.replace(TINY_VORT, short_conv=3),
-                                    dataclasses.replace(TINY_PMNET, short_conv=3)],
-                         ids=["vort", "pmnet", "vort-conv", "pmnet-conv"])
+                                    dataclasses.replace(TINY_PMNET, short_conv=3),
+                                    dataclasses.replace(TINY_VORT, vort=dataclasses.replace(
+                                        TINY_VORT.vort, learn_temperature=True, readout="norm_gate"))],
+                         ids=["vort", "pmnet", "vort-conv", "pmnet-conv", "vort-long"])
 def test_carried_state_equals_one_long_pass_forward_and_truncated_gradient(config: ModelConfig) -> None:
     torch.manual_seed(0)
     model = build_model(config)

@@ -129,13 +129,21 @@ def test_single_export_gives_training_logits(single_run: Path, tmp_path: Path) -
     assert "| eval/bits_per_token@64 |" in card
 
 
-@pytest.mark.parametrize("family", ["pmnet", "transformer"])
+@pytest.mark.parametrize("family", ["pmnet", "transformer", "vort-long"])
 def test_transformers_matches_own_loader(family: str, tmp_path: Path) -> None:
     """The other families through transformers, from an in-memory model (PMNet has a constant that
-    is not in the weights file, which transformers' loading empties and the wrapper restores)."""
-    cfg = config_from_dict(yaml.safe_load((REPO / "configs" / "model" / f"{family}-tiny.yaml").read_text()))
+    is not in the weights file, which transformers' loading empties and the wrapper restores);
+    vort-long: VORT with learned temperatures and the gated read, its weights moved off their init."""
+    tree = yaml.safe_load((REPO / "configs" / "model" / f"{family.removesuffix('-long')}-tiny.yaml").read_text())
+    if family == "vort-long":
+        tree["model"]["vort"].update(learn_temperature=True, readout="norm_gate")
+    cfg = config_from_dict(tree)
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
+    if family == "vort-long":
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.05 * torch.randn_like(param))
     out = ex.write_export(model, cfg, tmp_path / family)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     expected = _logits(model, ids)

@@ -43,8 +43,11 @@ CASES = {
     "single-carry": ("python", 1, ["engine.kind=single", *CARRY], "vort"),
     "deepspeed-2-carry": ("deepspeed", 2, [*DEEPSPEED, *CARRY], "vort"),
     "fsdp-2-carry": ("torchrun", 2, ["engine.kind=fsdp", *CARRY], "vort"),
+    # VORT's options for long contexts: learned temperatures and the gated read's parameters
+    "single-vort-long": ("python", 1, ["engine.kind=single", "model.vort.learn_temperature=true",
+                                       "model.vort.readout=norm_gate"], "vort"),
 }
-FAST = {"single", "deepspeed-2", "single-carry"}
+FAST = {"single", "deepspeed-2", "single-carry", "single-vort-long"}
 
 
 def step_losses(run_dir: Path, key: str = "train/loss") -> dict[int, list[float]]:

@@ -36,6 +36,10 @@ MODELS = {
 # a short convolution of 4 tokens: a halo of 3 inputs from the previous rank in every block
 MODELS["vort-conv"] = dataclasses.replace(MODELS["vort"], short_conv=4)
 MODELS["pmnet-conv"] = dataclasses.replace(MODELS["pmnet"], short_conv=4)
+# VORT's options for long contexts (docs/vort.md): learned per-head temperatures and the gated read
+MODELS["vort-long"] = dataclasses.replace(
+    MODELS["vort"], vort=dataclasses.replace(MODELS["vort"].vort, learn_temperature=True, readout="norm_gate")
+)
 
 
 HELD_OUT = REPO / "data" / "demo" / "long" / "prideprejudice.txt"  # never in the demo's training shards
@@ -116,7 +120,7 @@ def _check_pieces(tmp_path: Path, world: int, loss_rel: float) -> None:
 
 @pytest.mark.parametrize(("kind", "checkpointing"), [("vort", False), ("exp", True), ("pmnet", False),
                                                      ("pmnet-segment", True), ("vort-conv", False),
-                                                     ("pmnet-conv", True)])
+                                                     ("pmnet-conv", True), ("vort-long", False)])
 def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
     mp.spawn(_model_worker, args=(WORLD, free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
     _check_pieces(tmp_path, WORLD, 1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from model import build_model
 from model.config import ModelConfig, VortConfig
+from model.config_loader import ConfigError
 from model.entity_labels import capitalised_word_mask
 from model.soe import gl_weights
 from model.summary import load_model_config
@@ -82,6 +84,32 @@ def test_chunked_equals_float64_reference(
 ) -> None:
     """Random shapes (T rarely a multiple of the chunk), with and without a carried state."""
     layer = make_layer(kind, seed=seq_len, n_heads=n_heads, chunk_size=chunk, n_features=n_features)
+    assert_matches_float64_reference(layer, batch, seq_len, prefix)
+
+
+# The options for long contexts (docs/vort.md): learned per-head temperatures, the gated read, both
+# together with a tempered kernel.
+LONG_CONTEXT_OPTIONS = {
+    "learned-temperature": {"learn_temperature": True},
+    "norm-gate": {"readout": "norm_gate"},
+    "both-tempered": {"learn_temperature": True, "readout": "norm_gate", "temper": 64},
+}
+
+
+@pytest.mark.parametrize("options", LONG_CONTEXT_OPTIONS.values(), ids=LONG_CONTEXT_OPTIONS.keys())
+def test_long_context_options_equal_float64_reference(options: dict[str, object]) -> None:
+    """Outputs, carried state and every gradient (the temperatures' and the gate's included)."""
+    layer = make_layer("vort", seed=3, chunk_size=8, **options)
+    if layer.log_temperature is not None:  # heads apart, one of them above the cap
+        with torch.no_grad():
+            layer.log_temperature.copy_(torch.tensor([0.2, 2.5]))  # e^2.5 > 8
+    assert_matches_float64_reference(layer, batch=2, seq_len=19, prefix=5)
+
+
+def assert_matches_float64_reference(layer: VortLayer, batch: int, seq_len: int, prefix: int) -> None:
+    """The chunked fp32 layer against its float64 token-by-token copy, continuing from a carried
+    state of `prefix` tokens (none if 0): outputs, final state, gradients of the input and of every
+    parameter, to 1e-5 relative."""
     layer.backend = "torch"
     ref = reference_copy(layer)
     gen = torch.Generator().manual_seed(seq_len)
@@ -116,8 +144,9 @@ def causal_direct(layer: VortLayer, x: torch.Tensor, weights: torch.Tensor) -> t
     B, T, _ = x.shape
     q, k, v = layer.qkv(x).view(B, T, 3, layer.n_heads, layer.head_dim).unbind(2)
     assert not layer.rotary
-    fq = layer.features(torch.nn.functional.normalize(q, dim=-1) * layer.scale)
-    fk = layer.features(torch.nn.functional.normalize(k, dim=-1) * layer.scale)
+    scale = math.sqrt(layer.temperature())
+    fq = layer.features(torch.nn.functional.normalize(q, dim=-1) * scale)
+    fk = layer.features(torch.nn.functional.normalize(k, dim=-1) * scale)
     scores = torch.einsum("bthf,bjhf->bhtj", fq, fk) * weights
     num = torch.einsum("bhtj,bjhd->bthd", scores, v)
     den = scores.sum(-1).transpose(1, 2)
@@ -205,10 +234,13 @@ def test_low_order_contracts_towards_current_token() -> None:
     assert distances[0] < 0.5 * distances[1]
 
 
-@pytest.mark.parametrize("kind", [*VORT_KINDS, "transformer"])
-def test_model_pieces_equal_whole(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "options"), [*((k, {}) for k in (*VORT_KINDS, "transformer")),
+                                               *(("vort", o) for o in LONG_CONTEXT_OPTIONS.values()),
+                                               ("exp", {"learn_temperature": True, "readout": "norm_gate"})])
+def test_model_pieces_equal_whole(kind: str, options: dict[str, object]) -> None:
+    """Streaming (generate, pretrain.evaluate): pieces with the carried state give the whole sequence's logits."""
     torch.manual_seed(0)
-    model = build_model(tiny(kind)).eval()
+    model = build_model(tiny(kind, **options)).eval()
     ids = torch.randint(0, 32, (2, 29))
     whole = model(ids).logits
     state = model.init_state(2)
@@ -244,6 +276,46 @@ def test_gradients_reach_the_router() -> None:
     for i, block in enumerate(model.blocks):
         for name, p in block.mixer.memory.router.named_parameters():
             assert p.grad is not None and p.grad.abs().max() > 0, f"layer {i} router.{name} got no gradient"
+
+
+def test_learned_temperature_starts_at_temperature_trains_and_stops_at_its_cap() -> None:
+    torch.manual_seed(2)
+    model = build_model(tiny("vort", learn_temperature=True, temperature=3.0, temperature_max=6.0))
+    layers = [block.mixer for block in model.blocks]
+    for layer in layers:
+        torch.testing.assert_close(layer.temperature(), torch.full((TINY.n_heads,), 3.0))
+        with torch.no_grad():
+            layer.log_temperature[0] = math.log(50.0)
+        assert layer.temperature()[0].item() == pytest.approx(6.0)  # capped
+    ids = torch.randint(0, 32, (2, 24))
+    loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    for i, layer in enumerate(layers):
+        grad = layer.log_temperature.grad
+        assert grad[0] == 0 and (grad[1:].abs() > 0).all(), f"layer {i}: {grad}"
+
+
+def test_long_context_options_add_only_their_parameters() -> None:
+    """A fixed temperature and the num/den read keep the state dict of checkpoints made before the
+    options existed; the learned temperature adds H per layer, the gated read a d x d gate and a
+    head-dim norm weight per layer."""
+    plain = build_model(tiny("vort"))
+    assert not any(n in k for k in plain.state_dict() for n in ("log_temperature", "mixer.gate", "mixer.read_norm"))
+    d, H, L = TINY.d_model, TINY.n_heads, TINY.n_layers
+    learned = build_model(tiny("vort", learn_temperature=True))
+    gated = build_model(tiny("vort", readout="norm_gate"))
+    assert learned.num_parameters() == plain.num_parameters() + L * H
+    assert gated.num_parameters() == plain.num_parameters() + L * (d * d + TINY.head_dim)
+    assert gated.matmul_params() == plain.matmul_params() + L * (d * d + TINY.head_dim)
+    both = build_model(tiny("vort", learn_temperature=True, readout="norm_gate"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in both.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    again = build_model(tiny("vort", learn_temperature=True, readout="norm_gate"))
+    again.load_state_dict(both.state_dict())  # strict: the checkpoint holds every new parameter
+    ids = torch.randint(0, 32, (2, 16))
+    assert torch.equal(again.eval()(ids).logits, both.eval()(ids).logits)
 
 
 def test_weak_entity_labels_mark_capitalised_words_inside_sentences() -> None:
@@ -380,6 +452,21 @@ def test_config_rejects_bad_values() -> None:
         VortConfig(n_banks=1)
     with pytest.raises(ValueError, match="m5_timescales"):
         VortConfig(m5_timescales=[1.0, 2.0])
+    with pytest.raises(ValueError, match=r"temperature: must be <= temperature_max=8\.0"):
+        VortConfig(temperature=9.0)
+    with pytest.raises(ValueError, match=r"temperature: must be <= temperature_max=3\.0"):
+        VortConfig(temperature=4.0, temperature_max=3.0, learn_temperature=True)
+    with pytest.raises(ValueError, match="readout"):
+        VortConfig(readout="gate")
+
+
+def test_config_file_names_a_bad_long_context_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    for line, key in (("readout: gate", "model.vort.readout"), ("temperature: 12.0", "temperature"),
+                      ("learn_temperature: maybe", "model.vort.learn_temperature")):
+        path.write_text(f"model:\n  kind: vort\n  vort:\n    {line}\n")
+        with pytest.raises((ConfigError, ValueError), match=key):
+            load_model_config(path)
 
 
 @pytest.mark.slow
