@@ -11,7 +11,7 @@ TORCH_PIP_ARGS ?=
 export PYTHONHASHSEED := 0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install demo test test-long lint clean
+.PHONY: install demo test test-matrix test-long lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,14 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The fast suite under each CPU kernel set x thread count (docs/training.md, "The suite on other CPUs");
+# a capability the CPU lacks falls back to the best one it has.
+test-matrix: install
+	@for cap in default avx2 avx512; do for omp in 1 2 4; do \
+	  echo "== ATEN_CPU_CAPABILITY=$$cap OMP_NUM_THREADS=$$omp"; \
+	  ATEN_CPU_CAPABILITY=$$cap OMP_NUM_THREADS=$$omp $(BIN)/python -m pytest -q -m "not slow" || exit 1; \
+	done; done
 
 test-long: install
 	$(BIN)/python -m pytest -q -m slow
