@@ -109,3 +109,14 @@ def device_capability(x: torch.Tensor) -> int:
         return 80
     major, minor = torch.cuda.get_device_capability(x.device)
     return 10 * major + minor
+
+
+def document_numbers(
+    reset: torch.Tensor | None, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """[B, T] in ``dtype``: how many resets (bool [B, T], document starts) are at or before each token, all
+    zero without ``reset``. Two tokens are in the same document when their numbers are equal; the state
+    before the first token has number 0. Every scan backend masks its resets with these."""
+    if reset is None:
+        return torch.zeros(batch, seq_len, dtype=dtype, device=device)
+    return reset.cumsum(1, dtype=dtype)

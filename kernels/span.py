@@ -41,14 +41,6 @@ def span_chunks(seq_len: int, chunk: int, programs_per_span: int) -> int:
     return max(1, triton.cdiv(seq_len, chunk) // need)
 
 
-def document_numbers(reset: torch.Tensor | None, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """int32 [B, T]: how many resets are at or before each token (all zero without ``reset``). Two tokens are
-    in the same document when their numbers are equal; the state before the first token has number 0."""
-    if reset is None:
-        return torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
-    return reset.cumsum(1, dtype=torch.int32)
-
-
 def span_carry(docs: torch.Tensor, span: int) -> torch.Tensor:
     """fp32 [B, n_spans] from document numbers [B, T]: 1 where a span of ``span`` tokens has no reset (the
     state entering it reaches its end), 0 where it has one (the span pass then drops that state)."""

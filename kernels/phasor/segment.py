@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import wrap_angle
+from kernels._common import document_numbers, wrap_angle
 
 
 class SlotSegments:
@@ -37,7 +37,7 @@ class SlotSegments:
         key = (state * seq_len + torch.arange(seq_len, device=dev)[None, :, None]).flatten()
         self.order = torch.argsort(key)
         state = state.flatten().index_select(0, self.order)
-        docs = torch.zeros(batch, seq_len, dtype=torch.long, device=dev) if reset is None else reset.long().cumsum(1)
+        docs = document_numbers(reset, batch, seq_len, dev, torch.long)
         doc = docs[:, :, None].expand(slots.shape).flatten().index_select(0, self.order)
         boundary = (state[1:] != state[:-1]) | (doc[1:] != doc[:-1])
         idx = torch.arange(state.numel(), device=dev)

@@ -23,11 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
+from kernels._common import Launch, check_triton_inputs, device_capability, document_numbers, triton_type
 from kernels.span import (
     chunk_documents,
     chunk_start,
-    document_numbers,
     span_carry,
     span_chunks,
     span_pass_launch,

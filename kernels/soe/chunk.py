@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from kernels._common import decay, work_dtype
+from kernels._common import decay, document_numbers, work_dtype
 from kernels.soe.contract import contract_terms
 
 
@@ -155,10 +155,11 @@ class _Chunks:
 INTRA_BLOCK = 16  # chunks per block of the intra-chunk part: keeps its [BH, block, c, c] tensors in cache
 
 
-def document_numbers(reset: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """reset (bool [B, T]) -> [B*H, T, 1] in ``dtype``: how many resets are at or before each token, per
-    head row of the [B*H, T, X] layout. Two tokens are in the same document when their numbers are equal."""
-    return reset.to(dtype).cumsum(1).repeat_interleave(heads, dim=0)[..., None]
+def head_document_numbers(reset: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """reset (bool [B, T]) -> :func:`document_numbers` [B*H, T, 1] in ``dtype``, per head row of the
+    [B*H, T, X] layout."""
+    batch, seq_len = reset.shape
+    return document_numbers(reset, batch, seq_len, reset.device, dtype).repeat_interleave(heads, dim=0)[..., None]
 
 
 def _in_chunks(x: torch.Tensor, tokens: slice, c: int) -> torch.Tensor:
@@ -350,7 +351,7 @@ class SoeScanChunked(torch.autograd.Function):
         gw = g0.to(dt).reshape(batch * heads, -1, v.shape[-1])
         bw = b0.to(dt).reshape(batch * heads, -1, feat)
         ll = log_lam.to(dt)
-        docs = None if reset is None else document_numbers(reset, heads, dt)
+        docs = None if reset is None else head_document_numbers(reset, heads, dt)
         out, z, g_t, b_t = soe_forward_chunked(qw, kw, vw, cw, ll, gw, bw, batch, chunk_size, docs)
         ctx.save_for_backward(qw, kw, vw, cw, ll, gw, bw, docs)
         ctx.set_materialize_grads(False)
