@@ -35,6 +35,9 @@ from model.interface import IGNORE_INDEX
 
 _TASK_TAGS = {"zipf": 11, "entity": 12, "copy": 13, "needle": 14, "mqar": 15}
 _COPY_START, _COPY_QUERY = 0x02, 0x03
+_PRINTABLE = np.arange(32, 127)
+_LETTERS = _PRINTABLE[np.char.isalpha(_PRINTABLE.astype(np.uint8).view("S1").astype(str))]
+_NON_LETTERS = np.setdiff1d(_PRINTABLE, _LETTERS)
 
 
 @dataclass(frozen=True)
@@ -69,17 +72,24 @@ class _KeyValueRecall(ABC):
     denser training signal) and ``meta`` lists each query's position and lag. A later query's lag
     is drawn from the task's distribution conditioned on fitting before the query blocks.
     Vocabulary: keys ``[0, K)``, values ``[K, 2K)``, noise ``[2K, vocab-2)``, MARK ``vocab-2``,
-    QUERY ``vocab-1``, with ``K = (vocab - 2) // 4``.
+    QUERY ``vocab-1``, with ``K = (vocab - 2) // 4``. Values are drawn with replacement unless
+    ``distinct_values``: then no value token occurs twice among a sequence's records, so within a
+    sequence each value token determines the one after it (a multi-token value can be copied
+    token by token by an induction lookup, as it cannot when labels share symbols).
     """
 
     task = ""
 
     def __init__(
-        self, seq_len: int, vocab_size: int, num_pairs: int, value_len: int, seed: int, queries: int = 1
+        self, seq_len: int, vocab_size: int, num_pairs: int, value_len: int, seed: int, queries: int = 1,
+        distinct_values: bool = False,
     ) -> None:
         self.keys = (vocab_size - 2) // 4
         if self.keys < num_pairs:
             raise ValueError(f"vocab_size {vocab_size} has {self.keys} keys, fewer than num_pairs={num_pairs}")
+        if distinct_values and self.keys < num_pairs * value_len:
+            raise ValueError(f"distinct_values: vocab_size {vocab_size} has {self.keys} value tokens, fewer than "
+                             f"the {num_pairs} x {value_len} = {num_pairs * value_len} a sequence's records need")
         if not 1 <= queries <= num_pairs:
             raise ValueError(f"queries must be in [1, num_pairs={num_pairs}], got {queries}")
         record = 2 + value_len
@@ -92,6 +102,7 @@ class _KeyValueRecall(ABC):
         self.num_pairs = num_pairs
         self.value_len = value_len
         self.queries = queries
+        self.distinct_values = distinct_values
         self.seed = seed
         self.mark = vocab_size - 2
         self.query = vocab_size - 1
@@ -117,7 +128,11 @@ class _KeyValueRecall(ABC):
         body_len = self.seq_len - self.queries * record
         tokens = rng.integers(2 * self.keys, self.vocab_size - 2, size=self.seq_len)
         keys = rng.choice(self.keys, size=self.num_pairs, replace=False)
-        values = rng.integers(self.keys, 2 * self.keys, size=(self.num_pairs, self.value_len))
+        shape = (self.num_pairs, self.value_len)
+        if self.distinct_values:
+            values = self.keys + rng.choice(self.keys, size=shape, replace=False)
+        else:
+            values = rng.integers(self.keys, 2 * self.keys, size=shape)
         taken = np.zeros(body_len, dtype=bool)
         starts, lags, query_at = [], [], []
         for j in range(self.queries):
@@ -173,7 +188,9 @@ class ZipfRetrieval(_KeyValueRecall):
 
 
 class EntityLabelCopy(_KeyValueRecall):
-    """Entity -> multi-token label copy with lags uniform in ``[min_lag, max_lag]``."""
+    """Entity -> multi-token label copy with lags uniform in ``[min_lag, max_lag]``.
+
+    ``distinct_labels``: no label token repeats within a sequence (``distinct_values`` above)."""
 
     task = "entity"
 
@@ -186,8 +203,9 @@ class EntityLabelCopy(_KeyValueRecall):
         min_lag: int | None = None,
         seed: int = 0,
         queries: int = 1,
+        distinct_labels: bool = False,
     ) -> None:
-        super().__init__(seq_len, vocab_size, num_entities, label_len, seed, queries)
+        super().__init__(seq_len, vocab_size, num_entities, label_len, seed, queries, distinct_labels)
         self.min_lag = min_lag if min_lag is not None else 2 + label_len
 
     def _lag(self, rng: np.random.Generator, low: int) -> int:
@@ -244,13 +262,27 @@ class CopyPaste:
     ``segment`` (printable ASCII, length uniform in ``[1, max_copy]``) must be reproduced after a
     look-back (distance from the segment's first byte to its copy's first byte, uniform in
     ``[len + 2, max_lookback]``). Filler is printable ASCII too, so only the markers delimit.
+    ``distinct``: the segment's bytes are distinct ASCII letters and the filler never holds a
+    letter, so each byte of the copy is found once in the look-back and fixes the byte after it.
+    ``lookbacks``: "uniform", or "log_uniform" (uniform in log look-back: as many look-backs in
+    [4, 16) as in [64, 256), so a model meets copies its attention window reaches as often as copies
+    only a memory reaches, a curriculum mixed into every batch).
     """
 
     task = "copy"
 
-    def __init__(self, max_copy: int = 1024, max_lookback: int = 2048, seed: int = 0) -> None:
+    def __init__(
+        self, max_copy: int = 1024, max_lookback: int = 2048, seed: int = 0, distinct: bool = False,
+        lookbacks: str = "uniform",
+    ) -> None:
         if max_lookback < max_copy + 2:
             raise ValueError("max_lookback must be at least max_copy + 2")
+        if lookbacks not in ("uniform", "log_uniform"):
+            raise ValueError(f"lookbacks: expected 'uniform' or 'log_uniform', got {lookbacks!r}")
+        self.lookbacks = lookbacks
+        if distinct and max_copy > _LETTERS.size:
+            raise ValueError(f"distinct: max_copy={max_copy} exceeds the {_LETTERS.size} ASCII letters")
+        self.distinct = distinct
         self.max_copy = max_copy
         self.max_lookback = max_lookback
         self.seed = seed
@@ -260,13 +292,25 @@ class CopyPaste:
         """Tokens in the longest example."""
         return self.max_lookback + self.max_copy + 1
 
+    @property
+    def alphabet(self) -> int:
+        """Symbols a segment byte is drawn from (a uniform guess is right once in this many)."""
+        return _LETTERS.size if self.distinct else _PRINTABLE.size
+
     def example(self, i: int) -> Example:
         """Example ``i`` (deterministic in ``(seed, i)``); variable length, at most ``max_lookback + max_copy + 1``."""
         rng = _rng(self.seed, self.task, i)
         n = int(rng.integers(1, self.max_copy + 1))
-        lookback = int(rng.integers(n + 2, self.max_lookback + 1))
-        segment = rng.integers(32, 127, size=n)
-        filler = rng.integers(32, 127, size=lookback - n - 1)
+        if self.lookbacks == "uniform":
+            lookback = int(rng.integers(n + 2, self.max_lookback + 1))
+        else:
+            lookback = int(np.exp(rng.uniform(np.log(n + 2), np.log(self.max_lookback + 1))))
+        if self.distinct:
+            segment = rng.choice(_LETTERS, size=n, replace=False)
+            filler = rng.choice(_NON_LETTERS, size=lookback - n - 1)
+        else:
+            segment = rng.choice(_PRINTABLE, size=n)
+            filler = rng.choice(_PRINTABLE, size=lookback - n - 1)
         tokens = np.concatenate([[_COPY_START], segment, filler, [_COPY_QUERY], segment])
         return _example(tokens, 1 + lookback, {"copy_len": n, "lookback": lookback})
 
@@ -406,8 +450,9 @@ class TaskStream(IterableDataset):
 Task = ZipfRetrieval | EntityLabelCopy | MultiQueryRecall | CopyPaste | NeedleHaystack
 
 MIN_TASK_LEN = 128
-"""Shortest example length every task accepts: room for the needle sentence and question, and for
-8 key/value records of the token-level tasks."""
+"""Shortest example length at which every task fits with its default parameters: room for the needle
+sentence and question, and for 8 key/value records of the token-level tasks. Shorter examples are a
+task's own business: its constructor refuses a length its parameters do not fit in."""
 
 
 @dataclass(frozen=True)
@@ -455,12 +500,12 @@ def make_task(
     """The task ``name`` with examples of (at most) ``length`` tokens; ValueError names what is wrong."""
     if name not in TASKS:
         raise ValueError(f"unknown synthetic task {name!r}; known: {', '.join(sorted(TASKS))}")
-    if length < MIN_TASK_LEN:
-        raise ValueError(f"task {name!r}: length {length} is below the minimum of {MIN_TASK_LEN} tokens")
     try:
         return TASKS[name].build(length, vocab_size, haystack, encode, seed, dict(params))
     except TypeError as err:
         raise ValueError(f"task {name!r}: bad parameters {sorted(params)}: {err}") from err
+    except ValueError as err:
+        raise ValueError(f"task {name!r} at {length} tokens: {err}") from err
 
 
 class TaskBatches:

@@ -54,6 +54,10 @@ BOOKS_FAMILIES = (
     Family("m5", ("model.kind=m5",)),
     Family("pmnet", ("model.kind=pmnet", "model.mlp_ratio=3.0")),  # 3.0: same parameters within 2%
     Family("pmnet-swa", ("model.kind=pmnet", "model.pmnet.memory_every=0")),
+    Family("pmnet-carry", ("model.kind=pmnet", "model.mlp_ratio=3.0", "train.carry_state=true")),
+    Family("pmnet-horizon", ("model.kind=pmnet", "model.mlp_ratio=3.0", "model.pmnet.memory_horizon=256")),
+    Family("pmnet-horizon-carry", ("model.kind=pmnet", "model.mlp_ratio=3.0", "model.pmnet.memory_horizon=1024",
+                                   "train.carry_state=true")),
     Family("transformer", ("model.kind=transformer",)),
 )
 FIX_FAMILIES = (

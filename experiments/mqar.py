@@ -32,7 +32,7 @@ KINDS: Kinds = (
     ("swa", ("model.kind=pmnet", "model.pmnet.memory_every=0")),
     ("transformer-noconv", ("model.kind=transformer", "model.short_conv=0")),
 )
-SETTINGS: Settings = ((128, 16, 32), (128, 16, 64), (256, 16, 32), (256, 16, 64))
+SETTINGS: Settings = ((64, 8, 32), (64, 8, 64), (128, 16, 32), (128, 16, 64))
 """(sequence length, key/value pairs, d_model), the shortest first so that an interrupted grid has
 its cheapest settings complete."""
 

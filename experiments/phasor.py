@@ -35,9 +35,6 @@ UNNORMALISED = Family("pmnet-no-normalisation", ("model.pmnet.collision_scope=no
 QUICK = ("train.steps=2", "data.seq_len=160", "model.max_seq_len=160", "data.task.params.max_lookback=128")
 
 
-PRINTABLE = 95  # the copy task's segment bytes are uniform over printable ASCII
-
-
 def receptive_field(run: Run) -> int:
     """Bytes back that stacked sliding windows reach: n_layers x (window - 1)."""
     return run.config.model.n_layers * (run.config.model.pmnet.window - 1)
@@ -64,8 +61,8 @@ def copy_accuracy(model: CausalLM, run: Run, quick: bool, n: int = 256) -> dict[
     return {
         "accuracy": float(exact.mean()),
         "token_accuracy": float(token.mean()),
-        "chance_token_accuracy": 1 / PRINTABLE,
-        "chance_loss": math.log(PRINTABLE),
+        "chance_token_accuracy": 1 / task.alphabet,
+        "chance_loss": math.log(task.alphabet),
         **bucket_accuracy(exact, lookback, edges, "lookback"),
         **bucket_accuracy(token, lookback, edges, "token_lookback"),
     }
@@ -76,6 +73,10 @@ def _bucket_keys(results: dict[str, Any], prefix: str) -> list[str]:
     return sorted(keys, key=lambda k: float(k.removeprefix(prefix).lstrip(">").split("-")[0]))
 
 
+def _byte_chance(results: dict[str, Any]) -> float:
+    return next(iter(results["summary"].values()))["chance_token_accuracy"]["mean"]
+
+
 class CopyBeyondWindow(Experiment):
     def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
         return {**copy_accuracy(model, run, quick), "receptive_field": float(receptive_field(run))}
@@ -83,7 +84,7 @@ class CopyBeyondWindow(Experiment):
     def plot(self, results: dict[str, Any], path: Path) -> None:
         keys = _bucket_keys(results, "lookback_") + _bucket_keys(results, "token_lookback_")
         labels = [k.replace("token_lookback_", "bytes: ").replace("lookback_", "exact: ") for k in keys]
-        bar_plot(results, keys, labels, path, "copy accuracy by look-back", [("byte chance", 1 / PRINTABLE)])
+        bar_plot(results, keys, labels, path, "copy accuracy by look-back", [("byte chance", _byte_chance(results))])
 
 
 class MemoryAblation(Experiment):
@@ -100,7 +101,7 @@ class MemoryAblation(Experiment):
         beyond = [k for k in _bucket_keys(results, "token_lookback_") if k.startswith("token_lookback_>")]
         keys += [*beyond, *("no_eval_updates/" + k for k in beyond)]
         labels = [k.replace("no_eval_updates/", "no inference\nupdates: ") for k in keys]
-        bar_plot(results, keys, labels, path, "copy accuracy (mean, spread)", [("byte chance", 1 / PRINTABLE)])
+        bar_plot(results, keys, labels, path, "copy accuracy (mean, spread)", [("byte chance", _byte_chance(results))])
 
 
 class TextAblation(DemoTextExperiment):
@@ -179,6 +180,10 @@ EXPERIMENTS = [
     COPY,
     dataclasses.replace(COPY, name="copy-10x", config="copy-10x.yaml",
                         title="Copy-paste beyond the sliding window with 10x the steps, by look-back"),
+    dataclasses.replace(COPY, name="copy-conv", config="copy-conv.yaml",
+                        title="Copy-paste beyond the sliding window, distinct letters, short convolution"),
+    dataclasses.replace(COPY, name="copy-curriculum", config="copy-curriculum.yaml",
+                        title="Copy-paste beyond the sliding window, log-uniform look-backs, short convolution"),
     MemoryAblation(
         name="ablation",
         title="PMNet with memory updates removed in training or at inference: copy accuracy",

@@ -124,4 +124,10 @@ EXPERIMENTS = [
     ENTITY,
     replace(ENTITY, name="entity-10x", config="entity-10x.yaml",
             title="Entity-label copy at uniform lags with 10x the steps: exact accuracy by lag"),
+    # the rows rerun on what now learns: MQAR's short convolution and lr, and (entity) labels whose
+    # tokens never repeat within a sequence; the Transformer is the check that the task is learnable
+    replace(ZIPF, name="zipf-conv", config="zipf-conv.yaml",
+            title="Zipf-lag retrieval with the short convolution: exact accuracy by lag"),
+    replace(ENTITY, name="entity-conv", config="entity-conv.yaml", families=(*ENTITY.families, TRANSFORMER),
+            title="Entity-label copy, distinct label tokens, with the short convolution: exact accuracy by lag"),
 ]

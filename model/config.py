@@ -89,7 +89,9 @@ class PMNetConfig:
     `update_memory_*` switches freeze the memory (reads still happen) for the paper's ablation;
     `collision_scope` is where the writers s of the 1/sqrt(s) gradient normalisation are counted
     ("none": no normalisation, for the ablation); `segment_len` is the unit of the "segment" scope
-    and of the collision statistic (routing does not depend on it).
+    and of the collision statistic (routing does not depend on it). `memory_horizon` H > 0 sends
+    every slot back to its initial phase at each position of a document that is a multiple of H, so
+    the phases at any position are sums of at most H writes, as in training at H tokens (0: never).
     """
 
     window: int = 64
@@ -103,12 +105,15 @@ class PMNetConfig:
     update_memory_eval: bool = True
     collision_scope: Literal["sequence", "segment", "none"] = "sequence"
     scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
+    memory_horizon: int = 0
 
     def __post_init__(self) -> None:
         for key in ("window", "depth", "memory_dim", "segment_len"):
             value = getattr(self, key)
             if value < 1:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
+        if self.memory_horizon < 0:
+            raise ValueError(f"memory_horizon: must be >= 0 (0: the phases are never reset), got {self.memory_horizon}")
         if self.memory_every < 0:
             raise ValueError(f"memory_every: must be >= 0 (0 disables the memory), got {self.memory_every}")
         if self.branching < 2:

@@ -141,14 +141,15 @@ def _convert(tp: Any, value: Any, key: str, sources: dict[str, str]) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in get_args(tp):
             return None
+        inner = None  # an option whose shape fits but one of whose fields does not: name that field
         for option in get_args(tp):
             if option is type(None):
                 continue
             try:
                 return _convert(option, value, key, sources)
-            except _Mismatch:
-                continue
-        raise _Mismatch(key, _type_name(tp), value)
+            except _Mismatch as mismatch:
+                inner = inner or (mismatch if mismatch.key != key else None)
+        raise inner or _Mismatch(key, _type_name(tp), value)
     if origin is list:
         if not isinstance(value, list):
             raise _Mismatch(key, _type_name(tp), value)

@@ -112,6 +112,7 @@ class PhasorMemory(nn.Module):
         self.d_model, self.memory_dim, self.branching, self.depth = d_model, memory_dim, branching, depth
         self.n_levels, self.n_slots = depth + 1, config.n_slots
         self.segment_len, self.temperature = config.segment_len, config.route_temperature
+        self.horizon = config.memory_horizon
         self.update_train, self.update_eval = config.update_memory_train, config.update_memory_eval
         self.collision_scope, self.scan_backend = config.collision_scope, config.scan_backend
         self.reference = False
@@ -304,7 +305,7 @@ class PhasorMemory(nn.Module):
             entry_delta = torch.cat((delta[:, :, :1], sibling_delta), dim=2)
         else:
             entries, entry_delta = path, delta
-        read, memory = self._scan(entry_delta, entries, memory, doc_start)
+        read, memory = self._scan(entry_delta, entries, memory, self._resets(positions, doc_start, B))
         if mixture:
             hard_read = torch.cat((read[:, :, :1], read[:, :, 1:].reshape(B, T, L - 1, N, M)[chosen]
                                    .view(B, T, L - 1, M)), dim=2)
@@ -321,14 +322,22 @@ class PhasorMemory(nn.Module):
             self.slot_writes, self.slot_segments = counts.sum((0, 1)), (counts > 0).sum((0, 1)).float()
         return features, memory, sequence
 
+    def _resets(self, positions: torch.Tensor, doc_start: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+        """Where the phases go back to their initial values (bool [B, T], or None for nowhere): document
+        starts, and with a horizon H every position within a document that is a multiple of H."""
+        if not self.horizon:
+            return doc_start
+        horizon = (positions % self.horizon == 0).expand(batch, positions.shape[-1])
+        return horizon if doc_start is None else horizon | doc_start
+
     def _scan(
         self, delta: torch.Tensor, slots: torch.Tensor, memory: torch.Tensor, reset: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """kernels.phasor_scan over the call, or token by token with the sequential reference, from the
         phases `memory` carried (or relayed) into the call.
 
-        With reset (bool [B, T], document starts) a document starts from the initial phases, zero, not
-        from `memory`: the kernel's reset forgets the carried phases.
+        With reset (bool [B, T]: document starts, horizon ends) the phases start again from their
+        initial values, zero, not from `memory`: the kernel's reset forgets the carried phases.
         """
         if self.reference:
             reads = []

@@ -55,7 +55,7 @@ class TaskSource:
     tokens; `params` overrides the task's constructor arguments (e.g. alpha, num_pairs)."""
 
     name: str = ""
-    params: dict[str, int | float] = dataclasses.field(default_factory=dict)
+    params: dict[str, int | float | bool | str] = dataclasses.field(default_factory=dict)
     seed: int = 0
 
     def __post_init__(self) -> None:

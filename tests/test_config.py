@@ -83,6 +83,8 @@ def test_resolved_config_round_trips(tmp_path: Path, base: Path) -> None:
         ("model:\n  d_model: 30\n  n_heads: 4\n", [], ["model.n_heads", "divide"]),
         ("data:\n  train: [{weight: 1}]\n", [], ["data.train", "path"]),
         ("train: 3\n", [], ["train", "expected a mapping"]),
+        ("data:\n  task: {name: mqar, params: {num_pairs: many}}\n", [],
+         ["data.task.params.num_pairs", "expected an integer or a number or a boolean", "'many'"]),
         ("", ["train.lr=abc"], ["<command line>", "train.lr", "expected a number"]),
         ("", ["train.nope=1"], ["<command line>", "train.nope", "unknown key"]),
         ("", ["trainlr"], ["<command line>", "key=value"]),

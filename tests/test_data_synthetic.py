@@ -96,6 +96,50 @@ def test_copy_paste_bounds() -> None:
     assert max(lens) > 512
 
 
+def test_distinct_labels_never_share_a_token_within_a_sequence() -> None:
+    shared = EntityLabelCopy(seq_len=512, vocab_size=64, num_entities=8, label_len=4, queries=8, seed=2)
+    distinct = EntityLabelCopy(seq_len=512, vocab_size=162, num_entities=8, label_len=4, queries=8, seed=2,
+                               distinct_labels=True)
+    repeats = 0
+    for i in range(20):
+        for task in (shared, distinct):
+            ids = task.example(i).input_ids
+            labels = np.stack([ids[p + 2 : p + 6] for p in np.flatnonzero(ids == task.mark)])
+            assert labels.shape == (8, 4) and ((labels >= task.keys) & (labels < 2 * task.keys)).all()
+            if task is distinct:
+                assert np.unique(labels).size == 32
+            else:
+                repeats += np.unique(labels).size < 32
+    assert repeats > 0  # the shared-alphabet labels do repeat: the check above can fail
+    with pytest.raises(ValueError, match="distinct_values: vocab_size 64 has 15 value tokens, fewer than"):
+        EntityLabelCopy(seq_len=512, vocab_size=64, num_entities=8, label_len=4, distinct_labels=True)
+
+
+def test_distinct_copy_uses_letters_once_and_no_letter_in_the_filler() -> None:
+    task = CopyPaste(max_copy=16, max_lookback=224, distinct=True, seed=1)
+    assert task.alphabet == 52 and CopyPaste(max_copy=16, max_lookback=224).alphabet == 95
+    for i in range(50):
+        e = task.example(i)
+        n, lookback = e.meta["copy_len"], e.meta["lookback"]
+        segment, filler = e.input_ids[1 : 1 + n], e.input_ids[1 + n : lookback]
+        assert np.array_equal(segment, e.input_ids[-n:]) and np.unique(segment).size == n
+        assert all(chr(b).isalpha() for b in segment) and not any(chr(b).isalpha() for b in filler)
+    with pytest.raises(ValueError, match="max_copy=60 exceeds the 52 ASCII letters"):
+        CopyPaste(max_copy=60, max_lookback=224, distinct=True)
+
+
+def test_log_uniform_lookbacks_are_as_many_per_octave() -> None:
+    task = CopyPaste(max_copy=2, max_lookback=1024, lookbacks="log_uniform", seed=0)
+    lookbacks = np.array([task.example(i).meta["lookback"] for i in range(3000)])
+    assert lookbacks.min() >= 3 and lookbacks.max() <= 1024
+    per_octave = [((lookbacks >= 2**k) & (lookbacks < 2 ** (k + 1))).mean() for k in (3, 5, 7, 9)]
+    assert max(per_octave) < 1.3 * min(per_octave)
+    uniform = np.array([CopyPaste(max_copy=2, max_lookback=1024, seed=0).example(i).meta["lookback"] for i in range(300)])
+    assert (uniform < 64).mean() < 0.1 < (lookbacks < 64).mean()
+    with pytest.raises(ValueError, match="lookbacks: expected 'uniform' or 'log_uniform', got 'zipf'"):
+        CopyPaste(lookbacks="zipf")
+
+
 def test_needle_in_512k_haystack_of_real_text() -> None:
     book = BOOK.read_bytes()
     task = NeedleHaystack(512 * 1024, book, depth=0.5, seed=0)

@@ -109,6 +109,15 @@ def test_registry_builds_every_task_at_its_minimum_length(name: str) -> None:
     assert max(lengths) <= task.max_len <= synthetic.MIN_TASK_LEN
 
 
+def test_registry_builds_short_tasks_that_fit_and_refuses_those_that_do_not() -> None:
+    task = synthetic.make_task("mqar", 64, vocab_size=128, num_pairs=8)
+    assert task.example(0).input_ids.size == 64
+    with pytest.raises(ValueError, match="task 'mqar' at 40 tokens: seq_len 40 too short for 16 pairs"):
+        synthetic.make_task("mqar", 40, vocab_size=128, num_pairs=16)
+    with pytest.raises(ValueError, match="task 'zipf' at 20 tokens: seq_len 20 too short"):
+        synthetic.make_task("zipf", 20)
+
+
 def test_registry_and_config_reject_unknown_tasks_and_bad_parameters() -> None:
     with pytest.raises(ValueError, match="unknown synthetic task 'sorting'"):
         synthetic.make_task("sorting", 256)

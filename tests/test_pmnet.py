@@ -222,8 +222,9 @@ def test_routing_depends_on_the_anchors_not_on_the_state() -> None:
     assert not torch.equal(first, other_anchors)
 
 
-def test_pieces_equal_whole() -> None:
-    model = make_model(seed=4).eval()
+@pytest.mark.parametrize("horizon", [0, 16])
+def test_pieces_equal_whole(horizon: int) -> None:
+    model = make_model(seed=4, memory_horizon=horizon).eval()
     ids = torch.randint(0, 258, (2, 75), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         whole, whole_state = model(ids)
@@ -237,6 +238,41 @@ def test_pieces_equal_whole() -> None:
         assert piece_block.position == whole_block.position == 75
         torch.testing.assert_close(piece_block.memory.memory, whole_block.memory.memory, rtol=1e-5, atol=1e-5)
         assert piece_block.keys.shape[2] == model.config.pmnet.window - 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "segmented"])
+def test_memory_horizon_restarts_the_phases(backend: str) -> None:
+    """With memory_horizon H, the memory's read at each token equals the read of a fresh memory that
+    has seen only the tokens since the last multiple of H (positions 24.., so periods end mid-call),
+    and streaming the call in pieces of other sizes gives the same reads and final phases."""
+    torch.manual_seed(21)
+    memory = PhasorMemory(16, PMNetConfig(memory_dim=8, memory_horizon=10))
+    memory.reference, memory.scan_backend = backend == "reference", backend
+    memory.init_weights()
+    wake(memory)
+    h, start = torch.randn(2, 37, 16), 24
+    with torch.no_grad():
+        whole, whole_state = memory(h, memory.init_state(2), start)
+        bounds = [0, 6, 16, 26, 36, 37]  # positions 30, 40, 50, 60 start periods
+        alone = [memory(h[:, a:b], memory.init_state(2), start + a)[0] for a, b in zip(bounds, bounds[1:])]
+        state, pieces, at = memory.init_state(2), [], 0
+        for n in (5, 13, 1, 18):
+            out, state = memory(h[:, at : at + n], state, start + at)
+            pieces.append(out)
+            at += n
+    torch.testing.assert_close(whole, torch.cat(alone, dim=1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state.memory, whole_state.memory, rtol=1e-5, atol=1e-6)
+    memory.horizon = 0
+    with torch.no_grad():
+        unbounded, _ = memory(h, memory.init_state(2), start)
+    torch.testing.assert_close(unbounded[:, :6], whole[:, :6], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(unbounded[:, 6:], whole[:, 6:], atol=1e-3)
+
+
+def test_memory_horizon_is_checked() -> None:
+    with pytest.raises(ValueError, match="memory_horizon"):
+        PMNetConfig(memory_horizon=-1)
 
 
 def test_causality() -> None:

@@ -36,6 +36,9 @@ MODELS = {
 # a short convolution of 4 tokens: a halo of 3 inputs from the previous rank in every block
 MODELS["vort-conv"] = dataclasses.replace(MODELS["vort"], short_conv=4)
 MODELS["pmnet-conv"] = dataclasses.replace(MODELS["pmnet"], short_conv=4)
+# and a memory horizon of 24 tokens: the phases restart at 24 and 48, so rank 1 must count from its global offset
+MODELS["pmnet-conv-horizon"] = dataclasses.replace(
+    MODELS["pmnet-conv"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, memory_horizon=24))
 # VORT's options for long contexts (docs/vort.md): learned per-head temperatures and the gated read
 MODELS["vort-long"] = dataclasses.replace(
     MODELS["vort"], vort=dataclasses.replace(MODELS["vort"].vort, learn_temperature=True, readout="norm_gate")
@@ -120,7 +123,7 @@ def _check_pieces(tmp_path: Path, world: int, loss_rel: float) -> None:
 
 @pytest.mark.parametrize(("kind", "checkpointing"), [("vort", False), ("exp", True), ("pmnet", False),
                                                      ("pmnet-segment", True), ("vort-conv", False),
-                                                     ("pmnet-conv", True), ("vort-long", False)])
+                                                     ("pmnet-conv-horizon", True), ("vort-long", False)])
 def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
     mp.spawn(_model_worker, args=(WORLD, free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
     _check_pieces(tmp_path, WORLD, 1e-5)
