@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from data_pipeline import synthetic
 from model import CausalLM
-from pretrain.config import RunConfig, config_to_dict, load_config
+from pretrain.config import ConfigError, RunConfig, config_to_dict, load_config
 from pretrain.export import consolidate, resolve_checkpoint
 from pretrain.sweep_run import core_slots
 
@@ -120,7 +119,7 @@ class Experiment:
         wanted = config_to_dict(cfg)
         step = finished_step(run_dir)
         saved = [run_dir / "config.yaml"] + ([resolve_checkpoint(run_dir) / "config.yaml"] if step is not None else [])
-        if any(p.is_file() and yaml.safe_load(p.read_text()) != wanted for p in saved) or (step or 0) > cfg.train.steps:
+        if any(p.is_file() and _saved_config(p) != wanted for p in saved) or (step or 0) > cfg.train.steps:
             raise ExperimentError(
                 f"{run_dir} holds a run of another configuration (configs/experiments/{self.config} or the "
                 "family changed since); delete it or choose another --out"
@@ -145,15 +144,22 @@ class Experiment:
             return [future.result() for future in futures]
 
     def run(self, out: Path, seeds: int | None = None, quick: bool = False, log: Any = print,
-            parallel: int = 1) -> dict[str, Any]:
+            parallel: int = 1, only: Sequence[str] = ()) -> dict[str, Any]:
         """Train (`parallel` runs at a time) and evaluate every (family, seed), then write
-        results.json, results.csv, plot.png."""
+        results.json, results.csv, plot.png under out/<name>; with `only` (family names), just those
+        families, written under out/<name>/<names joined by +> so that the whole experiment's files stay."""
         if parallel < 1:
             raise ExperimentError(f"--parallel: expected a number >= 1, got {parallel}")
         seeds = 1 if quick and seeds is None else (seeds or self.seeds)
+        families = self.families_for(quick)
+        unknown = sorted(set(only) - {f.name for f in families})
+        if unknown:
+            raise ExperimentError(f"--families: {', '.join(unknown)} not in {self.name}; its families: "
+                                  f"{', '.join(f.name for f in families)}")
+        families = tuple(f for f in families if not only or f.name in only)
         self.prepare(out, quick)
         started = time.time()
-        pairs = [(family, seed) for family in self.families_for(quick) for seed in range(seeds)]
+        pairs = [(family, seed) for family in families for seed in range(seeds)]
         runs = self.train_all(pairs, out, quick, parallel)
         log(f"[{self.name}] {len(runs)} runs trained in {time.time() - started:.0f}s")
         records = []
@@ -182,16 +188,17 @@ class Experiment:
             "experiment": self.name,
             "title": self.title,
             "command": f"python launch/experiment.py run {self.name}" + (" --quick" if quick else "")
-            + ("" if seeds == self.seeds or quick else f" --seeds {seeds}"),
+            + ("" if seeds == self.seeds or quick else f" --seeds {seeds}")
+            + (f" --families {','.join(f.name for f in families)}" if only else ""),
             "date": datetime.date.today().isoformat(),
             "quick": quick,
             "config": f"configs/experiments/{self.config}",
-            "families": {f.name: list(f.overrides) for f in self.families_for(quick)},
+            "families": {f.name: list(f.overrides) for f in families},
             "paper": self.paper,
             "summary": aggregate(records),
             "runs": records,
         }
-        target = out / self.name
+        target = out / self.name / "+".join(f.name for f in families) if only else out / self.name
         target.mkdir(parents=True, exist_ok=True)
         (target / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         write_csv(results["summary"], target / "results.csv")
@@ -223,6 +230,15 @@ class DemoTextExperiment(Experiment):
         data = np.frombuffer(self.held_out.read_bytes()[: n_bytes + 1], dtype=np.uint8).astype(np.int64)
         n = (data.size - 1) // seq_len
         return np.stack([data[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
+
+
+def _saved_config(path: Path) -> dict[str, Any] | None:
+    """A run's saved config with today's defaults filled in (an option added since, at its default,
+    is the same run), or None if it no longer loads."""
+    try:
+        return config_to_dict(load_config(path))
+    except ConfigError:
+        return None
 
 
 def _claim_cores(slots: Any) -> None:

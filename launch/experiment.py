@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seeds", type=int, default=None, help="seeds per family (default: the experiment's)")
     run.add_argument("--out", type=Path, default=Path("runs/experiments"), help="where runs and results go")
     run.add_argument("--parallel", type=int, default=1, help="runs trained at a time (default 1)")
+    run.add_argument("--families", default="", help="comma-separated family names: run only these "
+                     "(results under <out>/<name>/<names joined by +>)")
     args = parser.parse_args(argv)
     if args.command == "list":
         for name, experiment in EXPERIMENTS.items():
@@ -50,14 +52,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seeds must be >= 1")
     setup_logging("WARNING")
     try:
-        results = EXPERIMENTS[args.name].run(args.out, args.seeds, args.quick, parallel=args.parallel)
+        only = tuple(name for name in args.families.split(",") if name)
+        results = EXPERIMENTS[args.name].run(args.out, args.seeds, args.quick, parallel=args.parallel, only=only)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ExperimentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out / args.name}/results.json, results.csv, plot.png ({len(results['runs'])} runs)")
+    target = args.out / args.name / "+".join(results["families"]) if only else args.out / args.name
+    print(f"wrote {target}/results.json, results.csv, plot.png ({len(results['runs'])} runs)")
     return 0
 
 

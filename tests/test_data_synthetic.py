@@ -134,7 +134,8 @@ def test_log_uniform_lookbacks_are_as_many_per_octave() -> None:
     assert lookbacks.min() >= 3 and lookbacks.max() <= 1024
     per_octave = [((lookbacks >= 2**k) & (lookbacks < 2 ** (k + 1))).mean() for k in (3, 5, 7, 9)]
     assert max(per_octave) < 1.3 * min(per_octave)
-    uniform = np.array([CopyPaste(max_copy=2, max_lookback=1024, seed=0).example(i).meta["lookback"] for i in range(300)])
+    plain = CopyPaste(max_copy=2, max_lookback=1024, seed=0)
+    uniform = np.array([plain.example(i).meta["lookback"] for i in range(300)])
     assert (uniform < 64).mean() < 0.1 < (lookbacks < 64).mean()
     with pytest.raises(ValueError, match="lookbacks: expected 'uniform' or 'log_uniform', got 'zipf'"):
         CopyPaste(lookbacks="zipf")

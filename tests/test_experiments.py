@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import pretrain.trainer
 from data_pipeline import synthetic
@@ -71,6 +72,40 @@ def test_parallel_training_gives_the_results_of_one_at_a_time(tmp_path: Path) ->
     assert [(r["family"], r["seed"]) for r in parallel] == [(r["family"], r["seed"]) for r in sequential]
     assert parallel == sequential
     assert main(["run", "entity", "--quick", "--out", str(parallel_out), "--parallel", "0"]) == 1
+
+
+def test_families_runs_only_those_and_keeps_the_whole_experiments_files(
+    out: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--families reuses the module's runs of `entity` (trained by the quick-mode test above, or here),
+    writes the subset under entity/<names> and leaves entity/results.json as the whole run wrote it."""
+    assert main(["run", "entity", "--quick", "--out", str(out)]) == 0
+    whole = (out / "entity" / "results.json").read_text()
+
+    def no_training(*_args: object, **_kwargs: object) -> int:
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(pretrain.trainer, "train", no_training)
+    assert main(["run", "entity", "--quick", "--out", str(out), "--families", "vort,pl"]) == 0
+    subset = json.loads((out / "entity" / "pl+vort" / "results.json").read_text())
+    assert [r["family"] for r in subset["runs"]] == ["pl", "vort"]
+    assert subset["command"].endswith("--families pl,vort")
+    assert (out / "entity" / "results.json").read_text() == whole
+    assert main(["run", "entity", "--quick", "--out", str(out), "--families", "pl,m5"]) == 1
+    assert "--families: m5 not in entity; its families: pl, exp, vort" in capsys.readouterr().err
+
+
+def test_a_run_from_before_a_new_option_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run saved before model.pmnet.memory_horizon existed (the key absent from its config.yaml) is
+    the same run as one with the option at its default: it is reused, not refused or retrained."""
+    experiment, family = EXPERIMENTS["copy"], Family("swa", ("model.pmnet.memory_every=0",))
+    run = experiment.train(family, 0, tmp_path, quick=True)
+    for saved in run.dir.rglob("config.yaml"):
+        config = yaml.safe_load(saved.read_text())
+        del config["model"]["pmnet"]["memory_horizon"]
+        saved.write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(pretrain.trainer, "train", lambda *_a, **_k: pytest.fail("the run was trained again"))
+    assert experiment.train(family, 0, tmp_path, quick=True).dir == run.dir
 
 
 def test_a_changed_config_is_not_mixed_with_an_old_run(tmp_path: Path) -> None:

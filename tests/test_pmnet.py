@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -254,7 +255,7 @@ def test_memory_horizon_restarts_the_phases(backend: str) -> None:
     with torch.no_grad():
         whole, whole_state = memory(h, memory.init_state(2), start)
         bounds = [0, 6, 16, 26, 36, 37]  # positions 30, 40, 50, 60 start periods
-        alone = [memory(h[:, a:b], memory.init_state(2), start + a)[0] for a, b in zip(bounds, bounds[1:])]
+        alone = [memory(h[:, a:b], memory.init_state(2), start + a)[0] for a, b in itertools.pairwise(bounds)]
         state, pieces, at = memory.init_state(2), [], 0
         for n in (5, 13, 1, 18):
             out, state = memory(h[:, at : at + n], state, start + at)
