@@ -180,8 +180,6 @@ EXPERIMENTS = [
     COPY,
     dataclasses.replace(COPY, name="copy-10x", config="copy-10x.yaml",
                         title="Copy-paste beyond the sliding window with 10x the steps, by look-back"),
-    dataclasses.replace(COPY, name="copy-conv", config="copy-conv.yaml",
-                        title="Copy-paste beyond the sliding window, distinct letters, short convolution"),
     dataclasses.replace(COPY, name="copy-curriculum", config="copy-curriculum.yaml",
                         title="Copy-paste beyond the sliding window, log-uniform look-backs, short convolution"),
     MemoryAblation(
