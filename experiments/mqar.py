@@ -132,14 +132,6 @@ EXPERIMENTS = [
         families=grid(SETTINGS, KINDS),
         quick_overrides=("train.steps=2",),
     ),
-    MQAR(  # the grid's first half: its runs are the grid's, trained by either
-        name="mqar-128",
-        title="MQAR at 128 tokens: recall accuracy against recurrent state size, widths 32 and 64",
-        config="mqar.yaml",
-        families=grid(SETTINGS[:2], KINDS),
-        settings=SETTINGS[:2],
-        quick_overrides=("train.steps=2",),
-    ),
     MQAR(  # its runs are the grid's runs of the same names, so the grid reuses them
         name="mqar-check",
         title="MQAR: the Transformer with and without the short convolution (128 tokens, 16 pairs)",
