@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
 import itertools
 import json
 import math
@@ -147,7 +148,7 @@ class Experiment:
             parallel: int = 1, only: Sequence[str] = ()) -> dict[str, Any]:
         """Train (`parallel` runs at a time) and evaluate every (family, seed), then write
         results.json, results.csv, plot.png under out/<name>; with `only` (family names), just those
-        families, written under out/<name>/<names joined by +> so that the whole experiment's files stay."""
+        families, written under out/<name>/<subset_name> so that the whole experiment's files stay."""
         if parallel < 1:
             raise ExperimentError(f"--parallel: expected a number >= 1, got {parallel}")
         seeds = 1 if quick and seeds is None else (seeds or self.seeds)
@@ -198,7 +199,7 @@ class Experiment:
             "summary": aggregate(records),
             "runs": records,
         }
-        target = out / self.name / "+".join(f.name for f in families) if only else out / self.name
+        target = out / self.name / subset_name([f.name for f in families]) if only else out / self.name
         target.mkdir(parents=True, exist_ok=True)
         (target / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         write_csv(results["summary"], target / "results.csv")
@@ -230,6 +231,15 @@ class DemoTextExperiment(Experiment):
         data = np.frombuffer(self.held_out.read_bytes()[: n_bytes + 1], dtype=np.uint8).astype(np.int64)
         n = (data.size - 1) // seq_len
         return np.stack([data[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
+
+
+def subset_name(families: Sequence[str]) -> str:
+    """The folder of a run of some of an experiment's families: their names joined by +, or past 100
+    characters the first name, how many more, and a digest of all of them."""
+    joined = "+".join(families)
+    if len(joined) <= 100:
+        return joined
+    return f"{families[0]}+{len(families) - 1}-more-{hashlib.sha1(joined.encode()).hexdigest()[:8]}"
 
 
 def _saved_config(path: Path) -> dict[str, Any] | None:

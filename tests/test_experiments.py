@@ -14,7 +14,7 @@ import yaml
 import pretrain.trainer
 from data_pipeline import synthetic
 from experiments import EXPERIMENTS
-from experiments.runner import ExperimentError, Family
+from experiments.runner import ExperimentError, Family, subset_name
 from launch.experiment import main
 from model import build_model
 from pretrain.config import ConfigError, load_config
@@ -91,6 +91,7 @@ def test_families_runs_only_those_and_keeps_the_whole_experiments_files(
     assert [r["family"] for r in subset["runs"]] == ["pl", "vort"]
     assert subset["command"].endswith("--families pl,vort")
     assert (out / "entity" / "results.json").read_text() == whole
+    assert subset_name([f"family-{i}" for i in range(20)]).startswith("family-0+19-more-")
     assert main(["run", "entity", "--quick", "--out", str(out), "--families", "pl,m5"]) == 1
     assert "--families: m5 not in entity; its families: pl, exp, vort" in capsys.readouterr().err
 
