@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib.ticker import NullFormatter
 
 from data_pipeline import synthetic
 from experiments.runner import Experiment, Family, Run, eval_task, figure, predictions, save_figure
@@ -113,6 +114,7 @@ class MQAR(Experiment):
                     xs, ys, errs = np.asarray(points).T
                     ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=kind)
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # labels on the decades only: the others collide
             ax.set_ylim(-0.02, 1.02)
             ax.set_xlabel("state size (floats carried between calls)")
             ax.set_ylabel("MQAR accuracy (mean, spread over seeds)")
