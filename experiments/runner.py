@@ -138,11 +138,23 @@ class Experiment:
             return [self.train(family, seed, out, quick) for family, seed in pairs]
         context = multiprocessing.get_context("spawn")
         slots = context.Queue()
-        for cores in core_slots(parallel):
+        groups = core_slots(parallel)
+        for cores in groups:
             slots.put(cores)
-        with ProcessPoolExecutor(parallel, mp_context=context, initializer=_claim_cores, initargs=(slots,)) as pool:
-            futures = [pool.submit(self.train, family, seed, out, quick) for family, seed in pairs]
-            return [future.result() for future in futures]
+        # a worker's OpenMP pool is sized when it starts, from the environment: left at the machine's
+        # core count, numba's first call resets torch's threads to it and they spin on one core
+        previous = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(min(len(cores) for cores in groups))
+        try:
+            with ProcessPoolExecutor(parallel, mp_context=context, initializer=_claim_cores,
+                                     initargs=(slots,)) as pool:
+                futures = [pool.submit(self.train, family, seed, out, quick) for family, seed in pairs]
+                return [future.result() for future in futures]
+        finally:
+            if previous is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = previous
 
     def run(self, out: Path, seeds: int | None = None, quick: bool = False, log: Any = print,
             parallel: int = 1, only: Sequence[str] = ()) -> dict[str, Any]:
