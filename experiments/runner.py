@@ -156,6 +156,11 @@ class Experiment:
             else:
                 os.environ["OMP_NUM_THREADS"] = previous
 
+    def results_dir(self, out: Path, subset: Sequence[str] = ()) -> Path:
+        """Where `run` writes its files: out/<name>, or for a subset of the families (the names of
+        those run, in the experiment's order) out/<name>/<subset_name>."""
+        return out / self.name / subset_name(subset) if subset else out / self.name
+
     def run(self, out: Path, seeds: int | None = None, quick: bool = False, log: Any = print,
             parallel: int = 1, only: Sequence[str] = ()) -> dict[str, Any]:
         """Train (`parallel` runs at a time) and evaluate every (family, seed), then write
@@ -211,7 +216,7 @@ class Experiment:
             "summary": aggregate(records),
             "runs": records,
         }
-        target = out / self.name / subset_name([f.name for f in families]) if only else out / self.name
+        target = self.results_dir(out, [f.name for f in families] if only else ())
         target.mkdir(parents=True, exist_ok=True)
         (target / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         write_csv(results["summary"], target / "results.csv")

@@ -22,7 +22,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import EXPERIMENTS
-from experiments.runner import ExperimentError, subset_name
+from experiments.runner import ExperimentError
 from pretrain.config import ConfigError
 from pretrain.log import setup_logging
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except ExperimentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    target = args.out / args.name / subset_name(list(results["families"])) if only else args.out / args.name
+    target = EXPERIMENTS[args.name].results_dir(args.out, list(results["families"]) if only else ())
     print(f"wrote {target}/results.json, results.csv, plot.png ({len(results['runs'])} runs)")
     return 0
 
