@@ -62,6 +62,9 @@ def _example(tokens: np.ndarray, answer_start: int, meta: dict[str, Any]) -> Exa
     return Example(ids, labels, (answer_start, ids.size), meta)
 
 
+PLACEMENT_TRIES = 10_000  # lags drawn for one record before the layout is declared impossible
+
+
 class _KeyValueRecall(ABC):
     """Shared generator: key/value records planted in noise, then a query for one key.
 
@@ -117,6 +120,10 @@ class _KeyValueRecall(ABC):
         """Largest lag (query position minus queried record position) that fits."""
         return self.seq_len - self.queries * (2 + self.value_len)
 
+    def _no_room(self, i: int, what: str) -> ValueError:
+        return ValueError(f"task {self.task!r} example {i}: {what}; seq_len {self.seq_len} is too short for "
+                          f"{self.num_pairs} records and {self.queries} queries at these lags")
+
     @abstractmethod
     def _lag(self, rng: np.random.Generator, low: int) -> int:
         """Distance from a queried record's first token to its query token, at least ``low``."""
@@ -137,15 +144,19 @@ class _KeyValueRecall(ABC):
         starts, lags, query_at = [], [], []
         for j in range(self.queries):
             at = body_len + j * record
-            while True:  # a free place for the record: lags near the query blocks collide most
+            for _ in range(PLACEMENT_TRIES):  # a free place for the record: lags near the query blocks collide most
                 lag = self._lag(rng, low=at - body_len + record)
                 if not taken[at - lag : at - lag + record].any():
                     break
+            else:
+                raise self._no_room(i, f"queried record {j + 1} found no free place in {PLACEMENT_TRIES} lags")
             taken[at - lag : at - lag + record] = True
             starts.append(at - lag)
             lags.append(lag)
             query_at.append(at)
         free = [s * record for s in range(body_len // record) if not taken[s * record : (s + 1) * record].any()]
+        if len(free) < self.num_pairs - self.queries:
+            raise self._no_room(i, f"{len(free)} free places for {self.num_pairs - self.queries} unqueried records")
         starts += (rng.choice(free, size=self.num_pairs - self.queries, replace=False)).tolist()
         for pos, key, value in zip(starts, keys, values):
             tokens[pos : pos + record] = [self.mark, key, *value]

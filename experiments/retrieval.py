@@ -21,6 +21,11 @@ KERNEL_FAMILIES = (
 TRANSFORMER = Family("transformer", ("model.kind=transformer",))
 
 QUICK = ("train.steps=2", "data.seq_len=192", "model.max_seq_len=192", "model.vort.soe_horizon=256")
+# the dense Zipf-lag task at 128 tokens: 12 queried records per sequence, 16 sequences a step for
+# 3,000 steps (576k answered queries; lags up to 92)
+SHORT_ZIPF = ("model.kind=transformer", "data.seq_len=128", "data.task.params.num_pairs=12",
+              "data.task.params.queries=12", "train.global_batch=16", "train.micro_batch=16", "train.steps=3000")
+QUICK_DENSE = (*QUICK, "data.seq_len=512", "model.max_seq_len=512")  # room for the dense tasks' 32-33 blocks
 
 
 class LagRetrieval(Experiment):
@@ -85,6 +90,14 @@ class ZipfLag(LagRetrieval):
     edges = (0.0, 100.0, 1000.0, math.inf)
 
 
+class ZipfCheck(ZipfLag):
+    """Calibrations of one model at several lengths, widths and budgets: nothing is compared, so
+    each family stands alone."""
+
+    def comparable_groups(self) -> list[tuple[Family, ...]]:
+        return [(family,) for family in self.families]
+
+
 class EntityCopy(LagRetrieval):
     """Lags are uniform, so the buckets are thirds of the longest lag."""
 
@@ -130,4 +143,20 @@ EXPERIMENTS = [
             title="Zipf-lag retrieval with the short convolution: exact accuracy by lag"),  # the paper's three kernels
     replace(ENTITY, name="entity-conv", config="entity-conv.yaml", families=(*ENTITY.families, TRANSFORMER),
             title="Entity-label copy, distinct label tokens, with the short convolution: exact accuracy by lag"),
+    # is the task learnable at all here? the Transformer alone, with 4-8x the answered queries
+    ZipfCheck(
+        name="zipf-check",
+        title="Zipf-lag retrieval, 12-32 queries per sequence: can the Transformer with the convolution learn it?",
+        config="zipf-dense.yaml",
+        families=(
+            TRANSFORMER,
+            Family("transformer-T128", SHORT_ZIPF),
+            Family("transformer-T128-d32", (*SHORT_ZIPF, "model.d_model=32")),
+        ),
+        seeds=1,
+        quick_overrides=QUICK_DENSE,
+    ),
+    replace(ENTITY, name="entity-check", config="entity-dense.yaml", families=(TRANSFORMER,), seeds=1,
+            quick_overrides=QUICK_DENSE,
+            title="Entity-label copy, 16 queries per sequence: can the Transformer with the convolution learn it?"),
 ]

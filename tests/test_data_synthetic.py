@@ -82,6 +82,14 @@ def test_zipf_lags_are_heavy_tailed() -> None:
     assert np.median(lags) < 20 and lags.max() > 200 and lags.min() >= task.min_lag
 
 
+def test_a_layout_that_cannot_be_placed_fails_instead_of_hanging() -> None:
+    # 32 queried records of 3 tokens in a 160-token body: placed at unaligned Zipf lags, they leave
+    # gaps too short for the rest (this drew lags forever before)
+    task = ZipfRetrieval(seq_len=256, vocab_size=258, num_pairs=32, queries=32, seed=0)
+    with pytest.raises(ValueError, match=r"task 'zipf' example 0: .*seq_len 256 is too short for 32 records"):
+        task.example(0)
+
+
 def test_copy_paste_bounds() -> None:
     task = CopyPaste(max_copy=1024, max_lookback=2048, seed=0)
     lens = []
