@@ -11,6 +11,7 @@ experiment then writes `<out>/<experiment>/results.json`, `results.csv` and `plo
 from __future__ import annotations
 
 import csv
+import ctypes
 import datetime
 import hashlib
 import itertools
@@ -18,6 +19,7 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import statistics
 import time
 from collections.abc import Sequence
@@ -38,6 +40,7 @@ from pretrain.sweep_run import core_slots
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "experiments"
 EVAL_SEED = 1_000_003
+PR_SET_PDEATHSIG = 1  # Linux prctl option: the signal this process gets when its parent dies
 """Task seed of the evaluation examples; training examples are drawn with the run's seed."""
 
 
@@ -269,7 +272,13 @@ def _saved_config(path: Path) -> dict[str, Any] | None:
 
 
 def _claim_cores(slots: Any) -> None:
-    """Pool worker start-up: take one group of cores from `slots` and use exactly those."""
+    """Pool worker start-up: take one group of cores from `slots` and use exactly those, and get
+    SIGTERM when the launcher dies (however it dies), which the trainer answers by saving a
+    checkpoint and stopping, so a killed `--parallel` run leaves no worker training on."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
     cores = slots.get()
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +18,25 @@ import yaml
 import pretrain.trainer
 from data_pipeline import synthetic
 from experiments import EXPERIMENTS
-from experiments.runner import ExperimentError, Family, subset_name
+from experiments.runner import Experiment, ExperimentError, Family, subset_name
 from launch.experiment import main
 from model import build_model
 from pretrain.config import ConfigError, load_config
 from pretrain.trainer import DataError, make_task_data
 
-TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+class Sleeper(Experiment):
+    """An experiment whose runs note their worker's pid and then wait, as a long training would."""
+
+    def train(self, family: Family, seed: int, out: Path, quick: bool) -> None:  # type: ignore[override]
+        (out / f"{family.name}.pid").write_text(str(os.getpid()))
+        time.sleep(120)
+
+
+SLEEPER = Sleeper(name="sleeper", title="", config="copy.yaml", families=(Family("a"), Family("b")))
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +88,32 @@ def test_parallel_training_gives_the_results_of_one_at_a_time(tmp_path: Path) ->
     assert [(r["family"], r["seed"]) for r in parallel] == [(r["family"], r["seed"]) for r in sequential]
     assert parallel == sequential
     assert main(["run", "entity", "--quick", "--out", str(parallel_out), "--parallel", "0"]) == 1
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting to be reaped is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killing_a_parallel_launcher_stops_its_workers(tmp_path: Path) -> None:
+    """A launcher killed outright (SIGKILL: no handler runs) leaves no worker training on."""
+    script = ("from pathlib import Path\nfrom tests.test_experiments import SLEEPER\n"
+              f"SLEEPER.train_all([(f, 0) for f in SLEEPER.families], Path({str(tmp_path)!r}), False, 2)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    deadline = time.monotonic() + 120
+    while len(pids := list(tmp_path.glob("*.pid"))) < 2 or not all(p.read_text() for p in pids):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.1)
+    workers = [int(p.read_text()) for p in pids]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while any(map(_running, workers)):
+        assert time.monotonic() < deadline, f"workers {workers} still run after their launcher was killed"
+        time.sleep(0.1)
 
 
 def test_families_runs_only_those_and_keeps_the_whole_experiments_files(
