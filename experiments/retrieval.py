@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,8 @@ TRANSFORMER = Family("transformer", ("model.kind=transformer",))
 QUICK = ("train.steps=2", "data.seq_len=192", "model.max_seq_len=192", "model.vort.soe_horizon=256")
 # the dense Zipf-lag task at 128 tokens: 12 queried records per sequence, 16 sequences a step for
 # 3,000 steps (576k answered queries; lags up to 92)
-SHORT_ZIPF = ("model.kind=transformer", "data.seq_len=128", "data.task.params.num_pairs=12",
-              "data.task.params.queries=12", "train.global_batch=16", "train.micro_batch=16", "train.steps=3000")
+SHORT_ZIPF = ("data.seq_len=128", "data.task.params.num_pairs=12", "data.task.params.queries=12",
+              "train.global_batch=16", "train.micro_batch=16", "train.steps=3000")
 QUICK_DENSE = (*QUICK, "data.seq_len=512", "model.max_seq_len=512")  # room for the dense tasks' 32-33 blocks
 
 
@@ -98,6 +98,23 @@ class ZipfCheck(ZipfLag):
         return [(family,) for family in self.families]
 
 
+@dataclass
+class ZipfCurriculum(ZipfLag):
+    """Every run in two stages: first `first_stage` (its overrides on `first_config`: a short setting
+    the task is learned at), then the experiment's own config from those weights (`init.from`).
+    Stage 1 runs are those of any experiment that trains the same family there (zipf-check's
+    Transformer), in <out>/runs/<first_config>/<family>-<first_stage.name>."""
+
+    first_config: str = ""
+    first_stage: Family = field(default_factory=lambda: Family(""))
+
+    def train(self, family: Family, seed: int, out: Path, quick: bool) -> Run:
+        short = Family(f"{family.name}-{self.first_stage.name}", (*family.overrides, *self.first_stage.overrides))
+        first = Experiment.train(replace(self, config=self.first_config), short, seed, out, quick)
+        return Experiment.train(self, replace(family, overrides=(*family.overrides, f"init.from={first.dir}")),
+                                seed, out, quick)
+
+
 class EntityCopy(LagRetrieval):
     """Lags are uniform, so the buckets are thirds of the longest lag."""
 
@@ -150,11 +167,21 @@ EXPERIMENTS = [
         config="zipf-dense.yaml",
         families=(
             TRANSFORMER,
-            Family("transformer-T128", SHORT_ZIPF),
-            Family("transformer-T128-d32", (*SHORT_ZIPF, "model.d_model=32")),
+            Family("transformer-T128", (*TRANSFORMER.overrides, *SHORT_ZIPF)),
+            Family("transformer-T128-d32", (*TRANSFORMER.overrides, *SHORT_ZIPF, "model.d_model=32")),
         ),
         seeds=1,
         quick_overrides=QUICK_DENSE,
+    ),
+    ZipfCurriculum(
+        name="zipf-curriculum",
+        title="Zipf-lag retrieval learned at 128 tokens, then trained on at 1,152: exact accuracy by lag",
+        config="zipf-curriculum.yaml",
+        families=(*KERNEL_FAMILIES[:3], TRANSFORMER),
+        first_config="zipf-dense.yaml",
+        first_stage=Family("T128", SHORT_ZIPF),
+        quick_overrides=QUICK_DENSE,
+        paper=ZIPF.paper,
     ),
     replace(ENTITY, name="entity-check", config="entity-dense.yaml", families=(TRANSFORMER,), seeds=1,
             quick_overrides=QUICK_DENSE,

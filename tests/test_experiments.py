@@ -90,6 +90,19 @@ def test_parallel_training_gives_the_results_of_one_at_a_time(tmp_path: Path) ->
     assert main(["run", "entity", "--quick", "--out", str(parallel_out), "--parallel", "0"]) == 1
 
 
+def test_a_curriculum_run_starts_from_its_first_stage(out: Path) -> None:
+    """zipf-curriculum trains each family at 128 tokens first (zipf-dense.yaml), then at full length
+    from those weights; the stage-1 run is the one zipf-check trains for its Transformer."""
+    assert main(["run", "zipf-curriculum", "--quick", "--out", str(out), "--families", "transformer"]) == 0
+    second_dir = out / "runs" / "zipf-curriculum-quick" / "transformer" / "seed0"
+    second = yaml.safe_load((second_dir / "config.yaml").read_text())
+    first = out / "runs" / "zipf-dense-quick" / "transformer-T128" / "seed0"
+    assert second["init"]["from"] == str(first) and (first / "checkpoints").is_dir()
+    assert second["data"]["seq_len"] == 512 and second["train"]["lr"] == 3e-3
+    checked = EXPERIMENTS["zipf-check"]
+    assert checked.run_config(checked.families[1], 0, out, True)[0] == first
+
+
 def _running(pid: int) -> bool:
     """Whether `pid` is a live process (a zombie waiting to be reaped is not)."""
     try:
