@@ -9,7 +9,16 @@ from typing import Any
 
 import numpy as np
 
-from experiments.runner import Experiment, Family, Run, bar_plot, bucket_accuracy, eval_task, predictions
+from experiments.runner import (
+    Experiment,
+    Family,
+    Run,
+    bar_plot,
+    bucket_accuracy,
+    eval_task,
+    final_train_loss,
+    predictions,
+)
 from model import CausalLM
 
 KERNEL_FAMILIES = (
@@ -113,6 +122,12 @@ class ZipfCurriculum(ZipfLag):
         first = Experiment.train(replace(self, config=self.first_config), short, seed, out, quick)
         return Experiment.train(self, replace(family, overrides=(*family.overrides, f"init.from={first.dir}")),
                                 seed, out, quick)
+
+    def evaluate(self, model: CausalLM, run: Run, quick: bool) -> dict[str, Any]:
+        """The full-length metrics, and where stage 1 ended (its final training loss): a family
+        that did not learn the task short has nothing to carry to the full length."""
+        first = Path(run.config.init.from_ or "")
+        return {**super().evaluate(model, run, quick), "first_stage_loss_end": final_train_loss(first)}
 
 
 class EntityCopy(LagRetrieval):

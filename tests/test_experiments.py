@@ -99,6 +99,8 @@ def test_a_curriculum_run_starts_from_its_first_stage(out: Path) -> None:
     first = out / "runs" / "zipf-dense-quick" / "transformer-T128" / "seed0"
     assert second["init"]["from"] == str(first) and (first / "checkpoints").is_dir()
     assert second["data"]["seq_len"] == 512 and second["train"]["lr"] == 3e-3
+    results = json.loads((out / "zipf-curriculum" / "transformer" / "results.json").read_text())
+    assert results["runs"][0]["metrics"]["first_stage_loss_end"] > 0
     checked = EXPERIMENTS["zipf-check"]
     assert checked.run_config(checked.families[1], 0, out, True)[0] == first
 
