@@ -40,8 +40,8 @@ from pretrain.sweep_run import core_slots
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "experiments"
 EVAL_SEED = 1_000_003
-PR_SET_PDEATHSIG = 1  # Linux prctl option: the signal this process gets when its parent dies
 """Task seed of the evaluation examples; training examples are drawn with the run's seed."""
+PR_SET_PDEATHSIG = 1  # Linux prctl option: the signal this process gets when its parent dies
 
 
 class ExperimentError(RuntimeError):
