@@ -5,9 +5,11 @@ the phasor scan) and Triton kernels (the CUDA default), plus a sequence-parallel
 sequence across the ranks of a process group; see docs/kernels.md.
 """
 
-from kernels._common import work_dtype
+from kernels._common import document_numbers, work_dtype
 from kernels.parallel import phasor_scan_sequence_parallel, soe_scan_sequence_parallel
 from kernels.phasor import phasor_scan
 from kernels.soe import soe_scan
 
-__all__ = ["phasor_scan", "phasor_scan_sequence_parallel", "soe_scan", "soe_scan_sequence_parallel", "work_dtype"]
+__all__ = [
+    "document_numbers",
+    "phasor_scan", "phasor_scan_sequence_parallel", "soe_scan", "soe_scan_sequence_parallel", "work_dtype"]

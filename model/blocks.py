@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels import document_numbers
 from kernels.parallel import exchange_with_neighbours
 from model.config import ModelConfig
 from model.interface import CausalLM, LMHead, LMOutput, SequenceParallel
@@ -102,9 +103,9 @@ def short_convolution(config: ModelConfig) -> ShortConvolution | None:
 
 
 def document_ids(doc_start: torch.Tensor) -> torch.Tensor:
-    """Document number [B, T] of each token: how many document starts (bool [B, T]) are at or before it.
-    Two tokens of a row are in the same document exactly when their numbers are equal."""
-    return doc_start.long().cumsum(1)
+    """Document number [B, T] (int64) of each token: kernels' `document_numbers` of the document starts
+    (bool [B, T]). Two tokens of a row are in the same document exactly when their numbers are equal."""
+    return document_numbers(doc_start, *doc_start.shape, doc_start.device, torch.long)
 
 
 Offset = int | torch.Tensor

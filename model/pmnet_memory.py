@@ -278,7 +278,7 @@ class PhasorMemory(nn.Module):
         starts = (positions % self.segment_len == 0) | (torch.arange(T, device=path.device) == 0)
         if doc_start is not None:
             starts = starts | doc_start
-        segment = starts.long().cumsum(-1) - 1  # the call's segments, numbered from 0 in each row
+        segment = document_ids(starts.expand(B, T)) - 1  # the call's segments, numbered from 0 in each row
         # an upper bound without documents (a host sync only with them): extra segments stay empty
         n_segments = int(segment.max()) + 1 if doc_start is not None else (T - 1) // self.segment_len + 2
         by_segment = path + (segment * self.n_slots)[..., None]  # one slot id per (segment, slot)
