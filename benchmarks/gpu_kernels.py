@@ -192,7 +192,7 @@ def train_steps(
         "plan_gib": math.nan,
     }
     if predict:
-        from pretrain.plan import plan
+        from pretrain.plan.memory import plan
 
         row["plan_gib"] = plan(cfg, world=1, model=model.float().cpu())[0].total / 2**30
     return row

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model.interface import IGNORE_INDEX, chunked_cross_entropy, loss_chunk_tokens
-from pretrain.plan import GIB, peak_growth
+from pretrain.plan.memory import GIB, peak_growth
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

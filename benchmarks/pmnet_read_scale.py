@@ -22,8 +22,8 @@ import torch
 from model import build_model
 from model.config import load_model_config
 from model.pmnet import PMNet
+from pretrain.checkpoint.consolidate import consolidate, resolve_checkpoint
 from pretrain.config import load_config
-from pretrain.export import consolidate, resolve_checkpoint
 
 HELD_OUT = Path(__file__).resolve().parents[1] / "data" / "demo" / "valid" / "northangerabbey.txt"
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from data_pipeline.tokenizer import byte_tokenizer
 from experiments.extrapolation import HELD_OUT, score_contexts
 from model.pmnet import PMNet
+from pretrain.checkpoint.consolidate import consolidate, resolve_checkpoint
 from pretrain.config import load_config
-from pretrain.evaluate import read_text
-from pretrain.export import consolidate, resolve_checkpoint
+from pretrain.evaluate.text import read_text
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from model import build_model
 from model.config import ModelConfig, PMNetConfig, VortConfig
-from pretrain.parallel_dims import ParallelDims, local_slice, sequence_parallel_loss
+from pretrain.distributed.parallel_dims import ParallelDims, local_slice, sequence_parallel_loss
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = REPO / "data" / "demo" / "long" / "prideprejudice.txt"

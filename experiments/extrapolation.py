@@ -30,10 +30,10 @@ from data_pipeline.tokenizer import byte_tokenizer
 from experiments.runner import REPO, Experiment, Family, Run
 from model import CausalLM
 from model.vort import VORT_KINDS
-from pretrain import compare
 from pretrain.config import RunConfig
-from pretrain.evaluate import Text, evaluate_context, read_text
-from pretrain.memory_probe import probe
+from pretrain.evaluate import compare as compare
+from pretrain.evaluate.memory_probe import probe
+from pretrain.evaluate.text import Text, evaluate_context, read_text
 
 DEMO = REPO / "data" / "demo"
 HELD_OUT = DEMO / "valid" / "northangerabbey.txt"

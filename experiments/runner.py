@@ -33,9 +33,9 @@ import torch
 
 from data_pipeline import synthetic
 from model import CausalLM
+from pretrain.checkpoint.consolidate import consolidate, resolve_checkpoint
 from pretrain.config import ConfigError, RunConfig, config_to_dict, load_config
-from pretrain.export import consolidate, resolve_checkpoint
-from pretrain.sweep_run import core_slots
+from pretrain.sweeps.run import core_slots
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "experiments"

@@ -23,7 +23,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.config import ConfigError, load_config
-from pretrain.distributed import adopt_slurm_environment
+from pretrain.distributed.process_group import adopt_slurm_environment
 from pretrain.log import setup_logging
 
 EXIT_BAD_INPUT = 2

@@ -22,9 +22,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # planning builds models only to count them
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain.scaling import ScalingFitError
-from pretrain.sweep import SweepError, format_plan, load_sweep, plan_sweep
-from pretrain.sweep_results import cell_status, collect_results
+from pretrain.sweeps.results import cell_status, collect_results
+from pretrain.sweeps.scaling import ScalingFitError
+from pretrain.sweeps.spec import SweepError, format_plan, load_sweep, plan_sweep
 
 EXIT_BAD_INPUT = 2
 
@@ -44,7 +44,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pretrain.sweep_run import LocalExecutor, print_commands, submit_slurm
+    from pretrain.sweeps.run import LocalExecutor, print_commands, submit_slurm
 
     sweep = load_sweep(args.sweep)
     cells, _ = plan_sweep(sweep)
@@ -80,7 +80,7 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from pretrain.scaling import fit_results, format_fit, load_results
+    from pretrain.sweeps.scaling import fit_results, format_fit, load_results
 
     data = load_results(args.results, params_column=args.params_column)
     fits = fit_results(data, bootstrap=args.bootstrap, seed=args.seed, starts=args.starts or None)
@@ -88,7 +88,7 @@ def _fit(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(fits, indent=1))
     if args.plots:
-        from pretrain.scaling_plots import plot_all
+        from pretrain.sweeps.plots import plot_all
 
         for path in plot_all(data, fits, Path(args.plots)):
             print(f"plot: {path}")

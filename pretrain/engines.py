@@ -10,8 +10,8 @@ Every engine offers the same operations to the trainer:
   - `eval_loss(input_ids, labels, state, doc_start=None)`: the loss without gradients (sharded engines
     gather weights) and the state after the piece, so that long contexts are evaluated piece by piece.
   - `save(path)` / `load(path, scratch)`: the engine-native checkpoint of model and optimizer
-    (formats in pretrain/engine_checkpoint.py; the files around it, trainer state and RNG, are
-    pretrain/checkpoint.py's).
+    (a format module each in pretrain/checkpoint/; the files around it, trainer state and RNG,
+    are pretrain/checkpoint/checkpointer.py's).
 The trainer never branches on the engine kind.
 """
 
@@ -20,9 +20,8 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,18 +29,14 @@ from torch import nn
 
 from model import CausalLM, SequenceParallel
 from pretrain.carry import detach_state
+from pretrain.checkpoint.dcp_format import load_dcp_state, save_dcp_state
+from pretrain.checkpoint.deepspeed_format import load_deepspeed, save_deepspeed
+from pretrain.checkpoint.torch_format import load_torch_state, save_torch_state
 from pretrain.config import ConfigError, RunConfig
-from pretrain.distributed import init_process_group
-from pretrain.engine_checkpoint import (
-    load_dcp_state,
-    load_deepspeed,
-    load_torch_state,
-    save_dcp_state,
-    save_deepspeed,
-    save_torch_state,
-)
+from pretrain.distributed.parallel_dims import sequence_parallel_loss
+from pretrain.distributed.process_group import init_process_group
 from pretrain.optim import param_groups
-from pretrain.parallel_dims import sequence_parallel_loss
+from pretrain.protocols import Batch, Engine, StepInfo
 
 
 class TrainModule(nn.Module):
@@ -70,49 +65,10 @@ class TrainModule(nn.Module):
         return loss, detach_state(new_state)
 
 
-# (input_ids, labels), (input_ids, labels, carried state) under train.carry_state, or
-# (input_ids, labels, carried state or None, doc_start) under data.doc_boundaries
-Batch = tuple[Any, ...]
-
-
 def _forward(module: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
     """(loss, state after the window or None) of one micro-batch."""
     out = module(*batch)
     return out if isinstance(out, tuple) else (out, None)
-
-
-@dataclass
-class StepInfo:
-    """One optimizer step, as 0-d tensors on the device (reading one waits for the step to finish):
-    this rank's mean micro-batch loss, the global gradient norm before clipping, whether the update
-    was applied (False when it was skipped as non-finite on some rank; every rank agrees), and each
-    micro-batch's state after its window when states are carried."""
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    applied: torch.Tensor
-    states: list[Any] = field(default_factory=list)
-
-
-class Engine(Protocol):
-    """What the trainer and the checkpointer use of an engine (see the module docstring)."""
-
-    @property
-    def model(self) -> CausalLM:
-        """The bare CausalLM (sharded under FSDP2 and ZeRO-3)."""
-
-    def train_step(self, micro_batches: list[Batch], lr: float) -> StepInfo: ...
-
-    def eval_loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, Any]: ...
-
-    def save(self, path: str) -> None:
-        """Collective: write model and optimizer state under `path` (a directory every rank sees)."""
-
-    def load(self, path: str, scratch: Path) -> None:
-        """Collective: restore what `save` wrote, possibly at another world size; `scratch` is an
-        empty directory every rank sees, for a conversion on the way."""
 
 
 def init_distributed(cfg: RunConfig) -> tuple[int, int]:

@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 
 from model import CausalLM
-from pretrain import checkpoint as ckpt
+from pretrain.checkpoint.consolidate import consolidate, read_run_config, resolve_checkpoint
+from pretrain.checkpoint.layout import CheckpointError
+from pretrain.checkpoint.manifest import verify
 from pretrain.config import ConfigError
-from pretrain.export import CONFIG, ExportError, consolidate, load_exported, read_run_config, resolve_checkpoint
+from pretrain.export import CONFIG, ExportError, load_exported
 
 
 def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
@@ -30,11 +32,11 @@ def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
         else:
             step_dir = resolve_checkpoint(path)
             try:
-                ckpt.verify(step_dir)
-            except ckpt.CheckpointError as err:
+                verify(step_dir)
+            except CheckpointError as err:
                 raise ExportError(f"{step_dir}: checkpoint failed verification: {err}") from err
             model = consolidate(step_dir, read_run_config(step_dir))
-    except ExportError as err:
+    except (ExportError, CheckpointError) as err:
         raise ConfigError(f"init.from: {err}") from err
     return {name: param.detach() for name, param in model.named_parameters()}
 

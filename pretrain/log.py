@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from pretrain.distributed import rank as current_rank
+from pretrain.distributed.process_group import rank as current_rank
 
 
 def setup_logging(level: str | int = "INFO", all_ranks: bool = False) -> logging.Logger:

@@ -1,7 +1,7 @@
 """The training loop: data -> engine step -> metrics, evaluation and checkpoints.
 
 Read top to bottom, `train()` is the whole story; everything engine-specific is behind
-pretrain/engines.py and everything on disk behind pretrain/checkpoint.py.
+pretrain/engines.py and everything on disk behind pretrain/checkpoint/.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from data_pipeline.synthetic import TaskBatches, make_task
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import IGNORE_INDEX, CausalLM, build_model
 from pretrain import carry
-from pretrain.checkpoint import Checkpointer
+from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.config import ConfigError, RunConfig, TrainSection, config_text, config_to_dict, dump_config
-from pretrain.distributed import all_reduce_mean, all_reduce_sum, barrier
-from pretrain.engines import Engine, build_engine, device_for_rank, grad_accumulation_steps, init_distributed
+from pretrain.distributed.parallel_dims import ParallelDims, dims_for, local_slice
+from pretrain.distributed.process_group import all_reduce_mean, all_reduce_sum, barrier
+from pretrain.engines import build_engine, device_for_rank, grad_accumulation_steps, init_distributed
 from pretrain.init_from import load_initial_weights
 from pretrain.log import get_logger
 from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
-from pretrain.parallel_dims import ParallelDims, dims_for, local_slice
+from pretrain.protocols import Engine
 
 EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
 EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
@@ -221,7 +222,7 @@ def evaluate_tasks(cfg: RunConfig, engine: Engine, device: torch.device) -> dict
     """Synthetic long-context tasks (pretrain.evaluate's, streamed with the carried state) on rank
     0. Needs whole weights on every rank: single process or DeepSpeed ZeRO stage <= 2."""
     from data_pipeline.tokenizer import load_tokenizer
-    from pretrain.evaluate import run_tasks
+    from pretrain.evaluate.text import run_tasks
 
     haystack = Path(cfg.eval.haystack).read_bytes() if cfg.eval.haystack else b""
     model = engine.model

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from model import build_model
-from pretrain.checkpoint import Checkpointer, CheckpointError, verify
+from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.layout import CheckpointError
+from pretrain.checkpoint.manifest import verify
 from pretrain.config import load_config
 from pretrain.engines import SingleEngine, TrainModule
 
@@ -100,7 +102,7 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path: Pa
         sys.path.insert(0, {str(REPO)!r})
         sys.path.insert(0, {str(REPO / "tests")!r})
         from test_checkpoint import make_engine, save_steps
-        from pretrain.checkpoint import Checkpointer
+        from pretrain.checkpoint.checkpointer import Checkpointer
         engine = make_engine(0)
         ckpt = Checkpointer({str(root)!r}, {str(tmp_path)!r}, 5, 0, False)
         save_steps(ckpt, engine, [1])

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pretrain.distributed import adopt_slurm_environment
+from pretrain.distributed.process_group import adopt_slurm_environment
 
 SLURM_TASK = {
     "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",

@@ -9,13 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint import CheckpointError
-from pretrain.engine_checkpoint import (
-    DEEPSPEED_FORMAT,
-    _needs_universal,
-    deepspeed_weights_only,
-    read_engine_weights,
-)
+from pretrain.checkpoint.consolidate import read_engine_weights
+from pretrain.checkpoint.deepspeed_format import DEEPSPEED_FORMAT, _needs_universal, deepspeed_weights_only
+from pretrain.checkpoint.layout import CheckpointError
 
 
 class Unlisted:

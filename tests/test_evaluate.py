@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import yaml
 
 from model import build_model
-from pretrain import evaluate as ev
 from pretrain.config import config_from_dict
+from pretrain.evaluate import text as ev
 from pretrain.export import load_exported, write_export
 
 REPO = Path(__file__).resolve().parents[1]

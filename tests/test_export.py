@@ -17,8 +17,9 @@ from safetensors.torch import load_file, load_model, save_file
 
 from model import build_model
 from pretrain import export as ex
+from pretrain.checkpoint.consolidate import read_run_config
+from pretrain.checkpoint.deepspeed_format import deepspeed_safe_globals
 from pretrain.config import config_from_dict
-from pretrain.engine_checkpoint import deepspeed_safe_globals
 from tests.launchers import run_training
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ def single_run(tmp_path_factory: pytest.TempPathFactory, demo_shards: dict[str, 
 
 def test_single_export_gives_training_logits(single_run: Path, tmp_path: Path) -> None:
     step_dir = single_run / "checkpoints" / "step_00000002"
-    cfg = ex.read_run_config(step_dir)
+    cfg = read_run_config(step_dir)
     trained = build_model(cfg.model)
     load_model(trained, str(step_dir / "engine" / "model.safetensors"))  # the weights exactly as the trainer saved them
     trained.eval()
@@ -215,7 +216,7 @@ def test_sharded_exports_give_training_logits(
         logits[name] = own
         if name == "zero2":
             step_dir = run_dir / "checkpoints" / "step_00000002"
-            trained = build_model(ex.read_run_config(step_dir).model)
+            trained = build_model(read_run_config(step_dir).model)
             trained.load_state_dict(_deepspeed_module_weights(step_dir), strict=True)
             assert torch.equal(own, _logits(trained.eval(), ids))
     torch.testing.assert_close(logits["zero3"], logits["zero2"], rtol=1e-4, atol=1e-4)

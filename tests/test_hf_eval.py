@@ -13,13 +13,13 @@ import yaml
 
 from data_pipeline.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
 from model import build_model
-from pretrain import evaluate as ev
 from pretrain.config import config_from_dict
+from pretrain.evaluate import text as ev
 from pretrain.export import load_exported, write_export
 
 REPO = Path(__file__).resolve().parents[1]
 BOOK = REPO / "data" / "demo" / "train" / "macbeth.txt"
-TASKS = REPO / "pretrain" / "lm_eval_tasks"
+TASKS = REPO / "pretrain" / "evaluate" / "lm_eval_tasks"
 TEXTS = [
     "hello world",
     "héllo wörld ✓ 日本語 🙂",

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 
 from launch.pretrain import EXIT_BAD_INPUT, main
 from model import build_model
+from pretrain.checkpoint.consolidate import consolidate, read_run_config, resolve_checkpoint
 from pretrain.config import ConfigError, load_config
-from pretrain.export import consolidate, export, read_run_config, resolve_checkpoint
+from pretrain.export import export
 from pretrain.init_from import load_initial_weights
 from tests.launchers import run_training
 

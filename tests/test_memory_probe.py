@@ -1,4 +1,4 @@
-"""pretrain.memory_probe (what a VORT memory holds along the position) and pretrain.evaluate's
+"""pretrain.evaluate.memory_probe (what a VORT memory holds along the position) and pretrain.evaluate's
 equal token budget per context."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import yaml
 
 from model import build_model
 from model.vort import bank_orders, certified_kernel
-from pretrain import evaluate as ev
-from pretrain import memory_probe as mp
 from pretrain.config import config_from_dict
+from pretrain.evaluate import memory_probe as mp
+from pretrain.evaluate import text as ev
 from pretrain.export import write_export
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from model import build_model
-from pretrain import plan
 from pretrain.config import ConfigError, load_config
 from pretrain.engines import deepspeed_bucket_elements
+from pretrain.plan import memory as plan
 from pretrain.trainer import check_start
 
 REPO = Path(__file__).resolve().parents[1]

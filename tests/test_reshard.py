@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.engine_checkpoint import read_engine_weights
+from pretrain.checkpoint.consolidate import read_engine_weights
 from tests.launchers import run_training
 from tests.test_resume import STEPS, config_args, kill_at_step, step_losses
 

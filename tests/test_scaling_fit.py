@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from launch.sweep import main as sweep_main
-from pretrain.scaling import (
+from pretrain.sweeps.scaling import (
     EXPONENT_MAX,
     PARAMETERS,
     ScalingFitError,

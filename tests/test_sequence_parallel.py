@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from model import build_model
 from model.config import ModelConfig, PMNetConfig, VortConfig
 from pretrain.config import ConfigError, load_config
-from pretrain.parallel_dims import ParallelDims, local_slice, sequence_parallel_loss
+from pretrain.distributed.parallel_dims import ParallelDims, local_slice, sequence_parallel_loss
 from tests.launchers import REPO, free_port, logged, losses, run_training
 
 WORLD = 2
@@ -255,7 +255,7 @@ def sp_args(family: str, shards: dict[str, str], run_dir: Path, extra: list[str]
 
 
 def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
-    from pretrain.export import consolidate, read_run_config, resolve_checkpoint
+    from pretrain.checkpoint.consolidate import consolidate, read_run_config, resolve_checkpoint
 
     step_dir = resolve_checkpoint(run_dir / "checkpoints")
     return {n: p.detach() for n, p in consolidate(step_dir, read_run_config(step_dir)).named_parameters()}

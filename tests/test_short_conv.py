@@ -16,7 +16,7 @@ from model import build_model
 from model.blocks import ShortConvolution
 from model.config import ModelConfig, PMNetConfig, VortConfig
 from pretrain.config import ConfigError, config_from_dict, load_config
-from pretrain.evaluate import stream_logits
+from pretrain.evaluate.text import stream_logits
 from pretrain.export import write_export
 from tests.test_hf_eval import _generate, _hf_model, _reference
 

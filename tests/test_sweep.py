@@ -17,10 +17,10 @@ import yaml
 
 from launch.sweep import main as sweep_main
 from model import build_model
-from pretrain.checkpoint import MANIFEST, step_dir_name
+from pretrain.checkpoint.layout import MANIFEST, step_dir_name
 from pretrain.config import load_config
-from pretrain.sweep import SweepError, cell_arguments, load_sweep, plan_sweep
-from pretrain.sweep_results import cell_status
+from pretrain.sweeps.results import cell_status
+from pretrain.sweeps.spec import SweepError, cell_arguments, load_sweep, plan_sweep
 from tests.launchers import REPO, kill_tree
 
 MODELS = REPO / "configs" / "model"

@@ -8,7 +8,6 @@ docs/export_eval.md, "Export", lists the files and how the code travels.
 """
 
 from pretrain.export.cli import main
-from pretrain.export.consolidate import consolidate, read_run_config, resolve_checkpoint
 from pretrain.export.directory import export, load_exported, read_export_config, write_export
 from pretrain.export.layout import (
     CONFIG,
@@ -28,7 +27,6 @@ __all__ = [
     "TOKENIZER_JSON",
     "WEIGHTS",
     "ExportError",
-    "consolidate",
     "export",
     "flat_name",
     "hf_config",
@@ -36,8 +34,6 @@ __all__ = [
     "main",
     "model_card",
     "read_export_config",
-    "read_run_config",
-    "resolve_checkpoint",
     "write_code",
     "write_export",
     "write_tokenizer",

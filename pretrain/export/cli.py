@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pretrain.export.consolidate import resolve_checkpoint
+from pretrain.checkpoint.consolidate import resolve_checkpoint
 from pretrain.export.directory import export
 from pretrain.export.layout import ExportError
 

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from model import CausalLM, build_model
-from pretrain import checkpoint as ckpt
+from pretrain.checkpoint.consolidate import consolidate, read_run_config, resolve_checkpoint
+from pretrain.checkpoint.layout import CheckpointError
+from pretrain.checkpoint.manifest import verify
 from pretrain.config import ConfigError, RunConfig, config_from_dict
-from pretrain.export.consolidate import consolidate, read_run_config, resolve_checkpoint
 from pretrain.export.layout import CONFIG, EXPORT_FORMAT, WEIGHTS, ExportError
 from pretrain.export.metadata import data_fingerprint, eval_metrics, hf_config, model_card, write_tokenizer
 from pretrain.export.remote_code import write_code
@@ -50,13 +51,16 @@ def write_export(
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     """Verify, consolidate and write the export directory; returns it."""
-    step_dir = resolve_checkpoint(checkpoint)
     try:
-        manifest = ckpt.verify(step_dir)
-    except ckpt.CheckpointError as err:
-        raise ExportError(f"{step_dir}: checkpoint failed verification: {err}") from err
-    cfg = read_run_config(step_dir)
-    model = consolidate(step_dir, cfg)
+        step_dir = resolve_checkpoint(checkpoint)
+        try:
+            manifest = verify(step_dir)
+        except CheckpointError as err:
+            raise ExportError(f"{step_dir}: checkpoint failed verification: {err}") from err
+        cfg = read_run_config(step_dir)
+        model = consolidate(step_dir, cfg)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from err
     try:
         trainer = json.loads((step_dir / "trainer_state.json").read_text()).get("trainer", {})
     except (OSError, json.JSONDecodeError) as err:

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from pretrain.scaling import FamilyData, budget_groups, optimal_allocation, predict_loss
+from pretrain.sweeps.scaling import FamilyData, budget_groups, optimal_allocation, predict_loss
 
 
 def _panels(count: int) -> tuple[plt.Figure, list[plt.Axes]]:

@@ -4,8 +4,8 @@ Whatever engine wrote the checkpoint (single process, DeepSpeed ZeRO 0-3, FSDP2 
 torch.distributed.checkpoint), the weights are gathered into one state dict under the CausalLM's
 own parameter names and loaded into a freshly built model, so that a missing or unexpected key
 fails here, not in a user's notebook. Loading never unpickles code: safetensors, YAML through
-safe_load, and torch.load with weights_only=True (pretrain.engine_checkpoint reads each engine's
-format).
+safe_load, and torch.load with weights_only=True (the format modules beside this one read each
+engine's payload).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import torch
 import yaml
 
 from model import CausalLM, build_model
-from pretrain import checkpoint as ckpt
-from pretrain.checkpoint import CheckpointError
+from pretrain.checkpoint.dcp_format import read_dcp_weights
+from pretrain.checkpoint.deepspeed_format import read_deepspeed_weights
+from pretrain.checkpoint.layout import LATEST, CheckpointError
+from pretrain.checkpoint.manifest import committed_steps
+from pretrain.checkpoint.torch_format import read_torch_weights
 from pretrain.config import ConfigError, RunConfig, config_from_dict
-from pretrain.engine_checkpoint import read_engine_weights
-from pretrain.export.layout import ExportError
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -28,19 +29,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     run directory, in which case its `latest` pointer (or else the newest step) is taken."""
     path = Path(path)
     if not path.exists():
-        raise ExportError(f"{path}: no such checkpoint or run directory")
+        raise CheckpointError(f"{path}: no such checkpoint or run directory")
     if (path / "config.yaml").is_file() and (path / "engine").is_dir():
         return path
     for root in (path, path / "checkpoints"):
-        latest = root / ckpt.LATEST
+        latest = root / LATEST
         if latest.is_file():
             step = root / latest.read_text().strip()
             if step.is_dir():
                 return step
-        steps = ckpt.committed_steps(str(root)) if root.is_dir() else []
+        steps = committed_steps(str(root)) if root.is_dir() else []
         if steps:
             return root / steps[0]
-    raise ExportError(f"{path}: not a checkpoint (no engine/ and config.yaml) and holds no step_* checkpoints")
+    raise CheckpointError(f"{path}: not a checkpoint (no engine/ and config.yaml) and holds no step_* checkpoints")
 
 
 def read_run_config(step_dir: Path) -> RunConfig:
@@ -49,16 +50,13 @@ def read_run_config(step_dir: Path) -> RunConfig:
     try:
         return config_from_dict(yaml.safe_load(path.read_text()) or {})
     except (OSError, yaml.YAMLError, ConfigError) as err:
-        raise ExportError(f"{path}: cannot read the run config: {err}") from err
+        raise CheckpointError(f"{path}: cannot read the run config: {err}") from err
 
 
 def consolidate(step_dir: Path, cfg: RunConfig) -> CausalLM:
     """The trained model of a verified step directory, on CPU in fp32, whatever engine saved it."""
     engine_dir = step_dir / "engine"
-    try:
-        state = read_engine_weights(engine_dir, cfg.engine.kind, cfg.engine.zero_stage)
-    except CheckpointError as err:
-        raise ExportError(str(err)) from err
+    state = read_engine_weights(engine_dir, cfg.engine.kind, cfg.engine.zero_stage)
     model = build_model(cfg.model)
     names = model.state_dict(keep_vars=True)  # persistent entries only, tied aliases included
     aliases = _tied_aliases(model)
@@ -66,14 +64,14 @@ def consolidate(step_dir: Path, cfg: RunConfig) -> CausalLM:
     missing = sorted(set(names) - set(state) - set(aliases))
     unexpected = sorted(set(state) - set(names))
     if missing or unexpected:
-        raise ExportError(
+        raise CheckpointError(
             f"{engine_dir}: weights do not match model.kind={cfg.model.kind!r} from config.yaml "
             f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
         )
     for key, value in state.items():
         if tuple(value.shape) != tuple(names[key].shape):
             expected = tuple(names[key].shape)
-            raise ExportError(f"{engine_dir}: {key} has shape {tuple(value.shape)}, the model expects {expected}")
+            raise CheckpointError(f"{engine_dir}: {key} has shape {tuple(value.shape)}, the model expects {expected}")
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     return model.eval()
 
@@ -86,3 +84,15 @@ def _tied_aliases(model: torch.nn.Module) -> set[str]:
             aliases.add(name)
         seen.add(id(param))
     return aliases
+
+
+def read_engine_weights(engine_dir: Path, kind: str, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The CausalLM's weights (its own parameter names, CPU) from the `engine/` directory of a
+    checkpoint written by engine `kind`; raises CheckpointError naming the path."""
+    if kind == "single":
+        return read_torch_weights(engine_dir)
+    if kind == "deepspeed":
+        return read_deepspeed_weights(engine_dir, zero_stage)
+    if kind == "fsdp":
+        return read_dcp_weights(engine_dir)
+    raise CheckpointError(f"{engine_dir}: unknown engine kind {kind!r} (expected single, deepspeed or fsdp)")

@@ -1,6 +1,6 @@
 """Why a VORT-family model scores worse on long contexts than on short ones: what its memory holds.
 
-    python -m pretrain.memory_probe --model <export dir> --data book.txt --context 65536 \
+    python -m pretrain.evaluate.memory_probe --model <export dir> --data book.txt --context 65536 \
         [--chunk 1024] [--train-len 256] [--json probe.json] [--plot probe.png]
 
 Streams one long window through the model chunk by chunk and records, per chunk, the loss and how
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from model import CausalLM
 from model.soe import SOEKernel, gl_weights
 from model.vort import CERTIFIED_KINDS, VORT_KINDS, bank_orders, certified_kernel
-from pretrain.evaluate import EvalError, load_export_tokenizer, read_text
+from pretrain.evaluate.text import EvalError, load_export_tokenizer, read_text
 from pretrain.export import ExportError, load_exported
 
 
@@ -122,7 +122,9 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.memory_probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain.evaluate.memory_probe", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", required=True, help="export directory (python -m pretrain.export)")
     parser.add_argument("--data", required=True, nargs="+", help="raw text files")
     parser.add_argument("--context", type=int, default=65536)

@@ -1,6 +1,6 @@
 """Compare models' long-context curves from pretrain.evaluate's JSON reports: one table, one plot.
 
-    python -m pretrain.compare vort=eval_vort.json pmnet=eval_pmnet.json ... \\
+    python -m pretrain.evaluate.compare vort=eval_vort.json pmnet=eval_pmnet.json ... \\
         [--plot curves.png] [--train-len 256] [--title "..."]
 
 Prints a Markdown table of bits per token at every context any report has (one row per model)
@@ -63,7 +63,7 @@ def plot(reports: dict[str, dict[str, Any]], path: str, title: str, train_len: i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.evaluate.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+", help="name=report.json (pretrain.evaluate --json)")
     parser.add_argument("--plot", help="write the two-panel PNG here")
     parser.add_argument("--train-len", type=int, default=None, help="mark the training length on the plot")

@@ -11,8 +11,8 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
-from pretrain.checkpoint import MANIFEST, step_dir_name
-from pretrain.sweep import Cell
+from pretrain.checkpoint.layout import MANIFEST, step_dir_name
+from pretrain.sweeps.spec import Cell
 
 
 def final_loss(run_dir: Path, steps: int) -> tuple[str, float] | None:

@@ -1,7 +1,7 @@
 """Data and scoring of the project's lm-evaluation-harness tasks, generated here rather than downloaded.
 
     lm_eval --model hf --model_args pretrained=<export>,trust_remote_code=True \\
-        --include_path pretrain/lm_eval_tasks --tasks recurrent_copy,recurrent_needle,recurrent_zipf \\
+        --include_path pretrain/evaluate/lm_eval_tasks --tasks recurrent_copy,recurrent_needle,recurrent_zipf \\
         --metadata '{"length": 4096, "examples": 32}'
 
 Each task's examples come from `data_pipeline.synthetic` (seeded: the same metadata gives the same
@@ -25,7 +25,7 @@ import numpy as np
 
 from data_pipeline import synthetic
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEFAULT_TEXT = REPO / "data" / "demo" / "valid" / "northangerabbey.txt"
 ZIPF_ALPHABET = 94
 """The Zipf-lag task's symbols are the printable ASCII characters '!'..'~', one per id."""

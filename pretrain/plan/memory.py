@@ -213,7 +213,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--world", type=int, default=None, help="ranks (default: engine.sequence_parallel)")
     parser.add_argument("--gpu-mem", default="80GiB", help="memory per accelerator, e.g. 80GiB")
@@ -267,6 +267,3 @@ def main(argv: list[str] | None = None) -> int:
                   f"error {predicted / max(measured, 1) - 1:+.0%}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

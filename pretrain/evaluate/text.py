@@ -438,6 +438,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(report["contexts"], args.plot, f"{report['family']} ({report['parameters']:,} parameters)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pretrain.sweep import Cell, Sweep, cell_arguments, cell_shell_command
-from pretrain.sweep_results import cell_status, final_loss
+from pretrain.sweeps.results import cell_status, final_loss
+from pretrain.sweeps.spec import Cell, Sweep, cell_arguments, cell_shell_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXIT_PREEMPTED = 3
 STATUS_EVERY_S = 60.0
 

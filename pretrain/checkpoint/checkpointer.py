@@ -1,162 +1,40 @@
-"""Checkpoints: one directory per step holding everything needed to continue exactly.
+"""The checkpointer: one directory per step holding everything needed to continue exactly.
 
 A checkpoint is written to a local staging area, copied under a temporary name to any fsspec root,
 and committed by its manifest and a rename, so a crash at any point leaves the previous one usable;
 a directory that does not match its manifest is never loaded. Loading never unpickles code (JSON and
-safetensors here; engine payloads are pretrain/engine_checkpoint.py's). docs/training.md,
-"Checkpoints", gives the layout, the commit order and retention.
+safetensors here; engine payloads are the format modules beside this one). docs/training.md,
+"Checkpoints", gives the layout (pretrain/checkpoint/layout.py), the commit order and retention.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from fsspec.core import url_to_fs
 from safetensors.torch import load_file, save_file
 
-from pretrain import distributed
+from pretrain.checkpoint.layout import LATEST, MANIFEST, CheckpointError, step_dir_name
+from pretrain.checkpoint.manifest import (
+    committed_steps,
+    fetch,
+    fsync_write,
+    is_local,
+    local_path,
+    manifest_for,
+    verify_local,
+)
+from pretrain.checkpoint.rng import rng_state, set_rng_state
+from pretrain.distributed import process_group as distributed
 from pretrain.log import get_logger
-
-if TYPE_CHECKING:
-    from pretrain.engines import Engine
-
-MANIFEST = "manifest.json"
-LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, incomplete or corrupt."""
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """This process's RNG states as (JSON-able, tensors) so that neither needs pickle."""
-    py_version, py_state, py_gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    plain = {
-        "python": [py_version, list(py_state), py_gauss],
-        "numpy": [np_kind, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
-    }
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = state
-    return plain, tensors
-
-
-def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    py_version, py_state, py_gauss = plain["python"]
-    random.setstate((py_version, tuple(py_state), py_gauss))
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = plain["numpy"]
-    np.random.set_state((np_kind, np.asarray(np_keys, dtype=np.uint32), np_pos, np_has_gauss, np_gauss))
-    torch.set_rng_state(tensors["torch_cpu"])
-    if torch.cuda.is_available():
-        cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-# ----------------------------------------------------------------------------- files and hashes
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _sha256_local(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in str(url) or str(url).startswith("file://")
-
-
-def _local_path(url: str) -> Path:
-    return Path(str(url).removeprefix("file://"))
-
-
-def _manifest_for(directory: Path, step: int) -> dict[str, Any]:
-    files = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        rel = path.relative_to(directory).as_posix()
-        if rel != MANIFEST:
-            files[rel] = {"sha256": _sha256_local(path), "bytes": path.stat().st_size}
-    return {"step": step, "files": files}
-
-
-def verify_local(directory: Path) -> dict[str, Any]:
-    """Check a local checkpoint directory against its manifest; returns the manifest or raises."""
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{directory}: no {MANIFEST} (incomplete checkpoint)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{manifest_path}: not a valid manifest: {err}") from err
-    for rel, meta in files.items():
-        path = directory / rel
-        if not path.is_file():
-            raise CheckpointError(f"{path}: listed in the manifest but missing")
-        if path.stat().st_size != meta["bytes"] or _sha256_local(path) != meta["sha256"]:
-            raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupt checkpoint)")
-    return manifest
-
-
-def verify(url: str | Path) -> dict[str, Any]:
-    """Verify a checkpoint at a local path or fsspec URL (remote ones are read to hash them)."""
-    if _is_local(str(url)):
-        return verify_local(_local_path(str(url)))
-    with tempfile.TemporaryDirectory() as tmp:
-        return verify_local(fetch(str(url), Path(tmp)))
-
-
-def fetch(url: str, into: Path) -> Path:
-    """Copy a remote checkpoint directory to local disk (DeepSpeed and DCP read local files)."""
-    fs, path = url_to_fs(url)
-    if not fs.exists(path):
-        raise CheckpointError(f"{url}: checkpoint not found")
-    target = into / Path(path).name
-    fs.get(path.rstrip("/") + "/", str(target), recursive=True)
-    return target
-
-
-def committed_steps(root: str) -> list[str]:
-    """Names of the step directories under `root` (path or fsspec URL) that are not `.tmp`,
-    newest first. A listed directory may still fail verification."""
-    fs, path = url_to_fs(root)
-    if not fs.exists(path):
-        return []
-    names = [Path(p.rstrip("/")).name for p in fs.ls(path, detail=False)]
-    return sorted((n for n in names if n.startswith("step_") and not n.endswith(".tmp")), reverse=True)
-
-
-# ----------------------------------------------------------------------------- the checkpointer
+from pretrain.protocols import Engine
 
 
 class Checkpointer:
@@ -168,8 +46,8 @@ class Checkpointer:
 
     def __init__(self, root: str, staging: Path, keep_last: int, milestone_every: int, async_save: bool):
         self.root = str(root)
-        self.local = _is_local(self.root)
-        self.staging = _local_path(self.root) if self.local else Path(staging)
+        self.local = is_local(self.root)
+        self.staging = local_path(self.root) if self.local else Path(staging)
         self.keep_last, self.milestone_every, self.async_save = keep_last, milestone_every, async_save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -193,14 +71,14 @@ class Checkpointer:
         distributed.barrier()
         engine.save(str(stage / "engine"))
         plain, tensors = rng_state()
-        _fsync_write(stage / "rng" / f"rank_{rank}.json", json.dumps(plain))
+        fsync_write(stage / "rng" / f"rank_{rank}.json", json.dumps(plain))
         save_file(tensors, str(stage / "rng" / f"rank_{rank}.safetensors"))
         if rank_writer is not None:
             rank_writer(stage, rank)
         if rank == 0:
             state = {**trainer_state, "world_size": distributed.world_size()}
-            _fsync_write(stage / "trainer_state.json", json.dumps(state, indent=1, sort_keys=True))
-            _fsync_write(stage / "config.yaml", config_yaml)
+            fsync_write(stage / "trainer_state.json", json.dumps(state, indent=1, sort_keys=True))
+            fsync_write(stage / "config.yaml", config_yaml)
         distributed.barrier()
         if rank != 0:
             return
@@ -217,14 +95,14 @@ class Checkpointer:
             self._error = err
 
     def _commit(self, stage: Path, step: int) -> None:
-        manifest = _manifest_for(stage, step)
-        _fsync_write(stage / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        manifest = manifest_for(stage, step)
+        fsync_write(stage / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
         name = step_dir_name(step)
         if self.local:
             final = self.staging / name
             shutil.rmtree(final, ignore_errors=True)
             os.replace(stage, final)
-            _fsync_write(self.staging / (LATEST + ".tmp"), name)
+            fsync_write(self.staging / (LATEST + ".tmp"), name)
             os.replace(self.staging / (LATEST + ".tmp"), self.staging / LATEST)
         else:
             fs, root = url_to_fs(self.root)
@@ -274,8 +152,8 @@ class Checkpointer:
         return committed_steps(self.root)
 
     def _local_copy(self, url: str) -> Path:
-        if _is_local(url):
-            return _local_path(url)
+        if is_local(url):
+            return local_path(url)
         cache = self.staging / "restore"
         shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir(parents=True)

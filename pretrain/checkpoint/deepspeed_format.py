@@ -1,14 +1,7 @@
-"""The on-disk payload of each engine: writer, reader, and a weights-only reader for export.
-
-A checkpoint's `engine/` directory (pretrain/checkpoint.py owns the files around it) holds:
-  single      model.safetensors + optimizer.pt (tensors only)
-  fsdp        a torch.distributed.checkpoint with "model" and "optim" entries (reshards on load)
-  deepspeed   DeepSpeed's checkpoint under the tag "ds" + format.json (ZeRO stage and the
-              data-parallel size that wrote it); loaded at another size or stage, it is first
-              converted to DeepSpeed's universal format in a scratch directory, then loaded from there
-              (ZeRO 1-3 at another size; stage changes between ZeRO-1 and ZeRO-2)
-Every engine wraps the CausalLM as `.model` (engines.TrainModule), so the weights carry the
-`model.` prefix; `read_engine_weights` returns them without it, on CPU, for pretrain/export.py.
+"""engine.kind=deepspeed's payload: DeepSpeed's checkpoint under the tag "ds" and format.json (the ZeRO
+stage and the data-parallel size that wrote it). Loaded at another size or stage, it is first converted
+to DeepSpeed's universal format in a scratch directory, then loaded from there (ZeRO 1-3 at another
+size; stage changes between ZeRO-1 and ZeRO-2).
 
 Nothing here unpickles code: DeepSpeed's own loaders are run with torch.load forced to
 weights_only=True and the plain data classes its files hold allow-listed.
@@ -19,108 +12,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_model
 
-from pretrain import distributed
-from pretrain.checkpoint import CheckpointError
+from pretrain.checkpoint.layout import CheckpointError, strip_model_prefix
+from pretrain.distributed import process_group as distributed
 from pretrain.log import get_logger
 
-MODEL_PREFIX = "model."  # the CausalLM's attribute name in engines.TrainModule, plus the dot
-SINGLE_WEIGHTS = "model.safetensors"
-SINGLE_OPTIMIZER = "optimizer.pt"
 DEEPSPEED_TAG = "ds"
 DEEPSPEED_FORMAT = "format.json"
-
-
-def strip_model_prefix(state: dict[str, torch.Tensor], source: Path | str) -> dict[str, torch.Tensor]:
-    """The CausalLM's own names for an engine state dict; raises naming `source` on a stray key."""
-    odd = [k for k in state if not k.startswith(MODEL_PREFIX)]
-    if odd:
-        raise CheckpointError(f"{source}: parameter {odd[0]!r} is not under the engine's {MODEL_PREFIX!r} prefix")
-    return {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}
-
-
-# ----------------------------------------------------------------------------- single process
-
-
-def save_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The CausalLM's weights as safetensors and a tensors-only optimizer file."""
-    os.makedirs(path, exist_ok=True)
-    save_model(model, os.path.join(path, SINGLE_WEIGHTS))
-    torch.save(optimizer.state_dict(), os.path.join(path, SINGLE_OPTIMIZER))
-
-
-def load_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    load_model(model, os.path.join(path, SINGLE_WEIGHTS), strict=True)
-    state = torch.load(os.path.join(path, SINGLE_OPTIMIZER), map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(state)
-
-
-def read_torch_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
-    path = engine_dir / SINGLE_WEIGHTS
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (engine.kind=single writes the weights there)")
-    return load_file(str(path))  # saved from the bare CausalLM: no prefix
-
-
-# ----------------------------------------------------------------------------- FSDP2 (DCP)
-
-
-def save_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Sharded through torch.distributed.checkpoint, and reshardable on load."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-
-
-def load_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def read_dcp_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
-    """The "model" tensors of a DCP checkpoint, read without a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    try:
-        metadata = dcp.FileSystemReader(str(engine_dir)).read_metadata()
-    except Exception as err:  # a missing or unreadable .metadata file
-        raise CheckpointError(f"{engine_dir}: not a torch.distributed.checkpoint directory: {err}") from err
-    wanted = {}
-    prefix = "model." + MODEL_PREFIX  # the DCP entry "model", then TrainModule's attribute
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
-            wanted[key[len(prefix) :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    if not wanted:
-        raise CheckpointError(f"{engine_dir}: the checkpoint holds no 'model' tensors")
-    try:
-        with warnings.catch_warnings():  # torch warns that no process group is initialised: that is the point
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": {MODEL_PREFIX + k: v for k, v in wanted.items()}}, checkpoint_id=str(engine_dir),
-                     no_dist=True)
-    except Exception as err:
-        raise CheckpointError(f"{engine_dir}: cannot read the model tensors: {err}") from err
-    return wanted
-
-
-# ----------------------------------------------------------------------------- DeepSpeed
 
 
 def deepspeed_safe_globals() -> list[Any]:
@@ -262,18 +167,3 @@ def read_deepspeed_weights(engine_dir: Path, zero_stage: int) -> dict[str, torch
     except Exception as err:  # DeepSpeed and torch.load raise many types; all mean "unusable checkpoint"
         raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO-{zero_stage} checkpoint: {err}") from err
     return strip_model_prefix(state, tag_dir)
-
-
-# ----------------------------------------------------------------------------- for export
-
-
-def read_engine_weights(engine_dir: Path, kind: str, zero_stage: int) -> dict[str, torch.Tensor]:
-    """The CausalLM's weights (its own parameter names, CPU) from the `engine/` directory of a
-    checkpoint written by engine `kind`; raises CheckpointError naming the path."""
-    if kind == "single":
-        return read_torch_weights(engine_dir)
-    if kind == "deepspeed":
-        return read_deepspeed_weights(engine_dir, zero_stage)
-    if kind == "fsdp":
-        return read_dcp_weights(engine_dir)
-    raise CheckpointError(f"{engine_dir}: unknown engine kind {kind!r} (expected single, deepspeed or fsdp)")

@@ -1,0 +1,40 @@
+"""The names of a checkpoint's files, and the error raised for a checkpoint that cannot be used.
+
+A run's checkpoints directory holds `step_<8 digits>/` directories (a `.tmp` suffix while one is
+written) and a `latest` pointer. A step directory holds:
+  manifest.json        every other file with its size and sha256, written last: it marks completeness
+  config.yaml          the resolved run config
+  trainer_state.json   the loop's counters, the data loader's position and the world size
+  rng/rank_<r>.json, rng/rank_<r>.safetensors   each rank's RNG states
+  engine/              the engine's payload (one module per format beside this one)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+CONFIG = "config.yaml"
+TRAINER_STATE = "trainer_state.json"
+ENGINE_DIR = "engine"
+RNG_DIR = "rng"
+MODEL_PREFIX = "model."  # the CausalLM's attribute name in engines.TrainModule, plus the dot
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, incomplete or corrupt."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def strip_model_prefix(state: dict[str, torch.Tensor], source: Path | str) -> dict[str, torch.Tensor]:
+    """The CausalLM's own names for an engine state dict; raises naming `source` on a stray key."""
+    odd = [k for k in state if not k.startswith(MODEL_PREFIX)]
+    if odd:
+        raise CheckpointError(f"{source}: parameter {odd[0]!r} is not under the engine's {MODEL_PREFIX!r} prefix")
+    return {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}

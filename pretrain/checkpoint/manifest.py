@@ -1,0 +1,94 @@
+"""Manifests and where checkpoints live: hashing a step directory, verifying it against its manifest,
+listing the committed steps under a root (a path or an fsspec URL) and copying a remote one here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from pretrain.checkpoint.layout import MANIFEST, CheckpointError
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def is_local(url: str) -> bool:
+    return "://" not in str(url) or str(url).startswith("file://")
+
+
+def local_path(url: str) -> Path:
+    return Path(str(url).removeprefix("file://"))
+
+
+def manifest_for(directory: Path, step: int) -> dict[str, Any]:
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel != MANIFEST:
+            files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return {"step": step, "files": files}
+
+
+def verify_local(directory: Path) -> dict[str, Any]:
+    """Check a local checkpoint directory against its manifest; returns the manifest or raises."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{directory}: no {MANIFEST} (incomplete checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_path}: not a valid manifest: {err}") from err
+    for rel, meta in files.items():
+        path = directory / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in the manifest but missing")
+        if path.stat().st_size != meta["bytes"] or sha256_file(path) != meta["sha256"]:
+            raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupt checkpoint)")
+    return manifest
+
+
+def verify(url: str | Path) -> dict[str, Any]:
+    """Verify a checkpoint at a local path or fsspec URL (remote ones are read to hash them)."""
+    if is_local(str(url)):
+        return verify_local(local_path(str(url)))
+    with tempfile.TemporaryDirectory() as tmp:
+        return verify_local(fetch(str(url), Path(tmp)))
+
+
+def fetch(url: str, into: Path) -> Path:
+    """Copy a remote checkpoint directory to local disk (DeepSpeed and DCP read local files)."""
+    fs, path = url_to_fs(url)
+    if not fs.exists(path):
+        raise CheckpointError(f"{url}: checkpoint not found")
+    target = into / Path(path).name
+    fs.get(path.rstrip("/") + "/", str(target), recursive=True)
+    return target
+
+
+def committed_steps(root: str) -> list[str]:
+    """Names of the step directories under `root` (path or fsspec URL) that are not `.tmp`,
+    newest first. A listed directory may still fail verification."""
+    fs, path = url_to_fs(root)
+    if not fs.exists(path):
+        return []
+    names = [Path(p.rstrip("/")).name for p in fs.ls(path, detail=False)]
+    return sorted((n for n in names if n.startswith("step_") and not n.endswith(".tmp")), reverse=True)

@@ -1,0 +1,34 @@
+"""engine.kind=single's payload: the CausalLM's weights as safetensors and a tensors-only optimizer file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, load_model, save_model
+
+from pretrain.checkpoint.layout import CheckpointError
+
+SINGLE_WEIGHTS = "model.safetensors"
+SINGLE_OPTIMIZER = "optimizer.pt"
+
+
+def save_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The CausalLM's weights as safetensors and a tensors-only optimizer file."""
+    os.makedirs(path, exist_ok=True)
+    save_model(model, os.path.join(path, SINGLE_WEIGHTS))
+    torch.save(optimizer.state_dict(), os.path.join(path, SINGLE_OPTIMIZER))
+
+
+def load_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    load_model(model, os.path.join(path, SINGLE_WEIGHTS), strict=True)
+    state = torch.load(os.path.join(path, SINGLE_OPTIMIZER), map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state)
+
+
+def read_torch_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
+    path = engine_dir / SINGLE_WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (engine.kind=single writes the weights there)")
+    return load_file(str(path))  # saved from the bare CausalLM: no prefix
