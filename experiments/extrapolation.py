@@ -29,7 +29,6 @@ from data_pipeline.build import build_shards
 from data_pipeline.tokenizer import byte_tokenizer
 from experiments.runner import REPO, Experiment, Family, Run
 from model import CausalLM
-from model.vort import VORT_KINDS
 from pretrain.config import RunConfig
 from pretrain.evaluate import compare as compare
 from pretrain.evaluate.memory_probe import probe
@@ -103,13 +102,13 @@ class BooksExperiment(Experiment):
         scored = score_contexts(model, text, contexts)
         metrics: dict[str, Any] = {f"bpb@{c}": v["bits_per_token"] for c, v in scored.items()}
         metrics["contexts"] = scored  # pretrain.evaluate's report layout, for pretrain.compare
-        if model.config.kind != "transformer" and self.long_contexts:
+        if model.streams_exactly and self.long_contexts:
             long_text = read_text([str(LONG_HELD_OUT)], byte_tokenizer())
             long_scored = score_contexts(model, long_text, QUICK_LONG_CONTEXTS if quick else self.long_contexts)
             metrics.update({f"long_bpb@{c}": v["bits_per_token"] for c, v in long_scored.items()})
             metrics["long_contexts"] = long_scored
         max_tokens = max(contexts)
-        if model.config.kind in VORT_KINDS:
+        if model.reports_memory:
             report = probe(model, text.ids, max_tokens, min(max_tokens, CHUNK), run.config.data.seq_len)
             first, last = report["chunks"][0]["layers"], report["chunks"][-1]["layers"]
             metrics["normaliser_growth"] = float(np.mean([b["normaliser_mass"] / a["normaliser_mass"]
@@ -140,7 +139,7 @@ def score_contexts(model: CausalLM, text: Text, contexts: tuple[int, ...]) -> di
     context beyond TRANSFORMER_MAX)."""
     scored: dict[str, dict[str, Any]] = {}
     for context in contexts:
-        if model.config.kind == "transformer":
+        if not model.streams_exactly:  # a Transformer: one chunk per window, up to TRANSFORMER_MAX
             if context > TRANSFORMER_MAX:
                 continue
             chunk = context

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from matplotlib.ticker import NullFormatter
 
 from data_pipeline import synthetic
@@ -50,21 +49,6 @@ def grid(settings: Settings, kinds: Kinds) -> tuple[Family, ...]:
     return tuple(family(kind, overrides, *s) for s in settings for kind, overrides in kinds)
 
 
-def state_floats(model: CausalLM, seq_len: int) -> int:
-    """Floats the model carries after `seq_len` tokens of one sequence: its returned state, and for
-    the Transformer the keys and values a cache would hold (it recomputes them instead)."""
-    with torch.inference_mode():
-        state = model(torch.zeros(1, seq_len, dtype=torch.long)).state
-
-    def count(x: Any) -> int:
-        if isinstance(x, torch.Tensor):
-            return x.numel()
-        return sum(count(item) for item in x) if isinstance(x, (list, tuple)) else 0
-
-    floats = count(state)
-    if model.config.kind == "transformer":
-        floats += 2 * seq_len * model.config.d_model * model.config.n_layers
-    return floats
 
 
 @dataclass
@@ -98,7 +82,7 @@ class MQAR(Experiment):
             "accuracy": scores["token"],
             "all_queries_right": scores["exact"],
             "chance": 1.0 / task.keys,
-            "state_floats": float(state_floats(model, run.config.data.seq_len)),
+            "state_floats": float(model.cache_floats(run.config.data.seq_len)),
         }
 
     def plot(self, results: dict[str, Any], path: Path) -> None:

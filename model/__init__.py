@@ -1,4 +1,4 @@
-"""Model families behind one builder; training code sees only `build_model` and `CausalLM`."""
+"""Model families behind one builder; training code sees only `build_model`, `family` and `CausalLM`."""
 
 from __future__ import annotations
 
@@ -7,28 +7,28 @@ from collections.abc import Callable
 from model.config import ModelConfig
 from model.interface import IGNORE_INDEX, CausalLM, LMOutput, SequenceParallel
 
-__all__ = ["IGNORE_INDEX", "CausalLM", "LMOutput", "ModelConfig", "SequenceParallel", "build_model"]
+__all__ = ["IGNORE_INDEX", "CausalLM", "LMOutput", "ModelConfig", "SequenceParallel", "build_model", "family"]
 
 
-def _transformer(config: ModelConfig) -> CausalLM:
+def _transformer() -> type[CausalLM]:
     from model.transformer import Transformer
 
-    return Transformer(config)
+    return Transformer
 
 
-def _pmnet(config: ModelConfig) -> CausalLM:
+def _pmnet() -> type[CausalLM]:
     from model.pmnet import PMNet
 
-    return PMNet(config)
+    return PMNet
 
 
-def _vort(config: ModelConfig) -> CausalLM:
+def _vort() -> type[CausalLM]:
     from model.vort import VortLM
 
-    return VortLM(config)
+    return VortLM
 
 
-FAMILIES: dict[str, Callable[[ModelConfig], CausalLM]] = {
+FAMILIES: dict[str, Callable[[], type[CausalLM]]] = {
     "transformer": _transformer,
     "pmnet": _pmnet,
     "vort": _vort,
@@ -38,8 +38,14 @@ FAMILIES: dict[str, Callable[[ModelConfig], CausalLM]] = {
 }
 
 
+def family(kind: str) -> type[CausalLM]:
+    """The class of the family named `kind` (`model.kind`): what callers ask about a family before
+    building one (its capabilities are class attributes and class methods of CausalLM)."""
+    if kind not in FAMILIES:
+        raise ValueError(f"model.kind: unknown family {kind!r}; known: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[kind]()
+
+
 def build_model(config: ModelConfig) -> CausalLM:
     """Instantiate the family named by `config.kind` (weights initialised, fp32, on CPU)."""
-    if config.kind not in FAMILIES:
-        raise ValueError(f"model.kind: unknown family {config.kind!r}; known: {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[config.kind](config)
+    return family(config.kind)(config)

@@ -152,6 +152,65 @@ class CausalLM(nn.Module):
     piece by piece gives the outputs of the whole; False for a model that forgets across calls."""
 
     supports_sequence_parallel: ClassVar[bool] = False
+    """Whether `forward` accepts a `SequenceParallel` piece (see `sequence_parallel_problem`)."""
+
+    carries_memory: ClassVar[bool] = True
+    """Whether the state holds memory of earlier tokens, so that carrying it from window to window
+    (train.carry_state) means something; False for a model whose state is only a position."""
+
+    reports_memory: ClassVar[bool] = False
+    """Whether `memory_report` describes what the state holds (pretrain.evaluate.memory_probe)."""
+
+    @classmethod
+    def sequence_parallel_problem(cls, config: ModelConfig, piece: int) -> str | None:
+        """Why this family cannot split its sequences into pieces of `piece` tokens on consecutive
+        ranks (None if it can)."""
+        if not cls.supports_sequence_parallel:
+            return f"model.kind={config.kind!r} cannot run sequence-parallel"
+        return None
+
+    @classmethod
+    def doc_boundaries_problem(cls, config: ModelConfig, sequence_parallel: int) -> str | None:
+        """Why this family cannot reset at document starts when split over `sequence_parallel` ranks
+        (None if it can)."""
+        return None
+
+    @property
+    def certified_horizon(self) -> int | None:
+        """The longest lag the memory kernel's error bound covers; None for models without one."""
+        return None
+
+    def certified_kernel(self) -> Any:
+        """The certified kernel tables and the settings they were built with (model/vort.py's
+        `KernelTables`), or None for models without one."""
+        return None
+
+    def with_kernel(self, **settings: Any) -> CausalLM:
+        """The same weights with the memory kernel rebuilt from other settings (a certified model's
+        horizon or tempering); raises ValueError for a model without such a kernel."""
+        raise ValueError(f"model.kind={self.config.kind!r} has no certified memory kernel to rebuild")
+
+    def memory_report(self, state: Any, train_len: int) -> list[dict[str, float]]:
+        """Per layer, what the state holds, with lags counted against the training length `train_len`
+        (only where `reports_memory`)."""
+        raise NotImplementedError(f"model.kind={self.config.kind!r} has no memory report")
+
+    def state_bytes(self, batch: int, sequence_parallel: int) -> tuple[float, float]:
+        """Per rank, in bytes: the recurrent states of `batch` rows over all layers, and the buffers
+        that cross the piece borders when a sequence is split over `sequence_parallel` ranks."""
+        return 0.0, 0.0
+
+    @torch.no_grad()
+    def cache_floats(self, seq_len: int) -> int:
+        """Floats an inference cache holds after `seq_len` tokens: the recurrent state (a model that
+        recomputes attention over its context overrides this with the keys and values it would keep)."""
+
+        def count(x: Any) -> int:
+            if isinstance(x, torch.Tensor):
+                return x.numel()
+            return sum(count(item) for item in x) if isinstance(x, (list, tuple)) else 0
+
+        return count(self(torch.zeros(1, seq_len, dtype=torch.long)).state)
 
     def forward(
         self,

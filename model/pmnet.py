@@ -87,6 +87,35 @@ class PMNet(StackedLM):
 
     supports_sequence_parallel = True
 
+    @classmethod
+    def sequence_parallel_problem(cls, config: ModelConfig, piece: int) -> str | None:
+        pm = config.pmnet
+        if piece < pm.window - 1:
+            return (f"a piece of data.seq_len/sequence_parallel={piece} tokens is shorter than the attention halo "
+                    f"model.pmnet.window-1={pm.window - 1}: use fewer ranks per sequence or a longer seq_len")
+        if pm.memory_every and piece % pm.segment_len:
+            return (f"a piece of data.seq_len/sequence_parallel={piece} tokens must be whole memory segments of "
+                    f"model.pmnet.segment_len={pm.segment_len}")
+        return None
+
+    @classmethod
+    def doc_boundaries_problem(cls, config: ModelConfig, sequence_parallel: int) -> str | None:
+        pm = config.pmnet
+        if sequence_parallel > 1 and pm.memory_every and pm.collision_scope == "segment":
+            return ("model.pmnet.collision_scope=segment is not supported with sequence parallelism (a document's "
+                    "segments cross the pieces' borders); use collision_scope: sequence")
+        return None
+
+    def state_bytes(self, batch: int, sequence_parallel: int) -> tuple[float, float]:
+        """fp32 phases and segment phases per memory block; under sequence parallelism the attention
+        halo (received and sent, every layer) and one more copy of the memory states."""
+        c, pm = self.config, self.config.pmnet
+        memory = len(self.memories()) * batch * pm.n_slots * pm.memory_dim * 4 * 2
+        if sequence_parallel == 1:
+            return memory, 0.0
+        halo = c.n_layers * 2 * batch * (pm.window - 1) * c.d_model * 4 * 2
+        return memory, halo + memory
+
     def __init__(self, config: ModelConfig):
         super().__init__(config, lambda i: PMNetBlock(config, has_memory(i, config.pmnet)))
         for memory in self.memories():  # after StackedLM's generic init: the memory starts as a no-op

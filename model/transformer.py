@@ -84,6 +84,15 @@ class TransformerBlock(nn.Module):
 
 class Transformer(StackedLM):
     streams_exactly = False  # the state is only the position: each call attends within itself
+    carries_memory = False
+
+    @classmethod
+    def sequence_parallel_problem(cls, config: ModelConfig, piece: int) -> str | None:
+        return f"model.kind={config.kind!r} cannot run sequence-parallel (softmax attention needs every earlier key)"
+
+    def cache_floats(self, seq_len: int) -> int:
+        """The keys and values a cache would hold (this model recomputes them instead)."""
+        return 2 * seq_len * self.config.d_model * self.config.n_layers
 
     def __init__(self, config: ModelConfig):
         super().__init__(config, lambda _: TransformerBlock(config))

@@ -9,6 +9,7 @@ gives the kernels, the design decisions and the parameter/FLOP table.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -461,10 +462,88 @@ class VortBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), state._replace(conv=conv)
 
 
+class KernelTables(NamedTuple):
+    """A certified model's SOE kernel and the settings it was built for (`VortLM.certified_kernel`)."""
+
+    kernel: soe.SOEKernel
+    horizon: int
+    temper: int | None
+
+
+SOE_TABLES = ("log_lambda", "bank_coef", "banks", "coef")  # buffer names of the certified kernel tables
+
+
 class VortLM(StackedLM):
     """A causal LM of the VORT family; `config.kind` picks the kernel (vort, pl, exp or m5)."""
 
     supports_sequence_parallel = True
+    reports_memory = True
+
+    @classmethod
+    def sequence_parallel_problem(cls, config: ModelConfig, piece: int) -> str | None:
+        if config.kind == "vort" and config.vort.entity_aux_weight > 0:
+            return ("model.vort.entity_aux_weight > 0 is not supported with sequence parallelism (its word-boundary "
+                    "labels look across the piece border); set it to 0 or use sequence_parallel: 1")
+        return None
+
+    @property
+    def certified_horizon(self) -> int | None:
+        return self.config.vort.soe_horizon if self.config.kind in CERTIFIED_KINDS else None
+
+    def certified_kernel(self) -> KernelTables | None:
+        if self.certified_horizon is None:
+            return None
+        cfg = self.config.vort
+        banks = bank_orders(cfg) if self.config.kind == "vort" else (cfg.pl_alpha,)
+        return KernelTables(certified_kernel(banks, cfg.soe_horizon, cfg.soe_eps), cfg.soe_horizon, cfg.temper)
+
+    def with_kernel(self, **settings: Any) -> VortLM:
+        """The same weights with the SOE tables rebuilt from other `model.vort` kernel settings
+        (`soe_horizon`, `temper`). The tables (decays, bank coefficients, bank orders) are fixed buffers
+        derived from the settings, not learned, so a certified model can be scored with a kernel
+        certified further than in training, or tempered; the router's continuous order is mapped
+        onto the new banks."""
+        if self.certified_horizon is None:
+            return super().with_kernel(**settings)
+        config = dataclasses.replace(self.config, vort=dataclasses.replace(self.config.vort, **settings))
+        rebuilt = VortLM(config)
+        tables = {name for name, _ in rebuilt.named_buffers() if name.rsplit(".", 1)[-1] in SOE_TABLES}
+        weights = {k: v for k, v in self.state_dict().items() if k not in tables}
+        missing, unexpected = rebuilt.load_state_dict(weights, strict=False)
+        if set(missing) != tables or unexpected:
+            raise ValueError(f"rebuilding the kernel: unexpected state keys (missing {missing}, "
+                             f"unexpected {unexpected})")
+        return rebuilt.to(next(self.parameters()).device).eval()
+
+    def memory_report(self, state: list[VortState], train_len: int) -> list[dict[str, float]]:
+        """Per layer: the normaliser's mass (summed over terms and features, mean over heads); for fixed
+        decays, the share of it in terms slower than `train_len` and in the slowest term; and the
+        router's mean order and top-bank share where it routes."""
+        report = []
+        for block, layer_state in zip(self.blocks, state, strict=True):
+            mass = layer_state.b[0].double().sum(-1).mean(0)  # [S]
+            total = float(mass.sum())
+            entry: dict[str, float] = {"normaliser_mass": total}
+            memory = block.mixer.memory
+            log_lam = getattr(memory, "log_lambda", None)  # exp learns its decay: no fixed terms
+            if log_lam is not None and total > 0:
+                log_lam = log_lam.double()
+                entry["long_term_share"] = float(mass[log_lam > -1.0 / train_len].sum()) / total
+                entry["order_one_share"] = float(mass[log_lam.argmax()]) / total  # the slowest term
+            stats = memory.stats()
+            if "alpha_mean" in stats:
+                entry["alpha_mean"] = float(stats["alpha_mean"])
+                entry["top_bank_share"] = float(stats["bank_share"][-1])
+            report.append(entry)
+        return report
+
+    def state_bytes(self, batch: int, sequence_parallel: int) -> tuple[float, float]:
+        """fp32 numerator and normaliser sums per term and feature; under sequence parallelism the N
+        gathered states plus the entering and corrected final ones per layer."""
+        c, mixer = self.config, self.blocks[0].mixer
+        per_layer = batch * c.n_heads * mixer.memory.n_terms * mixer.n_features * (c.head_dim + 1) * 4
+        buffers = c.n_layers * per_layer * (sequence_parallel + 2) if sequence_parallel > 1 else 0.0
+        return c.n_layers * per_layer, buffers
 
     def __init__(self, config: ModelConfig):
         if config.kind not in VORT_KINDS:

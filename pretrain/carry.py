@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from data_pipeline.lanes import LaneStream
 from model import CausalLM
-from pretrain.config import ConfigError, RunConfig
+from pretrain.config import RunConfig
 
 CARRY_DIR = "carry"
 
@@ -157,25 +157,6 @@ class StateCarrier:
             # init_state gives the structure; leaves it has as None (an attention cache that the
             # first call fills) are found by path among the entries
             self.states[micro] = _unflatten(self.model.init_state(self.micro_batch, self.device), entries, "")
-
-
-def check_config(cfg: RunConfig) -> None:
-    """The settings train.carry_state cannot work with, refused before any work."""
-    if not cfg.train.carry_state:
-        return
-    if len(cfg.data.train) != 1:
-        raise ConfigError(
-            f"train.carry_state: needs exactly one data.train source (each lane follows one text stream), "
-            f"got {len(cfg.data.train)}; build the mixture into one shard set"
-        )
-    if cfg.model.kind == "transformer":
-        raise ConfigError("train.carry_state: model.kind=transformer carries no memory across calls, only its position")
-    if cfg.train.compile:
-        raise ConfigError("train.carry_state: not with train.compile (the carried positions are Python ints that "
-                          "change every step, so the compiled graph would be rebuilt every step)")
-    if cfg.data.num_workers:
-        raise ConfigError(f"data.num_workers={cfg.data.num_workers}: train.carry_state reads its lanes in the "
-                          "training process; set data.num_workers=0")
 
 
 def make_carrier(cfg: RunConfig, model: CausalLM, rank: int, world: int, device: torch.device) -> StateCarrier:

@@ -14,10 +14,10 @@ from typing import Any, Literal
 import yaml
 
 from data_pipeline import synthetic
+from model import family
 from model.config import ModelConfig
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
 from model.config_loader import build_config, read_tree, to_plain
-from model.vort import VORT_KINDS
 
 
 @dataclasses.dataclass
@@ -278,42 +278,20 @@ def doc_boundaries_problem(cfg: RunConfig) -> str | None:
     """Why this config cannot reset its models at document starts (None if it can, or does not ask to)."""
     if not cfg.data.doc_boundaries:
         return None
-    model = cfg.model
-    if (cfg.engine.sequence_parallel > 1 and model.kind == "pmnet" and model.pmnet.memory_every
-            and model.pmnet.collision_scope == "segment"):
-        return ("model.pmnet.collision_scope=segment is not supported with sequence parallelism (a document's "
-                "segments cross the pieces' borders); use collision_scope: sequence")
-    return None
-
-
-SEQUENCE_PARALLEL_KINDS = (*VORT_KINDS, "pmnet")
+    return family(cfg.model.kind).doc_boundaries_problem(cfg.model, cfg.engine.sequence_parallel)
 
 
 def sequence_parallel_problem(cfg: RunConfig) -> str | None:
     """Why this config cannot split its sequences over `engine.sequence_parallel` ranks (None if it can).
-    The world size is checked at start-up (pretrain.parallel_dims)."""
-    n, seq_len, model = cfg.engine.sequence_parallel, cfg.data.seq_len, cfg.model
+    The engine and the world size are checked at start-up (pretrain.preflight)."""
+    n, seq_len = cfg.engine.sequence_parallel, cfg.data.seq_len
     if n == 1:
         return None
-    if model.kind not in SEQUENCE_PARALLEL_KINDS:
-        return (f"model.kind={model.kind!r} cannot run sequence-parallel (softmax attention needs every earlier "
-                f"key); use one of {', '.join(SEQUENCE_PARALLEL_KINDS)} or sequence_parallel: 1")
-    if cfg.engine.kind == "single":
-        return "engine.kind=single runs one process; sequence parallelism needs engine.kind deepspeed or fsdp"
     if seq_len % n:
         return f"data.seq_len={seq_len} must be a multiple of it (each rank holds seq_len/sequence_parallel tokens)"
-    piece = seq_len // n
-    if model.kind == "pmnet":
-        pm = model.pmnet
-        if piece < pm.window - 1:
-            return (f"a piece of data.seq_len/sequence_parallel={piece} tokens is shorter than the attention halo "
-                    f"model.pmnet.window-1={pm.window - 1}: use fewer ranks per sequence or a longer seq_len")
-        if pm.memory_every and piece % pm.segment_len:
-            return (f"a piece of data.seq_len/sequence_parallel={piece} tokens must be whole memory segments of "
-                    f"model.pmnet.segment_len={pm.segment_len}")
-    if model.kind == "vort" and model.vort.entity_aux_weight > 0:
-        return ("model.vort.entity_aux_weight > 0 is not supported with sequence parallelism (its word-boundary "
-                "labels look across the piece border); set it to 0 or use sequence_parallel: 1")
+    problem = family(cfg.model.kind).sequence_parallel_problem(cfg.model, seq_len // n)
+    if problem:
+        return problem
     if cfg.train.carry_state:
         return ("train.carry_state=true is not supported with sequence parallelism yet (the last rank's state "
                 "would have to reach the first rank of the next window); use one of the two")

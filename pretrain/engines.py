@@ -12,16 +12,19 @@ Every engine offers the same operations to the trainer:
   - `save(path)` / `load(path, scratch)`: the engine-native checkpoint of model and optimizer
     (a format module each in pretrain/checkpoint/; the files around it, trainer state and RNG,
     are pretrain/checkpoint/checkpointer.py's).
-The trainer never branches on the engine kind.
+What the rest of pretrain/ must know about an engine before one exists (whether it runs in one
+process, how far it shards, what its communication buffers cost, how it joins the process group) is
+a class attribute or class method of the engine class, looked up by `engine_class(cfg)`; the trainer,
+the preflight checks and the memory plan never branch on the engine kind. Adding an engine means a
+class here, an entry in ENGINES, and its checkpoint format in pretrain/checkpoint/.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -32,9 +35,9 @@ from pretrain.carry import detach_state
 from pretrain.checkpoint.dcp_format import load_dcp_state, save_dcp_state
 from pretrain.checkpoint.deepspeed_format import load_deepspeed, save_deepspeed
 from pretrain.checkpoint.torch_format import load_torch_state, save_torch_state
-from pretrain.config import ConfigError, RunConfig
+from pretrain.config import RunConfig
 from pretrain.distributed.parallel_dims import sequence_parallel_loss
-from pretrain.distributed.process_group import init_process_group
+from pretrain.distributed.process_group import init_distributed
 from pretrain.optim import param_groups
 from pretrain.protocols import Batch, Engine, StepInfo
 
@@ -69,55 +72,6 @@ def _forward(module: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
     """(loss, state after the window or None) of one micro-batch."""
     out = module(*batch)
     return out if isinstance(out, tuple) else (out, None)
-
-
-def init_distributed(cfg: RunConfig) -> tuple[int, int]:
-    """Join the process group the launcher set up (gloo on CPU, NCCL on CUDA); (rank, world)."""
-    launched = "MASTER_ADDR" in os.environ and "RANK" in os.environ  # deepspeed / torchrun / SLURM wrapper
-    if dist.is_initialized() or not (launched or cfg.engine.kind == "deepspeed"):
-        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if not launched:  # a plain `python` run of the DeepSpeed engine: a group of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
-                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.engine.dist_timeout_s)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_process_group(backend, timeout)
-    if cfg.engine.kind == "deepspeed":
-        import deepspeed
-
-        if not torch.cuda.is_available():
-            # DeepSpeed's CPU backend would JIT-compile a shared-memory all-reduce op, used only for
-            # inference, that leaves a 66 MB /dev/shm file per rank behind on every run and hangs
-            # every later run on a stale build lock if a compile is killed. Training never calls it.
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # adopts the group
-    return dist.get_rank(), dist.get_world_size()
-
-
-def device_for_rank() -> torch.device:
-    """This rank's device. On CPU, the cores are split between the ranks of this node: with
-    more compute threads than cores, OpenMP's spinning threads slow every rank many times over."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    if "OMP_NUM_THREADS" not in os.environ or local_ranks > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-    return torch.device("cpu")
-
-
-def grad_accumulation_steps(cfg: RunConfig, world: int) -> int:
-    """Micro-batches per data-parallel rank per step (`world` = data-parallel ranks, the world size
-    over engine.sequence_parallel); the global batch must split evenly over them."""
-    per_rank, remainder = divmod(cfg.train.global_batch, world)
-    if remainder or per_rank % cfg.train.micro_batch:
-        raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} cannot be split over {world} data-parallel ranks in "
-            f"micro-batches of train.micro_batch={cfg.train.micro_batch}: global_batch must be a "
-            f"multiple of data_parallel_size * micro_batch = {world * cfg.train.micro_batch}"
-        )
-    return per_rank // cfg.train.micro_batch
 
 
 def _adamw(cfg: RunConfig, module: nn.Module) -> torch.optim.Optimizer:
@@ -160,7 +114,33 @@ def eval_loss(
 
 
 class _TorchOptimizerEngine:
-    """Shared by the single-process and FSDP2 engines: a torch AdamW stepped by us."""
+    """Shared by the single-process and FSDP2 engines: a torch AdamW stepped by us.
+
+    The class attributes and class methods are what callers ask before an engine exists."""
+
+    one_process: ClassVar[bool] = False
+    """Whether the engine runs in one process only (no data or sequence parallelism)."""
+    group_of_one: ClassVar[bool] = False
+    """Whether a plain `python` run (no launcher) still needs a process group (of one)."""
+
+    @classmethod
+    def sharding_stage(cls, cfg: RunConfig) -> int:
+        """What the engine partitions over data-parallel ranks, in ZeRO's terms: 0 nothing, 1 the
+        optimizer state, 2 and the gradients, 3 and the weights."""
+        return 0
+
+    @classmethod
+    def describe(cls, cfg: RunConfig) -> str:
+        return cfg.engine.kind
+
+    @classmethod
+    def comm_buffer_bytes(cls, cfg: RunConfig, n_params: int, weight_bytes: int) -> float:
+        """Bytes per rank of the gradient buckets the engine keeps in flight."""
+        return 0.0
+
+    @staticmethod
+    def joined(backend: str, timeout: datetime.timedelta) -> None:
+        """The engine's own set-up once the process group exists."""
 
     def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
         self.cfg, self.gas, self.model = cfg, gas, module.model
@@ -201,6 +181,8 @@ class _TorchOptimizerEngine:
 class SingleEngine(_TorchOptimizerEngine):
     """One process (any device): the reference the distributed engines are compared against."""
 
+    one_process = True
+
     def save(self, path: str) -> None:
         save_torch_state(path, self.model, self.optimizer)
 
@@ -211,8 +193,15 @@ class SingleEngine(_TorchOptimizerEngine):
 class FSDPEngine(_TorchOptimizerEngine):
     """FSDP2: every block and the root sharded with `fully_shard`; checkpoints through DCP."""
 
+    @classmethod
+    def sharding_stage(cls, cfg: RunConfig) -> int:
+        return 3
+
     def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():
+            raise ValueError("engine.kind=fsdp needs a distributed launch (torchrun); use engine.kind=single")
 
         policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if cfg.engine.precision == "bf16" else torch.float32,
@@ -235,6 +224,34 @@ class FSDPEngine(_TorchOptimizerEngine):
 
 class DeepSpeedEngine:
     """DeepSpeed ZeRO stage 0-3 around our AdamW; its JSON config is generated from ours."""
+
+    one_process = False
+    group_of_one = True
+
+    @classmethod
+    def sharding_stage(cls, cfg: RunConfig) -> int:
+        return cfg.engine.zero_stage
+
+    @classmethod
+    def describe(cls, cfg: RunConfig) -> str:
+        return f"deepspeed ZeRO-{cfg.engine.zero_stage}"
+
+    @classmethod
+    def comm_buffer_bytes(cls, cfg: RunConfig, n_params: int, weight_bytes: int) -> float:
+        """overlap_comm at stages 1-3: two reduction buckets in flight."""
+        return 2 * deepspeed_bucket_elements(n_params) * weight_bytes if cfg.engine.zero_stage >= 1 else 0.0
+
+    @staticmethod
+    def joined(backend: str, timeout: datetime.timedelta) -> None:
+        """DeepSpeed adopts the process group that exists."""
+        import deepspeed
+
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU backend would JIT-compile a shared-memory all-reduce op, used only for
+            # inference, that leaves a 66 MB /dev/shm file per rank behind on every run and hangs
+            # every later run on a stale build lock if a compile is killed. Training never calls it.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
 
     def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
         import deepspeed
@@ -330,19 +347,29 @@ def deepspeed_config(cfg: RunConfig, gas: int, world: int, n_params: int) -> dic
     }
 
 
+ENGINES: dict[str, type[SingleEngine | FSDPEngine | DeepSpeedEngine]] = {
+    "single": SingleEngine,
+    "fsdp": FSDPEngine,
+    "deepspeed": DeepSpeedEngine,
+}
+
+
+def engine_class(cfg: RunConfig) -> type[SingleEngine | FSDPEngine | DeepSpeedEngine]:
+    """The class of the engine named by `engine.kind` (the config loader has checked the name)."""
+    return ENGINES[cfg.engine.kind]
+
+
 def build_engine(
-    cfg: RunConfig, model: CausalLM, world: int, sequence_parallel: SequenceParallel | None = None
+    cfg: RunConfig, model: CausalLM, gas: int, sequence_parallel: SequenceParallel | None = None
 ) -> Engine:
-    """The engine named by `engine.kind` around `model` (already on its device); `world` is the
-    number of ranks, sequences are split over `sequence_parallel`'s group. The config has passed
-    pretrain.trainer.check_start at this world size."""
-    gas = grad_accumulation_steps(cfg, world // cfg.engine.sequence_parallel)
+    """The engine named by `engine.kind` around `model` (already on its device), stepping `gas`
+    micro-batches per data-parallel rank, sequences split over `sequence_parallel`'s group. The
+    config has passed pretrain.preflight.check_start at this world size."""
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    module = TrainModule(model, sequence_parallel)
-    if cfg.engine.kind == "deepspeed":
-        return DeepSpeedEngine(cfg, module, gas)
-    if cfg.engine.kind == "fsdp":
-        if not dist.is_initialized():
-            raise ValueError("engine.kind=fsdp needs a distributed launch (torchrun); use engine.kind=single")
-        return FSDPEngine(cfg, module, gas)
-    return SingleEngine(cfg, module, gas)
+    return engine_class(cfg)(cfg, TrainModule(model, sequence_parallel), gas)
+
+
+def join_process_group(cfg: RunConfig) -> tuple[int, int]:
+    """(rank, world) after joining the launcher's process group as this run's engine needs it."""
+    engine = engine_class(cfg)
+    return init_distributed(cfg.engine.dist_timeout_s, engine.group_of_one, engine.joined)

@@ -14,9 +14,10 @@ from data_pipeline.lanes import LaneError, LaneStream
 from data_pipeline.stream import PackedStream
 from model import ModelConfig, build_model
 from model.config import PMNetConfig, VortConfig
-from pretrain.carry import StateCarrier, check_config
+from pretrain.carry import StateCarrier
 from pretrain.config import ConfigError, DataSource, RunConfig
 from pretrain.engines import SingleEngine, TrainModule
+from pretrain.preflight import check_carry
 
 TINY_VORT = ModelConfig(
     kind="vort", d_model=32, n_layers=2, n_heads=2, max_seq_len=256,
@@ -198,7 +199,7 @@ def test_lane_position_must_resume_with_the_same_layout(demo_shards: dict[str, s
 )
 def test_settings_carry_state_cannot_use_are_refused(demo_shards: dict[str, str], change, message: str) -> None:
     cfg = run_config(demo_shards)
-    check_config(cfg)
+    check_carry(cfg)
     change(cfg)
     with pytest.raises(ConfigError, match=message):
-        check_config(cfg)
+        check_carry(cfg)

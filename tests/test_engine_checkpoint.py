@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pretrain.checkpoint import dcp_format, torch_format
 from pretrain.checkpoint.consolidate import read_engine_weights
 from pretrain.checkpoint.deepspeed_format import DEEPSPEED_FORMAT, _needs_universal, deepspeed_weights_only
 from pretrain.checkpoint.layout import CheckpointError
@@ -56,11 +57,12 @@ def test_checkpoint_without_layout_loads_as_it_is(tmp_path: Path) -> None:
 
 
 def test_missing_or_unknown_payloads_are_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"no engine payload in any known format \(torch_format, dcp_format"):
+        read_engine_weights(tmp_path)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: missing"):
-        read_engine_weights(tmp_path, "single", 0)
-    with pytest.raises(CheckpointError, match=r"ds: missing"):
-        read_engine_weights(tmp_path, "deepspeed", 2)
+        torch_format.read_weights(tmp_path)
     with pytest.raises(CheckpointError, match=r"not a torch\.distributed\.checkpoint"):
-        read_engine_weights(tmp_path, "fsdp", 0)
-    with pytest.raises(CheckpointError, match="unknown engine kind 'megatron'"):
-        read_engine_weights(tmp_path, "megatron", 0)
+        dcp_format.read_weights(tmp_path)
+    (tmp_path / "ds").mkdir()  # DeepSpeed's tag directory, but no format.json beside it
+    with pytest.raises(CheckpointError, match=r"format\.json: cannot read the ZeRO stage"):
+        read_engine_weights(tmp_path)

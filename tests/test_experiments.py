@@ -22,7 +22,8 @@ from experiments.runner import Experiment, ExperimentError, Family, subset_name
 from launch.experiment import main
 from model import build_model
 from pretrain.config import ConfigError, load_config
-from pretrain.trainer import DataError, make_task_data
+from pretrain.data import make_task_data
+from pretrain.preflight import DataError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -242,13 +243,12 @@ def test_task_data_batches_resume_after_the_examples_consumed() -> None:
         make_task_data(too_long, 0, 1)
 
 
-def test_mqar_state_size_counts_what_each_family_carries() -> None:
-    from experiments.mqar import state_floats
-
+def test_cache_floats_count_what_each_family_carries() -> None:
+    """The MQAR grid's state size (CausalLM.cache_floats)."""
     vort = build_model(load_config(TINY, ["model.kind=exp", "model.short_conv=3"]).model)
     c = vort.config
     per_layer = c.n_heads * c.vort.n_features * (c.head_dim + 1) + 2 * c.d_model  # one exp term; conv tail
-    assert state_floats(vort, 40) == c.n_layers * per_layer
+    assert vort.cache_floats(40) == c.n_layers * per_layer
     transformer = build_model(load_config(TINY, ["model.kind=transformer"]).model)
     c = transformer.config
-    assert state_floats(transformer, 40) == 2 * 40 * c.d_model * c.n_layers  # the keys and values of a cache
+    assert transformer.cache_floats(40) == 2 * 40 * c.d_model * c.n_layers  # the keys and values of a cache

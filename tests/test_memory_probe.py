@@ -79,7 +79,7 @@ def test_max_tokens_gives_every_context_the_same_tokens(vort_export: Path) -> No
 
 def test_soe_horizon_rebuilds_the_tables_and_keeps_the_weights(vort_export: Path) -> None:
     model = ev.load_exported(vort_export)
-    rebuilt = ev.rebuild_kernel(model, soe_horizon=2048)
+    rebuilt = model.with_kernel(soe_horizon=2048)
     assert rebuilt.config.vort.soe_horizon == 2048 != model.config.vort.soe_horizon
     for (name, a), (_, b) in zip(model.named_parameters(), rebuilt.named_parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -87,9 +87,9 @@ def test_soe_horizon_rebuilds_the_tables_and_keeps_the_weights(vort_export: Path
     torch.testing.assert_close(model.blocks[0].mixer.features.weight, rebuilt.blocks[0].mixer.features.weight)
     report = ev.evaluate(vort_export, [str(BOOK)], [512], chunk=256, max_windows=1, soe_horizon=2048)
     assert report["soe_horizon"] == 2048 and np.isfinite(report["contexts"]["512"]["bits_per_token"])
-    tempered = ev.rebuild_kernel(model, temper=64)
+    tempered = model.with_kernel(temper=64)
     torch.testing.assert_close(tempered.blocks[0].mixer.memory.log_lambda,
                                model.blocks[0].mixer.memory.log_lambda - 1 / 64)
-    with pytest.raises(ev.EvalError, match="no certified SOE kernel"):
+    with pytest.raises(ValueError, match="no certified memory kernel"):
         cfg = config_from_dict(yaml.safe_load((REPO / "configs" / "model" / "exp-tiny.yaml").read_text()))
-        ev.rebuild_kernel(build_model(cfg.model), soe_horizon=2048)
+        build_model(cfg.model).with_kernel(soe_horizon=2048)

@@ -16,7 +16,7 @@ from model import build_model
 from pretrain.config import ConfigError, load_config
 from pretrain.engines import deepspeed_bucket_elements
 from pretrain.plan import memory as plan
-from pretrain.trainer import check_start
+from pretrain.preflight import check_start
 
 REPO = Path(__file__).resolve().parents[1]
 SP_VORT = str(REPO / "configs" / "sp-cpu-vort.yaml")

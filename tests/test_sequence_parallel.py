@@ -19,6 +19,7 @@ from model import build_model
 from model.config import ModelConfig, PMNetConfig, VortConfig
 from pretrain.config import ConfigError, load_config
 from pretrain.distributed.parallel_dims import ParallelDims, local_slice, sequence_parallel_loss
+from pretrain.preflight import check_start
 from tests.launchers import REPO, free_port, logged, losses, run_training
 
 WORLD = 2
@@ -415,7 +416,6 @@ PMNET = str(REPO / "configs" / "sp-cpu-pmnet.yaml")
 @pytest.mark.parametrize(("config", "overrides", "message"), [
     (VORT, ["engine.sequence_parallel=0"], r"engine.sequence_parallel: must be >= 1"),
     (TINY, ["engine.kind=deepspeed", "engine.sequence_parallel=2"], r"model.kind='transformer' cannot run sequence"),
-    (VORT, ["engine.kind=single"], r"engine.kind=single runs one process"),
     (VORT, ["data.seq_len=1001"], r"data.seq_len=1001 must be a multiple"),
     (PMNET, ["data.seq_len=16", "engine.sequence_parallel=2"], r"shorter than the attention halo"),
     (PMNET, ["data.seq_len=96"], r"whole memory segments of model.pmnet.segment_len=32"),
@@ -427,6 +427,12 @@ def test_refused_combinations_name_the_key(config: str, overrides: list[str], me
     with pytest.raises(ConfigError, match=message) as err:
         load_config(config, overrides)
     assert "sequence_parallel" in str(err.value)
+
+
+def test_a_one_process_engine_refuses_a_sequence_group() -> None:
+    """Checked at start-up (the trainer and pretrain.plan), where the engine is known."""
+    with pytest.raises(ConfigError, match=r"engine.kind=single runs one process.*engine.sequence_parallel=2"):
+        check_start(load_config(VORT, ["engine.kind=single"]), 2)
 
 
 def test_world_size_must_be_a_multiple_of_the_sequence_group() -> None:

@@ -16,8 +16,8 @@ from model import build_model
 from model.blocks import ShortConvolution
 from model.config import ModelConfig, PMNetConfig, VortConfig
 from pretrain.config import ConfigError, config_from_dict, load_config
-from pretrain.evaluate.text import stream_logits
 from pretrain.export import write_export
+from pretrain.validate import stream_logits
 from tests.test_hf_eval import _generate, _hf_model, _reference
 
 REPO = Path(__file__).resolve().parents[1]

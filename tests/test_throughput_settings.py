@@ -47,9 +47,9 @@ def test_deepspeed_engine_compiles_when_asked(tmp_path: Path) -> None:
         import math, torch
         from model import build_model
         from pretrain.config import load_config
-        from pretrain.engines import build_engine, init_distributed
+        from pretrain.engines import build_engine, join_process_group
         cfg = load_config({TINY!r}, ["engine.kind=deepspeed", "train.compile=true", "train.global_batch=2"])
-        init_distributed(cfg)
+        join_process_group(cfg)
         torch.manual_seed(0)
         engine = build_engine(cfg, build_model(cfg.model), 1)
         assert engine.engine.is_compiled
@@ -74,11 +74,13 @@ def test_the_loop_reads_the_device_only_at_log_steps(tmp_path: Path, demo_shards
     """Six steps logged every third: every host read of a tensor made by the trainer's or the engines'
     own code is recorded with the step it follows; none happens inside a step, none after a step that
     is not logged, and the log steps do read (so the spy sees what it must)."""
+    import pretrain.data as data
     import pretrain.engines as engines
     import pretrain.trainer as trainer
+    import pretrain.validate as validate
     from launch.pretrain import main
 
-    watched = {engines.__file__, trainer.__file__}
+    watched = {engines.__file__, trainer.__file__, data.__file__, validate.__file__}
     progress = {"steps": 0, "in_step": False}
     reads: list[tuple[int, bool, str, int]] = []
 
@@ -122,12 +124,12 @@ def test_deepspeed_skips_a_nonfinite_step_on_the_device(tmp_path: Path) -> None:
         import math, torch
         from model import build_model
         from pretrain.config import load_config
-        from pretrain.engines import build_engine, init_distributed
+        from pretrain.engines import build_engine, join_process_group
         poison = {{"on": False}}
         for stage in (0, 2):
             cfg = load_config({TINY!r}, ["engine.kind=deepspeed", f"engine.zero_stage={{stage}}",
                                          "train.global_batch=2", "train.micro_batch=2"])
-            init_distributed(cfg)
+            join_process_group(cfg)
             torch.manual_seed(0)
             model = build_model(cfg.model)
             model.head.register_forward_hook(lambda m, i, out: out * math.nan if poison["on"] else out)

@@ -14,8 +14,9 @@ from launch.pretrain import EXIT_BAD_INPUT, main
 from model import ModelConfig, build_model
 from model.blocks import StackedLM
 from pretrain.config import ConfigError, TrainSection, load_config
-from pretrain.engines import SingleEngine, TrainModule, grad_accumulation_steps
+from pretrain.engines import SingleEngine, TrainModule
 from pretrain.optim import lr_at, param_groups
+from pretrain.preflight import grad_accumulation_steps
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")

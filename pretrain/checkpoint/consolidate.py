@@ -16,11 +16,9 @@ import torch
 import yaml
 
 from model import CausalLM, build_model
-from pretrain.checkpoint.dcp_format import read_dcp_weights
-from pretrain.checkpoint.deepspeed_format import read_deepspeed_weights
+from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.layout import LATEST, CheckpointError
 from pretrain.checkpoint.manifest import committed_steps
-from pretrain.checkpoint.torch_format import read_torch_weights
 from pretrain.config import ConfigError, RunConfig, config_from_dict
 
 
@@ -56,7 +54,7 @@ def read_run_config(step_dir: Path) -> RunConfig:
 def consolidate(step_dir: Path, cfg: RunConfig) -> CausalLM:
     """The trained model of a verified step directory, on CPU in fp32, whatever engine saved it."""
     engine_dir = step_dir / "engine"
-    state = read_engine_weights(engine_dir, cfg.engine.kind, cfg.engine.zero_stage)
+    state = read_engine_weights(engine_dir)
     model = build_model(cfg.model)
     names = model.state_dict(keep_vars=True)  # persistent entries only, tied aliases included
     aliases = _tied_aliases(model)
@@ -86,13 +84,15 @@ def _tied_aliases(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
-def read_engine_weights(engine_dir: Path, kind: str, zero_stage: int) -> dict[str, torch.Tensor]:
+FORMATS = (torch_format, dcp_format, deepspeed_format)
+"""Every engine's payload format: each tells whether a directory holds it and reads its weights."""
+
+
+def read_engine_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
     """The CausalLM's weights (its own parameter names, CPU) from the `engine/` directory of a
-    checkpoint written by engine `kind`; raises CheckpointError naming the path."""
-    if kind == "single":
-        return read_torch_weights(engine_dir)
-    if kind == "deepspeed":
-        return read_deepspeed_weights(engine_dir, zero_stage)
-    if kind == "fsdp":
-        return read_dcp_weights(engine_dir)
-    raise CheckpointError(f"{engine_dir}: unknown engine kind {kind!r} (expected single, deepspeed or fsdp)")
+    checkpoint, in whichever engine's format it holds; raises CheckpointError naming the path."""
+    for fmt in FORMATS:
+        if fmt.holds(engine_dir):
+            return fmt.read_weights(engine_dir)
+    names = ", ".join(fmt.__name__.rsplit(".", 1)[-1] for fmt in FORMATS)
+    raise CheckpointError(f"{engine_dir}: holds no engine payload in any known format ({names})")

@@ -30,7 +30,12 @@ def load_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Op
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def read_dcp_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
+def holds(engine_dir: Path) -> bool:
+    """Whether `engine_dir` is in this format (DCP's own metadata file)."""
+    return (engine_dir / ".metadata").is_file()
+
+
+def read_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
     """The "model" tensors of a DCP checkpoint, read without a process group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

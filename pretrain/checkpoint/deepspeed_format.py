@@ -150,12 +150,27 @@ def _repair_zero3_universal_load(optimizer: Any, hyperparameters: list[dict[str,
             state["step"] = state["step"].clone()
 
 
-def read_deepspeed_weights(engine_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
+def holds(engine_dir: Path) -> bool:
+    """Whether `engine_dir` is in this format."""
+    return (engine_dir / DEEPSPEED_TAG).is_dir()
+
+
+def _saved_stage(engine_dir: Path) -> int:
+    """The ZeRO stage recorded in format.json."""
+    path = engine_dir / DEEPSPEED_FORMAT
+    try:
+        return int(json.loads(path.read_text())["zero_stage"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: cannot read the ZeRO stage the checkpoint was written with: {err}") from err
+
+
+def read_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
     """ZeRO 1-3: the fp32 master weights merged from the optimizer partitions by DeepSpeed's own
     zero_to_fp32. Stage 0 has no partitions: the module weights in mp_rank_00_model_states.pt."""
     tag_dir = engine_dir / DEEPSPEED_TAG
     if not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir}: missing (engine.kind=deepspeed saves with tag {DEEPSPEED_TAG!r})")
+    zero_stage = _saved_stage(engine_dir)
     try:
         with deepspeed_weights_only(), contextlib.redirect_stdout(sys.stderr):
             if zero_stage == 0:

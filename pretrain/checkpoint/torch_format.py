@@ -27,7 +27,12 @@ def load_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.O
     optimizer.load_state_dict(state)
 
 
-def read_torch_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
+def holds(engine_dir: Path) -> bool:
+    """Whether `engine_dir` is in this format."""
+    return (engine_dir / SINGLE_WEIGHTS).is_file()
+
+
+def read_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
     path = engine_dir / SINGLE_WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (engine.kind=single writes the weights there)")

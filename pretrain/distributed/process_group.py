@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -105,3 +106,36 @@ def adopt_slurm_environment() -> bool:
     per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "1"))
     os.environ["LOCAL_WORLD_SIZE"] = str(_tasks_on_first_node(per_node))
     return True
+
+
+def init_distributed(
+    timeout_s: float, group_of_one: bool, joined: Callable[[str, datetime.timedelta], None]
+) -> tuple[int, int]:
+    """Join the process group the launcher set up (gloo on CPU, NCCL on CUDA) and return (rank, world).
+    Without a launcher, a plain `python` run stays a single process, unless the engine needs a process
+    group even then (`group_of_one`: a group of one is made). `joined(backend, timeout)` runs once the
+    group exists: the engine's own set-up on top of it."""
+    launched = "MASTER_ADDR" in os.environ and "RANK" in os.environ  # deepspeed / torchrun / SLURM wrapper
+    if dist.is_initialized() or not (launched or group_of_one):
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if not launched:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
+                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_process_group(backend, timeout)
+    joined(backend, timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def device_for_rank() -> torch.device:
+    """This rank's device. On CPU, the cores are split between the ranks of this node: with
+    more compute threads than cores, OpenMP's spinning threads slow every rank many times over."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if "OMP_NUM_THREADS" not in os.environ or local_ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    return torch.device("cpu")

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from model import CausalLM
 from model.soe import SOEKernel, gl_weights
-from model.vort import CERTIFIED_KINDS, VORT_KINDS, bank_orders, certified_kernel
 from pretrain.evaluate.text import EvalError, load_export_tokenizer, read_text
 from pretrain.export import ExportError, load_exported
 
@@ -58,36 +57,20 @@ def kernel_table(
 @torch.inference_mode()
 def probe(model: CausalLM, ids: np.ndarray, context: int, chunk: int, train_len: int) -> dict[str, Any]:
     """The per-chunk measurements of the module docstring over the first `context` tokens of `ids`."""
-    if model.config.kind not in VORT_KINDS:
+    if not model.reports_memory:
         raise EvalError(f"the memory probe reads SOE scan states; model.kind={model.config.kind!r} has none")
     if ids.size < context + 1:
         raise EvalError(f"the text has {ids.size} tokens; the probe needs context + 1 = {context + 1}")
     window = torch.from_numpy(ids[: context + 1])
     inputs, targets = window[None, :-1], window[1:]
-    layers = [block.mixer for block in model.blocks]
     records = []
     state = model.init_state(1)
     for start in range(0, context, chunk):
         logits, state = model(inputs[:, start : start + chunk], state)
         n = logits.shape[1]
         nll = F.cross_entropy(logits[0].float(), targets[start : start + n])
-        record: dict[str, Any] = {"end": start + n, "bits_per_token": float(nll) / math.log(2), "layers": []}
-        for layer, layer_state in zip(layers, state, strict=True):
-            mass = layer_state.b[0].double().sum(-1).mean(0)  # [S]: per term, summed over features, mean over heads
-            total = float(mass.sum())
-            entry: dict[str, Any] = {"normaliser_mass": total}
-            log_lam = getattr(layer.memory, "log_lambda", None)  # exp learns its decay: no fixed terms
-            if log_lam is not None and total > 0:
-                log_lam = log_lam.double()
-                long_term = log_lam > -1.0 / train_len  # timescale -1/log(lambda) beyond train_len
-                entry["long_term_share"] = float(mass[long_term].sum()) / total
-                # the lambda = 1 node, tempered or not, is the slowest term
-                entry["order_one_share"] = float(mass[log_lam.argmax()]) / total
-            stats = layer.memory.stats()
-            if "alpha_mean" in stats:
-                entry["alpha_mean"] = float(stats["alpha_mean"])
-                entry["top_bank_share"] = float(stats["bank_share"][-1])
-            record["layers"].append(entry)
+        record = {"end": start + n, "bits_per_token": float(nll) / math.log(2),
+                  "layers": model.memory_report(state, train_len)}
         records.append(record)
     return {"context": context, "chunk": chunk, "train_len": train_len, "chunks": records}
 
@@ -141,12 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     report: dict[str, Any] = {"model": args.model, "family": model.config.kind, "probe": result}
-    if model.config.kind in CERTIFIED_KINDS:
-        cfg = model.config.vort
-        banks = bank_orders(cfg) if model.config.kind == "vort" else (cfg.pl_alpha,)
-        kernel = certified_kernel(banks, cfg.soe_horizon, cfg.soe_eps)
+    tables = model.certified_kernel()
+    if tables is not None:
         contexts = [c for c in (1024, 4096, 16384, 65536) if c <= args.context] or [args.context]
-        report["kernel"] = kernel_table(kernel, cfg.soe_horizon, args.train_len, contexts, cfg.temper)
+        report["kernel"] = kernel_table(tables.kernel, tables.horizon, args.train_len, contexts, tables.temper)
     for c in result["chunks"]:
         if c["end"] & (c["end"] - 1) == 0:  # powers of two
             layers = " ".join(

@@ -11,7 +11,6 @@ the context. docs/export_eval.md, "Evaluation", says what is scored and reported
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -19,7 +18,7 @@ import resource
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,9 @@ import torch
 from data_pipeline import synthetic
 from data_pipeline.stream import document_starts
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
-from model import CausalLM, build_model
-from model.vort import CERTIFIED_KINDS
+from model import CausalLM
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
+from pretrain.validate import run_tasks
 
 
 class EvalError(RuntimeError):
@@ -48,10 +47,11 @@ def context_warnings(model: CausalLM, context: int, chunk: int) -> list[str]:
     """Why results at `context` tokens may not mean what they seem (empty when nothing is exceeded)."""
     cfg = model.config
     found = []
-    if cfg.kind in CERTIFIED_KINDS and context > cfg.vort.soe_horizon:
+    horizon = model.certified_horizon
+    if horizon is not None and context > horizon:
         found.append(
-            f"context {context} exceeds the SOE kernel's certified horizon (model.vort.soe_horizon="
-            f"{cfg.vort.soe_horizon}): lags beyond it have no error bound"
+            f"context {context} exceeds the memory kernel's certified horizon (soe_horizon={horizon}): lags "
+            "beyond it have no error bound"
         )
     if context > cfg.max_seq_len:
         found.append(f"context {context} exceeds model.max_seq_len={cfg.max_seq_len}, the length it was built for")
@@ -120,15 +120,6 @@ def position_buckets(context: int, per_octave: int = 4) -> np.ndarray:
 # ----------------------------------------------------------------------------- streaming
 
 
-def stream_logits(model: CausalLM, input_ids: torch.Tensor, chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Run `input_ids` [B, T] through the model `chunk` tokens at a time, carrying the state;
-    yields (start, logits) per chunk, so that a caller that drops the logits keeps memory flat."""
-    state = model.init_state(input_ids.shape[0], input_ids.device)
-    for start in range(0, input_ids.shape[1], chunk):
-        logits, state = model(input_ids[:, start : start + chunk], state)
-        yield start, logits
-
-
 @torch.inference_mode()
 def evaluate_context(
     model: CausalLM, text: Text, context: int, chunk: int, max_windows: int | None, device: torch.device,
@@ -179,30 +170,6 @@ def evaluate_context(
     return result
 
 
-SOE_TABLES = ("log_lambda", "bank_coef", "banks", "coef")  # buffer names of the certified kernel tables
-
-
-def rebuild_kernel(model: CausalLM, **kernel: Any) -> CausalLM:
-    """The same weights with the SOE tables rebuilt from other kernel settings (`soe_horizon`,
-    `temper`).
-
-    The tables (decays, bank coefficients, bank orders) are fixed buffers derived from the
-    `model.vort` settings, not learned, so a VORT-family model can be scored with kernels certified
-    further than in training, or tempered. Bank orders move with the horizon; the router's
-    continuous order alpha is mapped onto the new banks.
-    """
-    if model.config.kind not in CERTIFIED_KINDS:
-        raise EvalError(f"--soe-horizon/--temper: model.kind={model.config.kind!r} has no certified SOE kernel")
-    config = dataclasses.replace(model.config, vort=dataclasses.replace(model.config.vort, **kernel))
-    rebuilt = build_model(config)
-    tables = {name for name, _ in rebuilt.named_buffers() if name.rsplit(".", 1)[-1] in SOE_TABLES}
-    weights = {k: v for k, v in model.state_dict().items() if k not in tables}
-    missing, unexpected = rebuilt.load_state_dict(weights, strict=False)
-    if set(missing) != tables or unexpected:
-        raise EvalError(f"rebuilding the kernel: unexpected state keys (missing {missing}, unexpected {unexpected})")
-    return rebuilt.to(next(model.parameters()).device).eval()
-
-
 def peak_rss_mb() -> float:
     """This process's peak resident set size so far, in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -220,40 +187,6 @@ def add_text_units(result: dict[str, Any], text: Text, tok: Tokenizer) -> None:
 
 
 # ----------------------------------------------------------------------------- synthetic tasks
-
-
-@torch.inference_mode()
-def task_accuracy(
-    model: CausalLM, examples: list[synthetic.Example], chunk: int, device: torch.device
-) -> dict[str, float]:
-    """Argmax accuracy on the answer tokens, each example streamed like the text windows."""
-    predictions = []
-    for example in examples:
-        ids = torch.from_numpy(example.input_ids).to(device)[None]
-        parts = [logits[0].argmax(-1).cpu() for _, logits in stream_logits(model, ids, chunk)]
-        predictions.append(torch.cat(parts))
-    return synthetic.accuracy(examples, predictions)
-
-
-def run_tasks(
-    model: CausalLM,
-    tasks: Sequence[str],
-    tok: Tokenizer,
-    length: int,
-    n: int,
-    chunk: int,
-    device: torch.device,
-    haystack: bytes,
-) -> dict[str, Any]:
-    """Accuracy of each requested task on `n` examples of about `length` tokens."""
-    results: dict[str, Any] = {}
-    for task in tasks:
-        gen = synthetic.make_task(
-            task, length, vocab_size=tok.content_vocab, haystack=haystack, encode=lambda b: tok.encode(b)[0]
-        )
-        examples = [gen.example(i) for i in range(n)]
-        results[task] = {"examples": n, "length": length, **task_accuracy(model, examples, chunk, device)}
-    return results
 
 
 # ----------------------------------------------------------------------------- plot and CLI
@@ -302,7 +235,7 @@ def evaluate(
 
     `max_windows` caps the windows of every context; `max_tokens` caps each context at
     max(1, max_tokens // context) windows, so that all contexts score about the same tokens.
-    `soe_horizon` and `temper` rebuild a VORT-family model's SOE tables (see `rebuild_kernel`).
+    `soe_horizon` and `temper` rebuild a VORT-family model's SOE tables (see `CausalLM.with_kernel`).
     `doc_boundaries` resets the model at each file's start, as data.doc_boundaries does in training.
     """
     model_dir = Path(model_dir)
@@ -326,7 +259,10 @@ def evaluate(
         raise EvalError(str(err)) from err
     kernel = {k: v for k, v in (("soe_horizon", soe_horizon), ("temper", temper)) if v is not None}
     if kernel:
-        model = rebuild_kernel(model, **kernel)
+        try:
+            model = model.with_kernel(**kernel)
+        except ValueError as err:
+            raise EvalError(f"--soe-horizon/--temper: {err}") from err
     tok = load_export_tokenizer(model_dir)
     text = read_text(data, tok)
     dev = torch.device(device)

@@ -2,7 +2,7 @@
 
     python -m pretrain.plan --config configs/vort-125m-128k.yaml [--world 64] [--gpu-mem 80GiB] [--measure]
 
-First the trainer's own start-up rules (pretrain.trainer.check_start) at this world size: a config
+First the trainer's own start-up rules (pretrain.preflight.check_start) at this world size: a config
 that cannot start exits with their message. Then weights and optimizer state from the engine's
 sharding, activations of training and of the periodic evaluation measured on this CPU in the run's
 precision and extrapolated to the rank's length, scan states and sequence-parallel buffers from
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from model import CausalLM, build_model
-from model.vort import VORT_KINDS
 from pretrain.config import ConfigError, RunConfig, load_config
-from pretrain.engines import TrainModule, deepspeed_bucket_elements, eval_loss
-from pretrain.trainer import check_start, eval_piece_tokens, streamed_loss
+from pretrain.engines import TrainModule, engine_class, eval_loss
+from pretrain.preflight import check_start
+from pretrain.validate import eval_piece_tokens, streamed_loss
 
 GIB = 2**30
 PROBE_TOKENS = 2048
@@ -65,26 +65,6 @@ def parse_bytes(text: str) -> float:
     return float(match.group(1)) * scale
 
 
-def state_and_buffer_bytes(model: CausalLM, cfg: RunConfig) -> tuple[float, float]:
-    """Per rank: the scan states of one micro-batch (all layers) and the sequence-parallel buffers."""
-    n, batch, c = cfg.engine.sequence_parallel, cfg.train.micro_batch, cfg.model
-    states = buffers = 0.0
-    if c.kind == "pmnet":
-        pm = c.pmnet
-        memories = len(model.memories())
-        states = memories * batch * pm.n_slots * pm.memory_dim * 4 * 2  # phases and segment phases
-        if n > 1:
-            halo = c.n_layers * 2 * batch * (pm.window - 1) * c.d_model * 4 * 2  # received + sent
-            buffers = halo + memories * batch * pm.n_slots * pm.memory_dim * 4 * 2
-    elif c.kind in VORT_KINDS:
-        mixer = model.blocks[0].mixer
-        per_layer = batch * c.n_heads * mixer.memory.n_terms * mixer.n_features * (c.head_dim + 1) * 4
-        states = c.n_layers * per_layer
-        if n > 1:
-            buffers = c.n_layers * per_layer * (n + 2)  # the N gathered states, entering and corrected final
-    return states, buffers
-
-
 def extrapolate(short: float, long: float, probe: int, tokens: int) -> float:
     """Bytes at `tokens` on the line through the measurements at `probe` and 2 x `probe` tokens: the
     per-token growth plus what does not grow with length (the loss's chunk of logits, workspaces)."""
@@ -99,22 +79,21 @@ def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int =
     bf16 = cfg.engine.precision == "bf16"
     weight_bytes = 2 if bf16 else 4
     master = 4 if bf16 else 0
-    stage = 3 if cfg.engine.kind == "fsdp" else cfg.engine.zero_stage if cfg.engine.kind == "deepspeed" else 0
+    engine = engine_class(cfg)
+    stage = engine.sharding_stage(cfg)
     shard = world if stage >= 1 else 1
     params = n_params * weight_bytes / (world if stage >= 3 else 1)
     if stage >= 3:  # one block gathered at a time
         params += sum(p.numel() for p in model.blocks[0].parameters()) * weight_bytes
     grads = n_params * weight_bytes / (world if stage >= 2 else 1)
     optimizer = n_params * (8 + master) / shard
-    bucket = 0.0
-    if cfg.engine.kind == "deepspeed" and stage >= 1:  # overlap_comm: two reduction buffers in flight
-        bucket = 2 * deepspeed_bucket_elements(n_params) * weight_bytes
+    bucket = engine.comm_buffer_bytes(cfg, n_params, weight_bytes)
     tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.engine.sequence_parallel
     piece = max(eval_piece_tokens(cfg, model, context) for context in cfg.eval.contexts) if cfg.eval.every else 0
     evaluation = 0.0
     if piece:
         evaluation = extrapolate(*(measure(cfg, False, probe * k, 1, "eval") for k in (1, 2)), probe, piece)
-    states, buffers = state_and_buffer_bytes(model, cfg)
+    states, buffers = model.state_bytes(cfg.train.micro_batch, cfg.engine.sequence_parallel)
     plans = []
     for checkpointing in (False, True):
         short, long = (measure(cfg, checkpointing, probe * k, 1) for k in (1, 2))
@@ -236,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg.model)
     plain, checkpointed = plan(cfg, world, model, args.probe_tokens)
     n = cfg.engine.sequence_parallel
-    engine = f"{cfg.engine.kind}" + (f" ZeRO-{cfg.engine.zero_stage}" if cfg.engine.kind == "deepspeed" else "")
+    engine = engine_class(cfg).describe(cfg)
     longest = max(cfg.eval.contexts)
     piece = eval_piece_tokens(cfg, model, longest)
     print(f"{args.config}: {cfg.model.kind}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "

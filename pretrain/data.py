@@ -1,0 +1,82 @@
+"""The training data of a run: the loader its config names (packed shards or a synthetic task), and
+each step's micro-batches cut to this rank's piece of the sequence and moved to its device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from data_pipeline.stream import PackedStream, StreamLoader
+from data_pipeline.synthetic import TaskBatches
+from model import SequenceParallel
+from pretrain.config import RunConfig
+from pretrain.distributed.parallel_dims import local_slice
+from pretrain.preflight import task_generator
+from pretrain.protocols import Batch
+
+
+def make_task_data(cfg: RunConfig, rank: int, world: int) -> TaskBatches:
+    """Batches of the configured synthetic task (token ids must fit the model's vocabulary)."""
+    return TaskBatches(task_generator(cfg), cfg.data.seq_len, cfg.train.micro_batch, rank, world)
+
+
+def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBatches:
+    """The loader of data-parallel rank `rank` of `world`: the task's batches, or the packed shards."""
+    if cfg.data.task is not None:
+        return make_task_data(cfg, rank, world)
+    stream = PackedStream(
+        [(s.path, s.weight) for s in cfg.data.train],
+        seq_len=cfg.data.seq_len,
+        seed=cfg.run.seed,
+        rank=rank,
+        world_size=world,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        doc_boundaries=cfg.data.doc_boundaries,
+        batch_size=cfg.train.micro_batch,
+        expected_tokenizer=cfg.data.tokenizer,
+    )
+    # pinned batches copy to the GPU without making the host wait (the loop's non_blocking copies)
+    return StreamLoader(stream, num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available())
+
+
+class StepBatches:
+    """Each step's `gas` micro-batches from `loader`, as the engines take them: this rank's slice of
+    the sequence (under sequence parallelism), on `device`. It has the loader's state and statistics,
+    as the state carrier of train.carry_state does, so that the loop treats both alike."""
+
+    def __init__(
+        self, loader: StreamLoader | TaskBatches, gas: int, sequence_parallel: SequenceParallel | None,
+        device: torch.device,
+    ) -> None:
+        self.loader, self.gas, self.sequence_parallel, self.device = loader, gas, sequence_parallel, device
+        self._batches: Iterator[dict[str, torch.Tensor]] | None = None
+
+    def _forever(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            yield from self.loader
+
+    def _micro_batch(self, batch: dict[str, torch.Tensor]) -> Batch:
+        """(input_ids, labels), or (input_ids, labels, None, doc_start) under data.doc_boundaries."""
+        keys = ("input_ids", "labels", "doc_start") if "doc_start" in batch else ("input_ids", "labels")
+        pieces: list[Any] = [
+            local_slice(batch[key], self.sequence_parallel).to(self.device, non_blocking=True) for key in keys
+        ]
+        if len(pieces) == 3:
+            pieces.insert(2, None)  # no carried state
+        return tuple(pieces)
+
+    def next_step(self) -> list[Batch]:
+        if self._batches is None:  # started on first use, after a resume has restored the position
+            self._batches = self._forever()
+        return [self._micro_batch(next(self._batches)) for _ in range(self.gas)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def stats(self) -> dict[str, float]:
+        return self.loader.stats()
