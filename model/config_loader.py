@@ -104,6 +104,30 @@ def _apply_override(tree: dict, item: str, sources: dict[str, str]) -> None:
     _record_sources(value, ".".join(parts), sources, COMMAND_LINE)
 
 
+def to_overrides(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """The inverse of the override parser: `{a: {b: 1}}` under `prefix` x as `["x.a.b=1"]` (values
+    in YAML flow style), so that applying the overrides to an empty tree gives `tree` back."""
+    items = []
+    for key, value in tree.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            items.extend(to_overrides(value, dotted))
+        else:
+            text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+            items.append(f"{dotted}={text}")
+    return items
+
+
+def read_mapping(path: Path) -> dict[str, Any]:
+    """One YAML file (no `extends`) as a mapping, or a ConfigError naming the file."""
+    return _read_yaml(path)
+
+
+def dump_yaml(tree: dict[str, Any]) -> str:
+    """Plain data as block-style YAML in insertion order: what `read_mapping` reads back."""
+    return yaml.safe_dump(tree, sort_keys=False)
+
+
 # ----------------------------------------------------------------------------- typed building
 
 

@@ -11,13 +11,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from data_pipeline import synthetic
 from model import family
 from model.config import ModelConfig
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
-from model.config_loader import build_config, read_tree, to_plain
+from model.config_loader import build_config, dump_yaml, read_tree, to_plain
 
 
 @dataclasses.dataclass
@@ -313,7 +311,7 @@ def config_to_dict(config: Any) -> dict:
 
 def config_text(config: RunConfig) -> str:
     """The resolved config as YAML text (run directories, checkpoints); load_config reads it back."""
-    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+    return dump_yaml(config_to_dict(config))
 
 
 def dump_config(config: RunConfig, path: str | Path) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
 from model import CausalLM, build_model
+from model.config_loader import read_mapping
 from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.layout import LATEST, CheckpointError
 from pretrain.checkpoint.manifest import committed_steps
@@ -46,8 +46,8 @@ def read_run_config(step_dir: Path) -> RunConfig:
     """The resolved RunConfig saved beside the weights."""
     path = step_dir / "config.yaml"
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()) or {})
-    except (OSError, yaml.YAMLError, ConfigError) as err:
+        return config_from_dict(read_mapping(path))
+    except ConfigError as err:
         raise CheckpointError(f"{path}: cannot read the run config: {err}") from err
 
 

@@ -21,12 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
 from torch import nn
 
 from model import build_model
 from model.config import ModelConfig
-from model.config_loader import read_tree
+from model.config_loader import read_tree, to_overrides
 from pretrain.config import ConfigError, RunConfig, load_config
 
 BUDGET_TOLERANCE = 0.01  # a cell's FLOPs may miss its budget by at most 1%
@@ -136,25 +135,12 @@ class Sweep:
 # ----------------------------------------------------------------------------- reading a sweep file
 
 
-def _flatten(tree: dict[str, Any], prefix: str) -> list[str]:
-    """`{a: {b: 1}}` under prefix `x` as dotted overrides `["x.a.b=1"]` (values in YAML flow style)."""
-    items = []
-    for key, value in tree.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            items.extend(_flatten(value, dotted))
-        else:
-            text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-            items.append(f"{dotted}={text}")
-    return items
-
-
 def _overrides(value: Any, where: str) -> list[str]:
     """Overrides given as a mapping of dotted keys (or nested sections) or as `key=value` strings."""
     if value is None:
         return []
     if isinstance(value, dict):
-        return _flatten(value, "")
+        return to_overrides(value, "")
     if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
         return list(value)
     raise SweepError(f"{where}: expected a mapping of dotted keys to values or a list of key=value, got {value!r}")
@@ -168,7 +154,7 @@ def _model_overrides(path: Path, where: str) -> list[str]:
         tree, _ = read_tree(path)
     except ConfigError as err:
         raise SweepError(f"{where}: {err}") from err
-    return _flatten(tree.get("model") or {}, "model")
+    return to_overrides(tree.get("model") or {}, "model")
 
 
 def _number_list(value: Any, where: str, kind: type = float) -> list:
