@@ -30,7 +30,8 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------- reading YAML
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_mapping(path: Path) -> dict[str, Any]:
+    """One YAML file (no `extends`) as a mapping, or a ConfigError naming the file."""
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
@@ -71,7 +72,7 @@ def _load_tree(path: Path, sources: dict[str, str], chain: tuple[Path, ...] = ()
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(f"{path}: 'extends' forms a cycle: {cycle}")
-    data = _read_yaml(path)
+    data = read_mapping(path)
     parents = data.pop("extends", [])
     if isinstance(parents, str):
         parents = [parents]
@@ -116,11 +117,6 @@ def to_overrides(tree: dict[str, Any], prefix: str = "") -> list[str]:
             text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
             items.append(f"{dotted}={text}")
     return items
-
-
-def read_mapping(path: Path) -> dict[str, Any]:
-    """One YAML file (no `extends`) as a mapping, or a ConfigError naming the file."""
-    return _read_yaml(path)
 
 
 def dump_yaml(tree: dict[str, Any]) -> str:

@@ -121,12 +121,16 @@ class Run:
     model: CausalLM
     engine: Engine
     batches: StepBatches | carry.StateCarrier
-    carrier: carry.StateCarrier | None
     checkpointer: Checkpointer
     metrics: MetricsLogger
     state: TrainerState
     flops_per_token: float
     peak_flops: float
+
+    @property
+    def carrier(self) -> carry.StateCarrier | None:
+        """The state carrier when the batches are train.carry_state's."""
+        return self.batches if isinstance(self.batches, carry.StateCarrier) else None
 
 
 def _build(
@@ -169,7 +173,7 @@ def _start(cfg: RunConfig, resume: str | None) -> Run:
     if restored is not None:
         state = TrainerState(**restored["trainer"])
         batches.load_state_dict(restored["data"])
-        if isinstance(batches, carry.StateCarrier):
+        if isinstance(batches, carry.StateCarrier):  # its lanes' states, saved beside the checkpoint
             batches.load(Path(restored["path"]))
         get_logger().info("resumed from %s at step %d", restored["path"], state.step)
     metrics = MetricsLogger(run_dir, config_to_dict(cfg), rank == 0, cfg.log.wandb, cfg.log.wandb_project)
@@ -181,9 +185,7 @@ def _start(cfg: RunConfig, resume: str | None) -> Run:
         f"sequence-parallel {dims.sequence_parallel}), {gas} micro-batch(es) of {cfg.train.micro_batch} per "
         "data-parallel rank per step"
     )
-    carrier = batches if isinstance(batches, carry.StateCarrier) else None
-    return Run(cfg, rank, world, dims, device, model, engine, batches, carrier, checkpointer,
-               metrics, state, flops, peak)
+    return Run(cfg, rank, world, dims, device, model, engine, batches, checkpointer, metrics, state, flops, peak)
 
 
 def _save(run: Run, pending: list[tuple[int, torch.Tensor]]) -> None:
