@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("config error: %s", err)
         return EXIT_BAD_INPUT
 
-    from pretrain.trainer import DataError, train
+    from pretrain.trainer import DataError, RunLockedError, train
 
     try:
         return train(cfg, resume=args.resume, preempted_marker=args.preempted_marker)
-    except (DataError, ConfigError) as err:
+    except (DataError, ConfigError, RunLockedError) as err:
         log.error("%s", err)
         return EXIT_BAD_INPUT
 

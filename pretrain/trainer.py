@@ -24,6 +24,7 @@ import torch
 from model import CausalLM, build_model
 from pretrain import carry
 from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.run_lock import RunLock, RunLockedError
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
 from pretrain.data import StepBatches, make_loader
 from pretrain.distributed.parallel_dims import ParallelDims
@@ -37,7 +38,7 @@ from pretrain.preflight import DataError, check_data, check_start
 from pretrain.protocols import Engine
 from pretrain.validate import periodic_evaluation
 
-__all__ = ["EXIT_DIVERGED", "EXIT_PREEMPTED", "DataError", "train"]
+__all__ = ["EXIT_DIVERGED", "EXIT_PREEMPTED", "DataError", "RunLockedError", "train"]
 
 EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
 EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
@@ -122,6 +123,7 @@ class Run:
     engine: Engine
     batches: StepBatches | carry.StateCarrier
     checkpointer: Checkpointer
+    lock: RunLock | None
     metrics: MetricsLogger
     state: TrainerState
     flops_per_token: float
@@ -152,18 +154,35 @@ def _build(
     return model, build_engine(cfg, model, gas, sequence_parallel), batches
 
 
+def _lock_run(rank: int, run_dir: Path, checkpoint_root: str) -> RunLock | None:
+    """Rank 0 takes the run (pretrain/checkpoint/run_lock.py) before anything is written; every
+    rank learns whether it could, so that a refused start stops all of them alike."""
+    lock, refusal = None, None
+    if rank == 0:
+        lock = RunLock(run_dir, checkpoint_root)
+        try:
+            lock.acquire()
+        except RunLockedError as err:
+            lock, refusal = None, err
+    if all_reduce_sum([1.0 if refusal else 0.0])[0] > 0:
+        raise refusal or RunLockedError(f"{run_dir}: rank 0 could not take the run's lock (its log says who holds it)")
+    return lock
+
+
 def _start(cfg: RunConfig, resume: str | None) -> Run:
-    """Check, join the process group, build, and restore the newest checkpoint when resuming."""
+    """Check, join the process group, take the run, build, and restore the newest checkpoint when
+    resuming."""
     check_data(cfg)
     rank, world = join_process_group(cfg)
     dims, gas = check_start(cfg, world)
     run_dir = Path(cfg.run.dir)
+    checkpoint_root = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    lock = _lock_run(rank, run_dir, checkpoint_root)
     checkpointer = Checkpointer(
-        cfg.checkpoint.dir or str(run_dir / "checkpoints"), run_dir / ".checkpoint_staging",
+        checkpoint_root, run_dir / ".checkpoint_staging",
         cfg.checkpoint.keep_last, cfg.checkpoint.milestone_every, cfg.checkpoint.async_save,
     )
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")
     device = device_for_rank()
     model, engine, batches = _build(cfg, rank, world, dims, gas, device)
@@ -185,7 +204,8 @@ def _start(cfg: RunConfig, resume: str | None) -> Run:
         f"sequence-parallel {dims.sequence_parallel}), {gas} micro-batch(es) of {cfg.train.micro_batch} per "
         "data-parallel rank per step"
     )
-    return Run(cfg, rank, world, dims, device, model, engine, batches, checkpointer, metrics, state, flops, peak)
+    return Run(cfg, rank, world, dims, device, model, engine, batches, checkpointer, lock, metrics, state, flops,
+               peak)
 
 
 def _save(run: Run, pending: list[tuple[int, torch.Tensor]]) -> None:
@@ -278,15 +298,20 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     batch script checks to requeue the job."""
     started = time.time()
     run = _start(cfg, resume)
-    stop = StopFlag()
-    exit_code = _loop(run, started, stop)
-    run.checkpointer.wait()
-    if exit_code == EXIT_PREEMPTED and preempted_marker and run.rank == 0:
-        write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed, stop.signal)
-    run.metrics.close()
-    # No rank leaves before rank 0 has committed: a launcher that kills the job when its first
-    # rank exits (srun --kill-on-bad-exit) would otherwise interrupt the commit.
-    barrier()
+    try:
+        stop = StopFlag()
+        exit_code = _loop(run, started, stop)
+        run.checkpointer.wait()
+        if exit_code == EXIT_PREEMPTED and preempted_marker and run.rank == 0:
+            write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed,
+                                   stop.signal)
+        run.metrics.close()
+        # No rank leaves before rank 0 has committed: a launcher that kills the job when its first
+        # rank exits (srun --kill-on-bad-exit) would otherwise interrupt the commit.
+        barrier()
+    finally:
+        if run.lock is not None:
+            run.lock.release()
     return exit_code
 
 
