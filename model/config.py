@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from model.config_loader import ConfigError, build_config, read_tree
 
@@ -178,4 +178,10 @@ def load_model_config(path: str | Path) -> ModelConfig:
     section = tree.get("model")
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: expected a `model:` mapping, got {section!r}")
+    return model_config_from_dict(section, sources)
+
+
+def model_config_from_dict(section: dict[str, Any], sources: dict[str, str] | None = None) -> ModelConfig:
+    """A plain `model:` section (e.g. an export's `lm_config`) checked into a ModelConfig; errors
+    name keys as `model.<key>`, as they would in a run config."""
     return build_config(ModelConfig, section, sources, prefix="model")

@@ -10,10 +10,12 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from model import CausalLM, build_model
+from model.config import model_config_from_dict
+from model.config_loader import ConfigError
 from pretrain.checkpoint.consolidate import consolidate, read_run_config, resolve_checkpoint
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.checkpoint.manifest import verify
-from pretrain.config import ConfigError, RunConfig, config_from_dict
+from pretrain.config import RunConfig
 from pretrain.export.layout import CONFIG, EXPORT_FORMAT, WEIGHTS, ExportError
 from pretrain.export.metadata import data_fingerprint, eval_metrics, hf_config, model_card, write_tokenizer
 from pretrain.export.remote_code import write_code
@@ -89,7 +91,7 @@ def load_exported(export_dir: str | Path, device: str | torch.device = "cpu") ->
     export_dir = Path(export_dir)
     config = read_export_config(export_dir)
     try:
-        model_cfg = config_from_dict({"model": config["lm_config"]}).model
+        model_cfg = model_config_from_dict(config["lm_config"])
     except ConfigError as err:
         raise ExportError(f"{export_dir / CONFIG}: lm_config: {err}") from err
     weights = export_dir / WEIGHTS
