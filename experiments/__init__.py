@@ -1,4 +1,6 @@
-"""The papers' experiments at CPU scale, run by `python launch/experiment.py run <name>`."""
+"""The papers' experiments at CPU scale, run by `python launch/experiment.py run <name>`, and the
+investigations that ask why a run behaves as it does (`python -m experiments.<name>`: sp_divergence,
+pmnet_updates_off); what only measures speed, memory or precision lives in benchmarks/."""
 
 from __future__ import annotations
 

@@ -270,6 +270,11 @@ class CausalLM(nn.Module):
         """Model-specific statistics for the trainer's logger (scalars or 1-D tensors as histograms)."""
         return {}
 
+    def memory_parameters(self) -> int:
+        """Parameters of a separate memory module (PMNet's phasor memories), reported by
+        `python -m model.summary`; 0 for a family whose state lives inside its mixing layers."""
+        return 0
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:

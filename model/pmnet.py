@@ -124,8 +124,11 @@ class PMNet(StackedLM):
     def memories(self) -> list[PhasorMemory]:
         return [b.memory for b in self.blocks if b.memory is not None]
 
+    def memory_parameters(self) -> int:
+        return sum(p.numel() for memory in self.memories() for p in memory.parameters())
+
     def record_routes(self, on: bool = True) -> None:
-        """Keep every routing decision of each forward (a diagnostic: benchmarks.sp_divergence)."""
+        """Keep every routing decision of each forward (a diagnostic: experiments.sp_divergence)."""
         for memory in self.memories():
             memory.record_routes, memory.recorded = on, []
 

@@ -136,7 +136,7 @@ def test_every_shipped_config_validates() -> None:
 
 
 def test_model_entry_points_share_the_typed_reader(tmp_path: Path, base: Path) -> None:
-    """Model-only commands (model.summary, benchmarks.pmnet_size) read `model:` with the run loader's checks."""
+    """Model-only commands (model.summary) read `model:` with the run loader's checks."""
     from model.config import load_model_config
 
     child = write(tmp_path / "child.yaml", "extends: base.yaml\nmodel:\n  n_layers: 3\n")

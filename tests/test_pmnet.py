@@ -438,6 +438,19 @@ def test_flops_per_token() -> None:
     assert model.flops_per_token(4096) <= model.flops_per_token(8192) < model.flops_per_token(4096) * 1.001  # O(W)
 
 
+def test_summary_reports_the_memory_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    from model.summary import main, summarize
+
+    config = load_model_config(CONFIGS / "pmnet-tiny.yaml")
+    model = build_model(config)
+    expected = sum(p.numel() for m in model.memories() for p in m.parameters())
+    assert summarize(config)["params_memory"] == expected > 0
+    assert summarize(load_model_config(CONFIGS / "pmnet-swa-119m.yaml"))["params_memory"] == 0
+    assert main([str(CONFIGS / "pmnet-tiny.yaml"), "--seq-len", "16", "--fwd-bwd"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.startswith(f"| pmnet-tiny | pmnet | {model.num_parameters():,} |") and f"| {expected:,} |" in row
+
+
 @pytest.mark.parametrize("name", ["pmnet-tiny", "pmnet-119m", "pmnet-swa-119m"])
 def test_configs_load_through_the_run_config(name: str) -> None:
     from pretrain.config import load_config

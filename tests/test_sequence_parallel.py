@@ -456,7 +456,7 @@ def test_models_refuse_what_they_cannot_split() -> None:
 # ----------------------------------------------------------------------------- the divergence tool
 
 def test_divergence_tool_finds_both_runs_equal_at_the_first_step(tmp_path: Path) -> None:
-    from benchmarks import sp_divergence
+    from experiments import sp_divergence
 
     out = tmp_path / "rows.json"
     assert sp_divergence.main(["--ranks", "2", "--steps", "2", "--seq-len", "64", "--json", str(out)]) == 0
@@ -466,7 +466,7 @@ def test_divergence_tool_finds_both_runs_equal_at_the_first_step(tmp_path: Path)
 
 
 def test_divergence_tool_reports_the_first_flipped_decision_on_each_path() -> None:
-    from benchmarks.sp_divergence import compare
+    from experiments.sp_divergence import compare
 
     slots = torch.tensor([[[[0, 1, 5], [0, 2, 9]]]])  # 1 layer, 1 sequence, 2 tokens, 3 levels
     margins = torch.tensor([[[[0.3, 0.2], [0.4, 0.01]]]])

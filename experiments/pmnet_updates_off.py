@@ -1,6 +1,6 @@
 """A trained PMNet's held-out bits per byte by context, with its memory updates on and off at inference.
 
-    python -m benchmarks.pmnet_updates_off --run runs/experiments/runs/books/pmnet/seed0 --contexts 1024,16384
+    python -m experiments.pmnet_updates_off --run runs/experiments/runs/books/pmnet/seed0 --contexts 1024,16384
 
 Scores the first max(contexts) bytes of the held-out demo novel at each context, streamed as the books
 experiment does (experiments/extrapolation.py), once as trained and once with `update_memory_eval`

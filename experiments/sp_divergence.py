@@ -1,14 +1,14 @@
 """Where does a sequence-parallel run first leave the one-process run, and why?
 
 Trains one model twice on the same batches with the same AdamW and clipping: once in one process,
-once with each sequence split over N gloo ranks (`pretrain.parallel_dims.sequence_parallel_loss`,
+once with each sequence split over N gloo ranks (`pretrain.distributed.parallel_dims.sequence_parallel_loss`,
 gradients averaged over the ranks as the engines do). Every step it records the loss, the gradient
 norm before clipping and, for PMNet, every routing decision of every memory layer with the score gap
 between the chosen child and the runner-up. It prints, per step, how far the two runs are apart and
 whether any routing decision differs, and at the first differing decision how close to a tie it was.
 
-    python -m benchmarks.sp_divergence --text data/demo/long/prideprejudice.txt --ranks 2 --steps 8
-    python -m benchmarks.sp_divergence --ranks 4 --seq-len 512 --json out.json
+    python -m experiments.sp_divergence --text data/demo/long/prideprejudice.txt --ranks 2 --steps 8
+    python -m experiments.sp_divergence --ranks 4 --seq-len 512 --json out.json
 
 docs/sequence_parallel.md ("Why PMNet's runs drift apart") shows the output and reads it.
 """
