@@ -76,7 +76,7 @@ def _shapes(name: str, cfg: ModelConfig, dtype: torch.dtype, target: int) -> dic
     read for the SOE scan (none for configs without a scan)."""
     from kernels.phasor.triton import phasor_launches
     from kernels.soe.triton import entering_launches, soe_launches
-    from model.vort import MEMORIES
+    from model.vort_memory import MEMORIES
 
     if cfg.kind in MEMORIES:
         v = cfg.vort

@@ -95,7 +95,7 @@ def roofline(names: Sequence[str], target: int = 90) -> list[dict[str, float | s
     """One row per (config, kernel): FLOPs and bytes per token, intensity and the modelled H100 time."""
     from kernels.phasor.triton import phasor_launches
     from kernels.soe.triton import soe_launches
-    from model.vort import MEMORIES
+    from model.vort_memory import MEMORIES
 
     configs = shipped_configs()
     rows = []

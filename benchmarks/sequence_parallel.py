@@ -60,7 +60,7 @@ def _fwd_bwd(run: Callable[[], list[torch.Tensor]]) -> Callable[[], torch.Tensor
 
 def vort_decays(config: str, heads: int) -> torch.Tensor:
     """The log decays [heads, S] that a VORT layer of this config passes to the scan."""
-    from model.vort import VariableOrderMemory
+    from model.vort_memory import VariableOrderMemory
     from pretrain.config import load_config
 
     return VariableOrderMemory(load_config(config, []).model).log_lambda.float().expand(heads, -1).contiguous()

@@ -181,7 +181,7 @@ class CausalLM(nn.Module):
         return None
 
     def certified_kernel(self) -> Any:
-        """The certified kernel tables and the settings they were built with (model/vort.py's
+        """The certified kernel tables and the settings they were built with (model/soe/tables.py's
         `KernelTables`), or None for models without one."""
         return None
 

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from model import build_model
-from model.vort import bank_orders, certified_kernel
+from model.soe.tables import bank_orders, certified_kernel
 from pretrain.config import config_from_dict
 from pretrain.evaluate import memory_probe as mp
 from pretrain.evaluate import text as ev

@@ -5,7 +5,8 @@
 ``weights``: the exact reference; ``fit``: nodes and fitted coefficients; ``certificate``: choosing
 S and measuring the error over every lag; ``cache``: ``build_kernel`` with checked reuse;
 ``banks``: interpolation between bank orders and its error; ``bounded_rates``: Proposition 4.2;
-``cli``: ``python -m model.soe``.
+``tables``: the certified tables a VORT-family layer is built from (bank orders, tempering,
+``KernelTables``); ``cli``: ``python -m model.soe``.
 """
 
 from model.soe.banks import BankError, bank_layout_error, equidistributed_banks, interpolate_coefficients, uniform_banks
