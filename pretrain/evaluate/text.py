@@ -186,9 +186,6 @@ def add_text_units(result: dict[str, Any], text: Text, tok: Tokenizer) -> None:
         result["bits_per_character"] = result["bits_per_token"] / chars_per_token
 
 
-# ----------------------------------------------------------------------------- synthetic tasks
-
-
 # ----------------------------------------------------------------------------- plot and CLI
 
 
@@ -216,6 +213,76 @@ def plot(results: dict[str, Any], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def check_options(
+    model_dir: Path, contexts: Sequence[int], chunk: int, tasks: Sequence[str], task_len: int, max_tokens: int | None
+) -> None:
+    """Refuse, before anything is loaded, the options `evaluate` cannot run with (EvalError names the option)."""
+    if not model_dir.is_dir():
+        raise EvalError(f"{model_dir}: no such export directory")
+    if max_tokens is not None and max_tokens < 1:
+        raise EvalError(f"--max-tokens must be positive, got {max_tokens}")
+    if chunk < 1 or not contexts or min(contexts) < 1:
+        raise EvalError(f"--chunk and --context must be positive (chunk={chunk}, contexts={list(contexts)})")
+    unknown = sorted(set(tasks) - set(synthetic.TASKS))
+    if unknown:
+        raise EvalError(f"--tasks: unknown {unknown}; known: {', '.join(sorted(synthetic.TASKS))}")
+    if tasks and task_len < synthetic.MIN_TASK_LEN:
+        raise EvalError(
+            f"--task-len: {task_len} is too short for the synthetic tasks (at least {synthetic.MIN_TASK_LEN})"
+        )
+
+
+def load_for_eval(
+    model_dir: Path, device: str, soe_horizon: int | None, temper: int | None
+) -> tuple[dict[str, Any], CausalLM]:
+    """The export's config.json and its model, with the memory kernel rebuilt when `soe_horizon` or
+    `temper` asks for one other than the trained model's."""
+    try:
+        config = read_export_config(model_dir)
+        model = load_exported(model_dir, device)
+    except ExportError as err:
+        raise EvalError(str(err)) from err
+    kernel = {k: v for k, v in (("soe_horizon", soe_horizon), ("temper", temper)) if v is not None}
+    if kernel:
+        try:
+            model = model.with_kernel(**kernel)
+        except ValueError as err:
+            raise EvalError(f"--soe-horizon/--temper: {err}") from err
+    return config, model
+
+
+def window_limit(context: int, max_windows: int | None, max_tokens: int | None) -> int | None:
+    """How many windows of `context` tokens to score: `max_windows`, lowered so that the context
+    scores about `max_tokens` tokens (at least one window); None for every window of the text."""
+    if max_tokens is None:
+        return max_windows
+    by_tokens = max(1, max_tokens // context)
+    return by_tokens if max_windows is None else min(max_windows, by_tokens)
+
+
+def score_tasks(
+    model: CausalLM,
+    data: Sequence[str],
+    tasks: Sequence[str],
+    tok: Tokenizer,
+    task_len: int,
+    task_examples: int,
+    chunk: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """The synthetic tasks' accuracies (the needle's haystack is the first data file), each with the
+    warnings that hold for examples of `task_len` tokens."""
+    with fsspec.open(data[0], "rb") as f:
+        haystack = f.read()
+    results = run_tasks(model, tasks, tok, task_len, task_examples, chunk, device, haystack)
+    task_warnings = context_warnings(model, task_len, chunk)
+    for result in results.values():
+        result["warnings"] = task_warnings
+    for message in task_warnings:
+        warnings.warn(f"--task-len: {message}", ContextWarning, stacklevel=3)
+    return results
+
+
 def evaluate(
     model_dir: str | Path,
     data: Sequence[str],
@@ -239,30 +306,8 @@ def evaluate(
     `doc_boundaries` resets the model at each file's start, as data.doc_boundaries does in training.
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise EvalError(f"{model_dir}: no such export directory")
-    if max_tokens is not None and max_tokens < 1:
-        raise EvalError(f"--max-tokens must be positive, got {max_tokens}")
-    if chunk < 1 or not contexts or min(contexts) < 1:
-        raise EvalError(f"--chunk and --context must be positive (chunk={chunk}, contexts={list(contexts)})")
-    unknown = sorted(set(tasks) - set(synthetic.TASKS))
-    if unknown:
-        raise EvalError(f"--tasks: unknown {unknown}; known: {', '.join(sorted(synthetic.TASKS))}")
-    if tasks and task_len < synthetic.MIN_TASK_LEN:
-        raise EvalError(
-            f"--task-len: {task_len} is too short for the synthetic tasks (at least {synthetic.MIN_TASK_LEN})"
-        )
-    try:
-        config = read_export_config(model_dir)
-        model = load_exported(model_dir, device)
-    except ExportError as err:
-        raise EvalError(str(err)) from err
-    kernel = {k: v for k, v in (("soe_horizon", soe_horizon), ("temper", temper)) if v is not None}
-    if kernel:
-        try:
-            model = model.with_kernel(**kernel)
-        except ValueError as err:
-            raise EvalError(f"--soe-horizon/--temper: {err}") from err
+    check_options(model_dir, contexts, chunk, tasks, task_len, max_tokens)
+    config, model = load_for_eval(model_dir, device, soe_horizon, temper)
     tok = load_export_tokenizer(model_dir)
     text = read_text(data, tok)
     dev = torch.device(device)
@@ -282,10 +327,7 @@ def evaluate(
     }
     doc_start = document_starts(text.ids, tok.eos_id) if doc_boundaries else None
     for context in contexts:
-        limit = max_windows
-        if max_tokens is not None:
-            by_tokens = max(1, max_tokens // context)
-            limit = by_tokens if limit is None else min(limit, by_tokens)
+        limit = window_limit(context, max_windows, max_tokens)
         result = evaluate_context(model, text, context, chunk, limit, dev, doc_start)
         add_text_units(result, text, tok)
         result["warnings"] = context_warnings(model, context, chunk)
@@ -293,14 +335,7 @@ def evaluate(
             warnings.warn(message, ContextWarning, stacklevel=2)
         report["contexts"][str(context)] = result
     if tasks:
-        with fsspec.open(data[0], "rb") as f:
-            haystack = f.read()
-        report["tasks"] = run_tasks(model, tasks, tok, task_len, task_examples, chunk, dev, haystack)
-        task_warnings = context_warnings(model, task_len, chunk)
-        for result in report["tasks"].values():
-            result["warnings"] = task_warnings
-        for message in task_warnings:
-            warnings.warn(f"--task-len: {message}", ContextWarning, stacklevel=2)
+        report["tasks"] = score_tasks(model, data, tasks, tok, task_len, task_examples, chunk, dev)
     report["peak_rss_mb"] = peak_rss_mb()
     return report
 
