@@ -32,6 +32,7 @@ import torch
 
 from kernels._common import Launch
 from kernels.span import MIN_PROGRAMS
+from model import family
 from model.config import ModelConfig, load_model_config
 
 TARGETS = (80, 90)
@@ -76,21 +77,19 @@ def _shapes(name: str, cfg: ModelConfig, dtype: torch.dtype, target: int) -> dic
     read for the SOE scan (none for configs without a scan)."""
     from kernels.phasor.triton import phasor_launches
     from kernels.soe.triton import entering_launches, soe_launches
-    from model.vort_memory import MEMORIES
 
-    if cfg.kind in MEMORIES:
-        v = cfg.vort
-        n_terms = MEMORIES[cfg.kind](cfg).n_terms
-        shape = (1, SEQ_LEN, cfg.n_heads, n_terms, v.n_features, cfg.head_dim)
-        _span, launches = soe_launches(*shape, v.chunk_size, dtype, target)
+    scan = family(cfg.kind).scan_shape(cfg)
+    if scan is None:
+        return {}
+    if scan.kernel == "soe":
+        *sizes, chunk_size = scan.sizes
+        shape = (1, SEQ_LEN, *sizes)
+        _span, launches = soe_launches(*shape, chunk_size, dtype, target)
         found = {f"soe_{k}": x for k, x in launches.items()}
         # the entering-state read of sequence parallelism
         return found | {f"soe_entering_{k}": x for k, x in entering_launches(*shape, dtype, target).items()}
-    if cfg.kind == "pmnet" and cfg.pmnet.memory_every:
-        p = cfg.pmnet
-        _span, launches = phasor_launches(1, SEQ_LEN, p.depth + 1, p.memory_dim, p.n_slots, dtype, target)
-        return {f"phasor_{k}": x for k, x in launches.items()}
-    return {}
+    _span, launches = phasor_launches(1, SEQ_LEN, *scan.sizes, dtype, target)
+    return {f"phasor_{k}": x for k, x in launches.items()}
 
 
 def shipped_configs(config_dir: Path = CONFIG_DIR) -> dict[str, ModelConfig]:

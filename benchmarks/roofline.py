@@ -24,27 +24,26 @@ import torch
 
 from benchmarks.kernel_compile import SEQ_LEN, shipped_configs
 from kernels._common import Launch
-from model.config import ModelConfig
+from model import family
 
 PEAK_FLOPS = 989e12  # H100 SXM dense bf16
 PEAK_BYTES = 3.35e12  # H100 SXM HBM3
 ELT = 2  # bytes of a bf16 input element; outputs, states and gradients are fp32 (4)
 
 
-def _soe_costs(
-    cfg: ModelConfig, n_terms: int, span: int, launches: dict[str, Launch]
-) -> dict[str, tuple[float, float]]:
-    """(FLOPs, bytes) per token of each SOE kernel: per (head, term, value block) program, times their count;
-    a state tile read or written once per span counts 1/span of its bytes per token."""
-    F = cfg.vort.n_features
-    state = cfg.n_heads * n_terms * F * (cfg.head_dim + 1) * 4  # one span slot of packed fp32 states
+def _soe_costs(sizes: tuple[int, ...], span: int, launches: dict[str, Launch]) -> dict[str, tuple[float, float]]:
+    """(FLOPs, bytes) per token of each SOE kernel, for the scan sizes of `CausalLM.scan_shape`: per
+    (head, term, value block) program, times their count; a state tile read or written once per span
+    counts 1/span of its bytes per token."""
+    n_heads, n_terms, F, head_dim, _chunk_size = sizes
+    state = n_heads * n_terms * F * (head_dim + 1) * 4  # one span slot of packed fp32 states
     out = {}
     for name, launch in launches.items():
         if name.endswith("_pass"):  # per span: read a contribution, write a state, per element
             out[f"soe_{name}"] = (0.0, 2 * state / span)
             continue
         bt, bd = launch.constexprs["BT"], launch.constexprs["BD"]
-        programs = cfg.n_heads * n_terms * launch.grid[1]  # per token: every (head, term, value block)
+        programs = n_heads * n_terms * launch.grid[1]  # per token: every (head, term, value block)
         tile = 4 * F * (bd + 1) / span  # the program's state tile, once per span
         loads = 2 * F * ELT + bd * ELT + 4  # q, k, v block, coef
         if name == "fwd_spans":
@@ -66,12 +65,12 @@ def _soe_costs(
     return out
 
 
-def _phasor_costs(cfg: ModelConfig, span: int, launches: dict[str, Launch]) -> dict[str, tuple[float, float]]:
-    """(FLOPs, bytes) per token of the phasor kernels: one-hot products over the padded slot block; the
-    phases of all slots read or written once per span count 1/span of their bytes per token."""
-    p = cfg.pmnet
-    levels, width = p.depth + 1, p.memory_dim
-    state = p.n_slots * width * 4 / span
+def _phasor_costs(sizes: tuple[int, ...], span: int, launches: dict[str, Launch]) -> dict[str, tuple[float, float]]:
+    """(FLOPs, bytes) per token of the phasor kernels, for the scan sizes of `CausalLM.scan_shape`:
+    one-hot products over the padded slot block; the phases of all slots read or written once per span
+    count 1/span of their bytes per token."""
+    levels, width, n_slots = sizes
+    state = n_slots * width * 4 / span
     out = {}
     for name, launch in launches.items():
         if name.endswith("_pass"):
@@ -95,25 +94,20 @@ def roofline(names: Sequence[str], target: int = 90) -> list[dict[str, float | s
     """One row per (config, kernel): FLOPs and bytes per token, intensity and the modelled H100 time."""
     from kernels.phasor.triton import phasor_launches
     from kernels.soe.triton import soe_launches
-    from model.vort_memory import MEMORIES
 
     configs = shipped_configs()
     rows = []
     for name in names:
         cfg = configs[name]
-        if cfg.kind in MEMORIES:
-            n_terms = MEMORIES[cfg.kind](cfg).n_terms
-            v = cfg.vort
-            span, launches = soe_launches(
-                1, SEQ_LEN, cfg.n_heads, n_terms, v.n_features, cfg.head_dim, v.chunk_size, torch.bfloat16, target
-            )
-            costs = _soe_costs(cfg, n_terms, span, launches)
-        elif cfg.kind == "pmnet" and cfg.pmnet.memory_every:
-            p = cfg.pmnet
-            span, launches = phasor_launches(1, SEQ_LEN, p.depth + 1, p.memory_dim, p.n_slots, torch.bfloat16, target)
-            costs = _phasor_costs(cfg, span, launches)
-        else:
+        scan = family(cfg.kind).scan_shape(cfg)
+        if scan is None:
             raise ValueError(f"{name} has no scan")
+        if scan.kernel == "soe":
+            span, launches = soe_launches(1, SEQ_LEN, *scan.sizes, torch.bfloat16, target)
+            costs = _soe_costs(scan.sizes, span, launches)
+        else:
+            span, launches = phasor_launches(1, SEQ_LEN, *scan.sizes, torch.bfloat16, target)
+            costs = _phasor_costs(scan.sizes, span, launches)
         for kernel, (flops, traffic) in costs.items():
             seconds = max(flops / PEAK_FLOPS, traffic / PEAK_BYTES)
             rows.append(

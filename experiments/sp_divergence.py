@@ -52,7 +52,10 @@ class Setup:
 
 
 def tiny_model(family: str, seq_len: int) -> ModelConfig:
-    """The tiny PMNet or VORT of the sequence-parallel tests."""
+    """The tiny PMNet or VORT of the sequence-parallel tests.
+
+    One of the family branches left outside model/, on purpose: the investigation compares these two
+    families at sizes it picks for each (a family's section of the config), so it names them."""
     common = {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": max(256, seq_len)}
     if family == "pmnet":
         return ModelConfig(kind="pmnet", pmnet=PMNetConfig(window=8, memory_dim=8, depth=2, segment_len=16), **common)

@@ -137,6 +137,18 @@ class SequenceParallel:
     n_documents: int = 1
 
 
+class ScanShape(NamedTuple):
+    """The recurrent scan one layer of a family runs, in the sizes its kernel's launch planner takes
+    after (batch, seq_len): what the kernel benchmarks compile and model without knowing the family.
+
+    `kernel` "soe": sizes (heads, terms, features, head_dim, chunk_size) of kernels.soe.triton.soe_launches;
+    "phasor": sizes (levels, width, slots) of kernels.phasor.triton.phasor_launches.
+    """
+
+    kernel: str
+    sizes: tuple[int, ...]
+
+
 class CausalLM(nn.Module):
     """Base class of every model family.
 
@@ -173,6 +185,11 @@ class CausalLM(nn.Module):
     def doc_boundaries_problem(cls, config: ModelConfig, sequence_parallel: int) -> str | None:
         """Why this family cannot reset at document starts when split over `sequence_parallel` ranks
         (None if it can)."""
+        return None
+
+    @classmethod
+    def scan_shape(cls, config: ModelConfig) -> ScanShape | None:
+        """The scan a layer of this config runs (None for a family without a recurrent scan)."""
         return None
 
     @property

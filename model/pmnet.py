@@ -17,7 +17,7 @@ from torch import nn
 from model.attention_window import SlidingWindowAttention
 from model.blocks import Offset, RMSNorm, StackedLM, SwiGLU, call_offset, next_offset, short_convolution
 from model.config import ModelConfig, PMNetConfig
-from model.interface import SequenceParallel
+from model.interface import ScanShape, SequenceParallel
 from model.pmnet_memory import MemoryState, PhasorMemory
 
 
@@ -105,6 +105,12 @@ class PMNet(StackedLM):
             return ("model.pmnet.collision_scope=segment is not supported with sequence parallelism (a document's "
                     "segments cross the pieces' borders); use collision_scope: sequence")
         return None
+
+    @classmethod
+    def scan_shape(cls, config: ModelConfig) -> ScanShape | None:
+        """The phasor scan of the memory blocks (None for the SWA-only ablation, which has none)."""
+        pm = config.pmnet
+        return ScanShape("phasor", (pm.depth + 1, pm.memory_dim, pm.n_slots)) if pm.memory_every else None
 
     def state_bytes(self, batch: int, sequence_parallel: int) -> tuple[float, float]:
         """fp32 phases and segment phases per memory block; under sequence parallelism the attention

@@ -34,7 +34,7 @@ from model.blocks import (
 )
 from model.config import ModelConfig, VortConfig
 from model.entity_labels import capitalised_word_mask
-from model.interface import SequenceParallel
+from model.interface import ScanShape, SequenceParallel
 from model.soe.tables import SOE_TABLES, KernelTables, bank_orders, certified_kernel
 from model.vort_memory import MEMORIES, Fp32Tables
 
@@ -260,6 +260,13 @@ class VortLM(StackedLM):
             return ("model.vort.entity_aux_weight > 0 is not supported with sequence parallelism (its word-boundary "
                     "labels look across the piece border); set it to 0 or use sequence_parallel: 1")
         return None
+
+    @classmethod
+    def scan_shape(cls, config: ModelConfig) -> ScanShape:
+        """The SOE scan's sizes; the number of terms is the kernel's, so building it may certify one."""
+        v = config.vort
+        n_terms = MEMORIES[config.kind](config).n_terms
+        return ScanShape("soe", (config.n_heads, n_terms, v.n_features, config.head_dim, v.chunk_size))
 
     @property
     def certified_horizon(self) -> int | None:
