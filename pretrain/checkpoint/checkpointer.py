@@ -21,9 +21,18 @@ import torch.distributed as dist
 from fsspec.core import url_to_fs
 from safetensors.torch import load_file, save_file
 
-from pretrain.checkpoint.layout import LATEST, MANIFEST, CheckpointError, step_dir_name
+from pretrain.checkpoint.layout import (
+    DELETING_SUFFIX,
+    LATEST,
+    MANIFEST,
+    OLD_SUFFIX,
+    CheckpointError,
+    step_dir_name,
+    step_number,
+)
 from pretrain.checkpoint.manifest import (
     committed_steps,
+    fsync_dir,
     fetch,
     fsync_write,
     is_local,
@@ -35,6 +44,16 @@ from pretrain.checkpoint.rng import rng_state, set_rng_state
 from pretrain.distributed import process_group as distributed
 from pretrain.log import get_logger
 from pretrain.protocols import Engine
+
+
+def _old_number(names: list[str], name: str) -> int:
+    """The next free n for `<name>.old-<n>` among the directory names `names`."""
+    taken = [int(n.rsplit("-", 1)[1]) for n in names if n.startswith(name + OLD_SUFFIX) and n.rsplit("-", 1)[1].isdigit()]
+    return max(taken, default=0) + 1
+
+
+def _next_old(root: Path, name: str) -> int:
+    return _old_number([p.name for p in root.iterdir()], name)
 
 
 class Checkpointer:
@@ -52,6 +71,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_committed: str | None = None
+        self.restored_step: int | None = None  # the committed step this run resumed from
 
     # -- saving
 
@@ -63,6 +83,10 @@ class Checkpointer:
         `rank_writer(directory, rank)`, when given, adds each rank's own files (the carried
         states of train.carry_state)."""
         self.wait()
+        if step == self.restored_step:  # already committed and verified: re-saving it only risks it
+            get_logger().info("step %d is the checkpoint this run resumed from: not saved again", step)
+            self.last_committed = step_dir_name(step)
+            return
         stage = self.staging / (step_dir_name(step) + ".tmp")
         rank = distributed.rank()
         if rank == 0:
@@ -95,33 +119,56 @@ class Checkpointer:
             self._error = err
 
     def _commit(self, stage: Path, step: int) -> None:
+        """Manifest, then swap in: a committed step is never absent. An existing directory of the
+        same step is first renamed aside to `<name>.old-<n>` (still a candidate for restoring),
+        the new one renamed in, and only then the old one deleted."""
         manifest = manifest_for(stage, step)
         fsync_write(stage / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
         name = step_dir_name(step)
         if self.local:
-            final = self.staging / name
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(stage, final)
-            fsync_write(self.staging / (LATEST + ".tmp"), name)
-            os.replace(self.staging / (LATEST + ".tmp"), self.staging / LATEST)
+            self._commit_local(stage, name)
         else:
-            fs, root = url_to_fs(self.root)
-            remote_tmp, remote_final = f"{root}/{name}.tmp", f"{root}/{name}"
-            if fs.exists(remote_tmp):
-                fs.rm(remote_tmp, recursive=True)
-            files = sorted(p for p in stage.rglob("*") if p.is_file() and p.name != MANIFEST)
-            for path in [*files, stage / MANIFEST]:  # the manifest last: it marks completeness
-                rel = path.relative_to(stage).as_posix()
-                fs.makedirs(f"{remote_tmp}/{rel}".rsplit("/", 1)[0], exist_ok=True)
-                fs.put_file(str(path), f"{remote_tmp}/{rel}")
-            if fs.exists(remote_final):
-                fs.rm(remote_final, recursive=True)
-            fs.mv(remote_tmp, remote_final, recursive=True)
-            with fs.open(f"{root}/{LATEST}", "w") as f:
-                f.write(name)
-            shutil.rmtree(stage, ignore_errors=True)
+            self._commit_remote(stage, name)
         self.last_committed = name
         self.prune()
+
+    def _commit_local(self, stage: Path, name: str) -> None:
+        final = self.staging / name
+        aside = None
+        if final.exists():
+            aside = self.staging / f"{name}{OLD_SUFFIX}{_next_old(self.staging, name)}"
+            os.replace(final, aside)
+        os.replace(stage, final)
+        fsync_dir(self.staging)
+        for old in sorted(self.staging.glob(f"{name}{OLD_SUFFIX}*")):
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_write(self.staging / (LATEST + ".tmp"), name)
+        os.replace(self.staging / (LATEST + ".tmp"), self.staging / LATEST)
+
+    def _commit_remote(self, stage: Path, name: str) -> None:
+        """Upload under `<name>.tmp`, manifest last. Object stores move by copying: the old copy of
+        the step is copied aside (complete before anything of it is removed), so that whichever
+        of the two is whole verifies against its own manifest."""
+        fs, root = url_to_fs(self.root)
+        remote_tmp, remote_final = f"{root}/{name}.tmp", f"{root}/{name}"
+        if fs.exists(remote_tmp):
+            fs.rm(remote_tmp, recursive=True)
+        files = sorted(p for p in stage.rglob("*") if p.is_file() and p.name != MANIFEST)
+        for path in [*files, stage / MANIFEST]:  # the manifest last: it marks completeness
+            rel = path.relative_to(stage).as_posix()
+            fs.makedirs(f"{remote_tmp}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(path), f"{remote_tmp}/{rel}")
+        if fs.exists(remote_final):
+            names = [Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)]
+            aside = f"{root}/{name}{OLD_SUFFIX}{_old_number(names, name)}"
+            fs.copy(remote_final, aside, recursive=True)
+            fs.rm(remote_final, recursive=True)
+        fs.mv(remote_tmp, remote_final, recursive=True)
+        for old in [p for p in fs.ls(root, detail=False) if Path(p.rstrip("/")).name.startswith(name + OLD_SUFFIX)]:
+            fs.rm(old, recursive=True)
+        with fs.open(f"{root}/{LATEST}", "w") as f:
+            f.write(name)
+        shutil.rmtree(stage, ignore_errors=True)
 
     def poll(self) -> None:
         """Raise, in the caller's thread, an error that happened in a background save."""
@@ -137,13 +184,22 @@ class Checkpointer:
         self.poll()
 
     def prune(self) -> None:
-        """Delete committed checkpoints beyond the newest `keep_last`, keeping every milestone."""
-        for name in self.list()[self.keep_last :]:
-            step = int(name.split("_")[1])
+        """Delete committed checkpoints beyond the newest `keep_last`, keeping every milestone.
+        Each goes by a rename to `<name>.del` first, so that it disappears at once rather than
+        file by file (a half-deleted step would otherwise look committed)."""
+        fs, root = url_to_fs(self.root)
+        steps = sorted({step_number(n) for n in self.list()}, reverse=True)
+        for step in steps[self.keep_last :]:
             if self.milestone_every and step % self.milestone_every == 0:
                 continue
-            fs, root = url_to_fs(self.root)
-            fs.rm(f"{root}/{name}", recursive=True)
+            for name in [n for n in self.list() if step_number(n) == step]:
+                if self.local:
+                    doomed = self.staging / (name.split(".")[0] + DELETING_SUFFIX)
+                    shutil.rmtree(doomed, ignore_errors=True)
+                    os.replace(self.staging / name, doomed)
+                    shutil.rmtree(doomed, ignore_errors=True)
+                else:
+                    fs.rm(f"{root}/{name}", recursive=True)
 
     # -- listing and restoring
 
@@ -198,4 +254,5 @@ class Checkpointer:
             set_rng_state(json.loads(plain.read_text()), tensors)
         state = json.loads((directory / "trainer_state.json").read_text())
         state["path"] = str(directory)
+        self.restored_step = step_number(directory.name)
         return state

@@ -1,7 +1,8 @@
 """The names of a checkpoint's files, and the error raised for a checkpoint that cannot be used.
 
 A run's checkpoints directory holds `step_<8 digits>/` directories (a `.tmp` suffix while one is
-written) and a `latest` pointer. A step directory holds:
+written, `.old-<n>` for a committed one renamed aside while the same step is re-saved, `.del` while
+a pruned one is deleted) and a `latest` pointer, which is only a hint. A step directory holds:
   manifest.json        every other file with its size and sha256, written last: it marks completeness
   config.yaml          the resolved run config
   trainer_state.json   the loop's counters, the data loader's position and the world size
@@ -21,6 +22,9 @@ CONFIG = "config.yaml"
 TRAINER_STATE = "trainer_state.json"
 ENGINE_DIR = "engine"
 RNG_DIR = "rng"
+OLD_SUFFIX = ".old-"  # `<step>.old-<n>`: a committed step renamed aside while the same step is re-saved
+DELETING_SUFFIX = ".del"  # `<step>.del`: a pruned step being deleted (never restored)
+TMP_SUFFIX = ".tmp"  # `<step>.tmp`: a step being written (never restored)
 MODEL_PREFIX = "model."  # the CausalLM's attribute name in engines.TrainModule, plus the dot
 
 
@@ -30,6 +34,11 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def step_number(name: str) -> int:
+    """The step of a step directory name (`step_00000012`, or one with a suffix)."""
+    return int(name.split(".")[0].split("_")[1])
 
 
 def strip_model_prefix(state: dict[str, torch.Tensor], source: Path | str) -> dict[str, torch.Tensor]:

@@ -30,6 +30,15 @@ def fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def fsync_dir(path: Path) -> None:
+    """Make the renames inside directory `path` durable (a power loss, not only a kill)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def is_local(url: str) -> bool:
     return "://" not in str(url) or str(url).startswith("file://")
 
@@ -85,10 +94,26 @@ def fetch(url: str, into: Path) -> Path:
 
 
 def committed_steps(root: str) -> list[str]:
-    """Names of the step directories under `root` (path or fsspec URL) that are not `.tmp`,
-    newest first. A listed directory may still fail verification."""
+    """Names of the candidate step directories under `root` (path or fsspec URL), newest step
+    first: each step's own directory, then its `.old-<n>` copies (newest first), which hold the
+    committed step when a re-save was interrupted. `.tmp` (being written) and `.del` (being
+    pruned) never count. A listed directory may still fail verification."""
     fs, path = url_to_fs(root)
     if not fs.exists(path):
         return []
     names = [Path(p.rstrip("/")).name for p in fs.ls(path, detail=False)]
-    return sorted((n for n in names if n.startswith("step_") and not n.endswith(".tmp")), reverse=True)
+    return sorted((n for n in names if _candidate(n)), key=_order, reverse=True)
+
+
+def _candidate(name: str) -> bool:
+    base, _, suffix = name.partition(".")
+    digits = base.removeprefix("step_")
+    if not (base.startswith("step_") and digits.isdigit()):
+        return False
+    return not suffix or (suffix.startswith("old-") and suffix[4:].isdigit())
+
+
+def _order(name: str) -> tuple[int, int]:
+    """Newest step first; within a step its own directory, then the newest `.old-<n>`."""
+    base, _, suffix = name.partition(".")
+    return int(base.removeprefix("step_")), int(suffix[4:]) if suffix else 1 << 30
