@@ -26,6 +26,7 @@ from pretrain.checkpoint.layout import (
     LATEST,
     MANIFEST,
     OLD_SUFFIX,
+    TMP_SUFFIX,
     CheckpointError,
     step_dir_name,
     step_number,
@@ -215,44 +216,116 @@ class Checkpointer:
         cache.mkdir(parents=True)
         return fetch(url, cache)
 
-    def _choose(self, mode: str) -> Path | None:
-        """Rank 0: the local directory to restore from (verified), or None for a fresh start."""
-        if mode == "auto":
-            for name in self.list():
-                url = f"{self.root.rstrip('/')}/{name}"
-                try:
-                    local = self._local_copy(url)
-                    verify_local(local)
-                    return local
-                except CheckpointError as err:
-                    get_logger().warning("skipping checkpoint %s: %s", url, err)
-            return None
+    def _verified(self, candidates: list[str]) -> Path | None:
+        """Rank 0: a local copy of the first of `candidates` (step directory names, consumed from
+        the front) that verifies; the others are reported and skipped. None when none is left."""
+        while candidates:
+            url = f"{self.root.rstrip('/')}/{candidates.pop(0)}"
+            try:
+                local = self._local_copy(url)
+                verify_local(local)
+                return local
+            except CheckpointError as err:
+                get_logger().warning("skipping checkpoint %s: %s", url, err)
+        return None
+
+    def _explicit(self, mode: str) -> Path:
+        """Rank 0: the verified local copy of the checkpoint named by `mode` (a path or URL)."""
+        if Path(mode).name.endswith((TMP_SUFFIX, DELETING_SUFFIX)):
+            raise CheckpointError(f"{mode}: an uncommitted checkpoint directory (checkpoint.resume)")
         local = self._local_copy(mode)
         verify_local(local)
         return local
 
     def resume(self, mode: str, engine: Engine) -> dict[str, Any] | None:
-        """Restore according to `mode`: "none", "auto" (the newest checkpoint that verifies;
-        corrupt or partial ones are reported and skipped) or an explicit checkpoint path/URL.
+        """Restore according to `mode`: "none", "auto" (the newest checkpoint that verifies and
+        loads; corrupt or partial ones, and ones that fail to load, are reported and the next older
+        one is tried) or an explicit checkpoint path/URL (which must verify and load).
 
         Rank 0 chooses and verifies; every rank then loads the same directory (which must be
         visible to all ranks). Returns the saved trainer state plus "path", or None.
         """
         if mode == "none":
             return None
-        choice = [str(self._choose(mode) or "")] if distributed.rank() == 0 else [None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if not choice[0]:
-            return None
-        directory = Path(choice[0])
+        if mode != "auto":
+            problem = ""
+            if distributed.rank() == 0:
+                try:
+                    problem, choice = "", str(self._explicit(mode))
+                except CheckpointError as err:
+                    problem, choice = str(err), ""
+            problem = share_text(problem)
+            if problem:
+                raise CheckpointError(problem)
+            directory = Path(share_text(choice if distributed.rank() == 0 else ""))
+            state, error = self._load_everywhere(directory, engine)
+            if state is None:
+                raise CheckpointError(f"{directory}: verified but does not load into this run: {error}")
+            return state
+        candidates = self.list() if distributed.rank() == 0 else []
+        while True:
+            chosen = self._verified(candidates) if distributed.rank() == 0 else None
+            choice = share_text(str(chosen or ""))
+            if not choice:
+                return None
+            state, error = self._load_everywhere(Path(choice), engine)
+            if state is not None:
+                return state
+            get_logger().warning("skipping checkpoint %s: verified but does not load: %s", choice, error)
+
+    def _load_everywhere(self, directory: Path, engine: Engine) -> tuple[dict[str, Any] | None, str]:
+        """Collective: load `directory` on every rank; (state, "") when every rank succeeded, else
+        (None, this rank's error or a note that another rank failed)."""
+        error = ""
+        try:
+            state = self._load(directory, engine)
+        except Exception as err:  # engines' loaders raise many types; each means "cannot use this one"
+            get_logger().debug("loading %s failed", directory, exc_info=True)
+            state, error = None, f"{type(err).__name__}: {err}"
+        failed = distributed.all_reduce_sum([1.0 if state is None else 0.0])[0]
+        if failed:
+            return None, error or "another rank failed to load it"
+        self.restored_step = step_number(directory.name)
+        return state, ""
+
+    def _load(self, directory: Path, engine: Engine) -> dict[str, Any]:
+        """This rank's part of restoring `directory`: engine payload, RNG, trainer state."""
         engine.load(str(directory / "engine"), self.staging / "scratch")
         rank = distributed.rank()
         plain = directory / "rng" / f"rank_{rank}.json"
         if plain.is_file():  # a rank that did not exist when saving keeps its fresh seed
-            tensors = load_file(str(directory / "rng" / f"rank_{rank}.safetensors"))
-            set_rng_state(json.loads(plain.read_text()), tensors)
-        state = json.loads((directory / "trainer_state.json").read_text())
+            tensors_file = directory / "rng" / f"rank_{rank}.safetensors"
+            set_rng_state(_read_json(plain), _read_safetensors(tensors_file))
+        state = _read_json(directory / "trainer_state.json")
         state["path"] = str(directory)
-        self.restored_step = step_number(directory.name)
         return state
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; raises CheckpointError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: not a JSON file: {err}") from err
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_safetensors(path: Path) -> dict[str, Any]:
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for a bad header
+        raise CheckpointError(f"{path}: not a safetensors file: {err}") from err
+
+
+def share_text(text: str) -> str:
+    """Collective: rank 0's `text` on every rank, sent as numbers (no pickle on the wire)."""
+    if not dist.is_initialized():
+        return text
+    data = list(text.encode()) if distributed.rank() == 0 else []
+    length = int(distributed.all_reduce_sum([float(len(data))])[0])
+    if length == 0:
+        return ""
+    values = distributed.all_reduce_sum([float(b) for b in data] if data else [0.0] * length)
+    return bytes(int(v) for v in values).decode()

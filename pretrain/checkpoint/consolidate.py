@@ -17,29 +17,42 @@ import torch
 from model import CausalLM, build_model
 from model.config_loader import read_mapping
 from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
-from pretrain.checkpoint.layout import LATEST, CheckpointError
-from pretrain.checkpoint.manifest import committed_steps
+from pretrain.checkpoint.layout import DELETING_SUFFIX, TMP_SUFFIX, CheckpointError
+from pretrain.checkpoint.manifest import committed_steps, verify_local
 from pretrain.config import ConfigError, RunConfig, config_from_dict
+from pretrain.log import get_logger
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """The step directory meant by `path`: a step directory itself, or a checkpoints directory or
-    run directory, in which case its `latest` pointer (or else the newest step) is taken."""
+    """The step directory meant by `path`: a committed step directory itself, or a checkpoints or
+    run directory, in which case the newest of its committed steps that verifies (older ones are
+    tried when newer ones fail, with a warning). The `latest` pointer is not followed: a file
+    anyone can edit must not send a reader outside the run, into a `.tmp`, or past a newer step."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint or run directory")
     if (path / "config.yaml").is_file() and (path / "engine").is_dir():
+        if path.name.endswith((TMP_SUFFIX, DELETING_SUFFIX)):
+            raise CheckpointError(f"{path}: an uncommitted checkpoint (being written or deleted)")
         return path
     for root in (path, path / "checkpoints"):
-        latest = root / LATEST
-        if latest.is_file():
-            step = root / latest.read_text().strip()
-            if step.is_dir():
-                return step
         steps = committed_steps(str(root)) if root.is_dir() else []
         if steps:
-            return root / steps[0]
+            return _newest_verified(root, steps)
     raise CheckpointError(f"{path}: not a checkpoint (no engine/ and config.yaml) and holds no step_* checkpoints")
+
+
+def _newest_verified(root: Path, steps: list[str]) -> Path:
+    """The first of `steps` (names under `root`, newest first) that verifies against its manifest."""
+    first_error = None
+    for name in steps:
+        try:
+            verify_local(root / name)
+            return root / name
+        except CheckpointError as err:
+            get_logger().warning("skipping checkpoint %s: %s", root / name, err)
+            first_error = first_error or err
+    raise CheckpointError(f"{root}: no committed checkpoint verifies (the newest: {first_error})")
 
 
 def read_run_config(step_dir: Path) -> RunConfig:

@@ -1,14 +1,122 @@
 """engine.kind=fsdp's payload: a torch.distributed.checkpoint with "model" and "optim" entries, which
-reshards on load."""
+reshards on load.
+
+Nothing here unpickles code. DCP's own reader unpickles `.metadata` with plain pickle and its
+planner reads non-tensor items (the optimizer's hyperparameters) with torch.load(weights_only=False);
+`SafeReader` admits only DCP's metadata classes, torch.Size, dtypes and layouts, and `SafePlanner`
+reads those items weights-only. Tensors DCP already reads weights-only.
+"""
 
 from __future__ import annotations
 
+import io
+import pickle
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 
 from pretrain.checkpoint.layout import MODEL_PREFIX, CheckpointError
+
+METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # looks a layout up by name among torch's own
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+"""What a DCP `.metadata` pickle may name: plain data holders (and torch's dtypes, checked apart)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only METADATA_CLASSES and torch dtypes; anything else (os.system,
+    builtins.eval, ...) is refused before it could be called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint metadata type")
+
+
+def one_line(err: BaseException) -> str:
+    """The cause of `err` in one line: DCP wraps each rank's exception, traceback and all, and
+    torch's weights-only refusal spans a paragraph whose telling line names the refused global."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))
+        err = failure[0] if isinstance(failure, tuple) else failure
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    refused = [line for line in lines if "Unsupported global" in line]
+    text = (refused or lines or [""])[0]
+    return text if isinstance(err, CheckpointError) else f"{type(err).__name__}: {text}".rstrip(": ")
+
+
+def safe_load(state: dict[str, Any], path: str, no_dist: bool = False) -> None:
+    """dcp.load of `state` from `path` through SafeReader and SafePlanner; raises CheckpointError
+    naming `path` with the cause in one line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # torch warns that no process group is initialised: that is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # every rank's failure, gathered (a BaseException)
+        raise CheckpointError(f"{path}: cannot read the torch.distributed.checkpoint: {one_line(err)}") from err
+
+
+def read_metadata_file(path: Path) -> Metadata:
+    """DCP's metadata from `path`, through the restricted unpickler; raises naming the file."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as err:  # unpickling raises many types for a bad or hostile file
+        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint metadata file: {one_line(err)}") from err
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not torch.distributed.checkpoint Metadata")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with `.metadata` read by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_metadata_file(Path(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor items weights-only."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as err:  # torch names the refused global; the item is named here
+            raise CheckpointError(f"item {fqn!r}: not plain data (refused to unpickle it): {one_line(err)}") from err
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
 
 
 def save_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -26,7 +134,7 @@ def load_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Op
 
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    safe_load(state, path)
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -40,10 +148,9 @@ def read_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = dcp.FileSystemReader(str(engine_dir)).read_metadata()
-    except Exception as err:  # a missing or unreadable .metadata file
-        raise CheckpointError(f"{engine_dir}: not a torch.distributed.checkpoint directory: {err}") from err
+    if not (engine_dir / ".metadata").is_file():
+        raise CheckpointError(f"{engine_dir}: not a torch.distributed.checkpoint directory (no .metadata)")
+    metadata = read_metadata_file(engine_dir / ".metadata")
     wanted = {}
     prefix = "model." + MODEL_PREFIX  # the DCP entry "model", then TrainModule's attribute
     for key, meta in metadata.state_dict_metadata.items():
@@ -51,11 +158,5 @@ def read_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
             wanted[key[len(prefix) :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not wanted:
         raise CheckpointError(f"{engine_dir}: the checkpoint holds no 'model' tensors")
-    try:
-        with warnings.catch_warnings():  # torch warns that no process group is initialised: that is the point
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": {MODEL_PREFIX + k: v for k, v in wanted.items()}}, checkpoint_id=str(engine_dir),
-                     no_dist=True)
-    except Exception as err:
-        raise CheckpointError(f"{engine_dir}: cannot read the model tensors: {err}") from err
+    safe_load({"model": {MODEL_PREFIX + k: v for k, v in wanted.items()}}, str(engine_dir), no_dist=True)
     return wanted

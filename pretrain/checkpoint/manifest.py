@@ -57,20 +57,32 @@ def manifest_for(directory: Path, step: int) -> dict[str, Any]:
 
 
 def verify_local(directory: Path) -> dict[str, Any]:
-    """Check a local checkpoint directory against its manifest; returns the manifest or raises."""
+    """Check a local checkpoint directory against its manifest; returns the manifest or raises.
+    The manifest must list every file of the directory, and nothing else: a file it does not list
+    could be read by a loader without ever being checked."""
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{directory}: no {MANIFEST} (incomplete checkpoint)")
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        sizes = {str(rel): (int(meta["bytes"]), str(meta["sha256"])) for rel, meta in files.items()}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{manifest_path}: not a valid manifest: {err}") from err
-    for rel, meta in files.items():
+    if not sizes:
+        raise CheckpointError(f"{manifest_path}: lists no files (a checkpoint holds at least its config and payload)")
+    present = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() or p.is_symlink()}
+    present.discard(MANIFEST)
+    extra = sorted(present - set(sizes))
+    if extra:
+        raise CheckpointError(f"{directory / extra[0]}: not listed in {manifest_path} (a file the checkpoint did not write)")
+    for rel, (size, sha) in sizes.items():
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise CheckpointError(f"{manifest_path}: lists {rel!r}, outside the step directory")
         path = directory / rel
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the manifest but missing")
-        if path.stat().st_size != meta["bytes"] or sha256_file(path) != meta["sha256"]:
+        if path.is_symlink() or path.stat().st_size != size or sha256_file(path) != sha:
             raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupt checkpoint)")
     return manifest
 

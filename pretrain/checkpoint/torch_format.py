@@ -22,8 +22,13 @@ def save_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.O
 
 
 def load_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Weights through safetensors, the optimizer weights-only: neither can run code."""
     load_model(model, os.path.join(path, SINGLE_WEIGHTS), strict=True)
-    state = torch.load(os.path.join(path, SINGLE_OPTIMIZER), map_location="cpu", weights_only=True)
+    file = os.path.join(path, SINGLE_OPTIMIZER)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch.load raises many types; weights-only refusals among them
+        raise CheckpointError(f"{file}: not a tensors-only optimizer state (refused to unpickle it): {err}") from err
     optimizer.load_state_dict(state)
 
 
