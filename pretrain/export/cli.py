@@ -1,4 +1,5 @@
-"""Command line: python -m pretrain.export --checkpoint <dir> --out <dir>."""
+"""Command line: python -m pretrain.export --checkpoint <dir> --out <dir>. A checkpoint that cannot be
+used exits 2 with one line naming the file and what was wrong."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import sys
 from collections.abc import Sequence
 
 from pretrain.checkpoint.consolidate import resolve_checkpoint
+from pretrain.checkpoint.layout import CheckpointError
 from pretrain.export.directory import export
 from pretrain.export.layout import ExportError
+from pretrain.log import get_logger
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,9 +23,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out)
-    except ExportError as err:
-        print(f"error: {err}", file=sys.stderr)
+        source = resolve_checkpoint(args.checkpoint)
+    except (ExportError, CheckpointError) as err:
+        get_logger().debug("export failed", exc_info=True)
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
-    print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
+    print(f"exported {source} -> {out}")
     return 0
+
+
+def one_line(message: str, limit: int = 600) -> str:
+    """`message` on one line (a nested error may span several), cut at `limit` characters."""
+    flat = " ".join(message.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
