@@ -135,10 +135,8 @@ class Checkpointer:
 
     def _commit_local(self, stage: Path, name: str) -> None:
         final = self.staging / name
-        aside = None
         if final.exists():
-            aside = self.staging / f"{name}{OLD_SUFFIX}{_next_old(self.staging, name)}"
-            os.replace(final, aside)
+            os.replace(final, self.staging / f"{name}{OLD_SUFFIX}{_next_old(self.staging, name)}")
         os.replace(stage, final)
         fsync_dir(self.staging)
         for old in sorted(self.staging.glob(f"{name}{OLD_SUFFIX}*")):
@@ -189,6 +187,9 @@ class Checkpointer:
         Each goes by a rename to `<name>.del` first, so that it disappears at once rather than
         file by file (a half-deleted step would otherwise look committed)."""
         fs, root = url_to_fs(self.root)
+        if self.local:  # left by a kill in the middle of an earlier prune
+            for doomed in self.staging.glob(f"step_*{DELETING_SUFFIX}"):
+                shutil.rmtree(doomed, ignore_errors=True)
         steps = sorted({step_number(n) for n in self.list()}, reverse=True)
         for step in steps[self.keep_last :]:
             if self.milestone_every and step % self.milestone_every == 0:
@@ -205,7 +206,7 @@ class Checkpointer:
     # -- listing and restoring
 
     def list(self) -> list[str]:
-        """Names of committed step directories (not `.tmp`), newest first."""
+        """Names of the candidate step directories (manifest.committed_steps), newest first."""
         return committed_steps(self.root)
 
     def _local_copy(self, url: str) -> Path:

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from pretrain.checkpoint.layout import MODEL_PREFIX, CheckpointError
+from pretrain.checkpoint.layout import MODEL_PREFIX, CheckpointError, cause
 
 METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -48,17 +48,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def one_line(err: BaseException) -> str:
-    """The cause of `err` in one line: DCP wraps each rank's exception, traceback and all, and
-    torch's weights-only refusal spans a paragraph whose telling line names the refused global."""
+    """The cause of `err` in one line: DCP wraps each rank's exception, traceback and all."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(err, CheckpointException) and err.failures:
         failure = next(iter(err.failures.values()))
         err = failure[0] if isinstance(failure, tuple) else failure
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    refused = [line for line in lines if "Unsupported global" in line]
-    text = (refused or lines or [""])[0]
-    return text if isinstance(err, CheckpointError) else f"{type(err).__name__}: {text}".rstrip(": ")
+    return cause(err)
 
 
 def safe_load(state: dict[str, Any], path: str, no_dist: bool = False) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.layout import CheckpointError, strip_model_prefix
+from pretrain.checkpoint.layout import CheckpointError, cause, strip_model_prefix
 from pretrain.distributed import process_group as distributed
 from pretrain.log import get_logger
 
@@ -180,5 +180,5 @@ def read_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
 
                 state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=DEEPSPEED_TAG)
     except Exception as err:  # DeepSpeed and torch.load raise many types; all mean "unusable checkpoint"
-        raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO-{zero_stage} checkpoint: {err}") from err
+        raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO-{zero_stage} checkpoint: {cause(err)}") from err
     return strip_model_prefix(state, tag_dir)

@@ -47,3 +47,12 @@ def strip_model_prefix(state: dict[str, torch.Tensor], source: Path | str) -> di
     if odd:
         raise CheckpointError(f"{source}: parameter {odd[0]!r} is not under the engine's {MODEL_PREFIX!r} prefix")
     return {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}
+
+
+def cause(err: BaseException) -> str:
+    """`err` in one line for a message naming a file: torch's weights-only refusal spans a
+    paragraph whose telling line names the refused global."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    refused = [line for line in lines if "Unsupported global" in line]
+    text = (refused or lines or [""])[0]
+    return text if isinstance(err, CheckpointError) else f"{type(err).__name__}: {text}".rstrip(": ")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, load_model, save_model
 
-from pretrain.checkpoint.layout import CheckpointError
+from pretrain.checkpoint.layout import CheckpointError, cause
 
 SINGLE_WEIGHTS = "model.safetensors"
 SINGLE_OPTIMIZER = "optimizer.pt"
@@ -28,7 +28,7 @@ def load_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.O
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # torch.load raises many types; weights-only refusals among them
-        raise CheckpointError(f"{file}: not a tensors-only optimizer state (refused to unpickle it): {err}") from err
+        raise CheckpointError(f"{file}: not a tensors-only optimizer state (refused to unpickle it): {cause(err)}") from err
     optimizer.load_state_dict(state)
 
 
