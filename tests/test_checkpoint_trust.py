@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pretrain.checkpoint.consolidate import resolve_checkpoint
 from pretrain.checkpoint.dcp_format import safe_load
 from pretrain.checkpoint.layout import MANIFEST, CheckpointError
 from pretrain.checkpoint.manifest import manifest_for, verify
-from pretrain.config import ConfigError
+from pretrain.config import ConfigError, config_text, load_config
 from pretrain.export import main as export_main
 from pretrain.init_from import read_initial_weights
 from tests.test_checkpoint import make_engine, save_steps
@@ -80,7 +81,7 @@ def hostile_copy(run_dir: Path, tmp_path: Path, plant: str, fsdp: bool) -> tuple
         dcp_engine_dir(step_dir / "engine", 0)
     marker = tmp_path / "ran"
     target = step_dir / plant
-    if target.name == ".metadata" or not target.suffix == ".pt":
+    if target.name == ".metadata" or target.suffix != ".pt":
         target.write_bytes(pickle.dumps(Payload(marker)))
     else:
         torch.save({"state": {}, "param_groups": [], "extra": Payload(marker)}, target)
@@ -105,11 +106,11 @@ def test_planted_payload_runs_nowhere_and_is_named(
         assert export_main(["--checkpoint", str(step_dir), "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and str(step_dir / "engine") in err, err
-        with pytest.raises(ConfigError, match="init.from: .*engine"):
+        with pytest.raises(ConfigError, match=r"init\.from: .*engine"):
             read_initial_weights(str(step_dir))
     if not fsdp:  # resume through the single engine; an FSDP engine needs a process group
         ckpt = Checkpointer(str(copy / "checkpoints"), tmp_path / "stage", 5, 0, False)
-        with pytest.raises(CheckpointError, match=str(step_dir / plant)):
+        with pytest.raises(CheckpointError, match=re.escape(str(step_dir / plant))):
             ckpt.resume(str(step_dir), make_engine(1))
         state = ckpt.resume("auto", make_engine(1))  # skipped with a warning: step 1 is used
         assert state["trainer"]["step"] == 1
@@ -172,7 +173,7 @@ def test_manifest_must_list_exactly_the_files(change: str, run_dir: Path, tmp_pa
     manifest = manifest_for(step_dir, 2)
     (step_dir / "late.bin").write_bytes(b"\0")
     (step_dir / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="late.bin: not listed"):
+    with pytest.raises(CheckpointError, match=r"late\.bin: not listed"):
         verify(step_dir)
 
 
@@ -223,3 +224,22 @@ def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped(
     assert "step_00000002" in caplog.text and "does not load" in caplog.text
     with pytest.raises(CheckpointError, match=r"trainer_state\.json: expected a JSON object"):
         ckpt.resume(str(step_dir), make_engine(1))
+
+
+def test_init_from_falls_back_past_a_checkpoint_that_does_not_consolidate(run_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    text = config_text(load_config(str(REPO / "configs" / "tiny.yaml"), ["model.d_model=32", "model.n_layers=1"]))
+    for step_dir in (copy / "checkpoints").glob("step_*"):  # the config make_engine's model was built from
+        (step_dir / "config.yaml").write_text(text)
+        reseal(step_dir)
+    newest = copy / "checkpoints" / "step_00000002"
+    (newest / "engine" / "model.safetensors").unlink()  # verifies once resealed, holds no known payload
+    (newest / "engine" / "optimizer.pt").unlink()
+    (newest / "engine" / "note.txt").write_text("not a payload")
+    reseal(newest)
+    expected = read_initial_weights(str(copy / "checkpoints" / "step_00000001"))
+    got = read_initial_weights(str(copy))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    with pytest.raises(ConfigError, match=r"init.from: .*step_00000002/engine: holds no engine payload"):
+        read_initial_weights(str(newest))  # named directly: not replaced by another

@@ -196,7 +196,7 @@ def test_every_crash_point_keeps_the_newest_committed_step(name: str, tmp_path: 
     switched = False
     for kill_at in range(1, total + 1):
         root = fresh()
-        code, _ = in_child(lambda: spec["action"](root, staging), kill_at)
+        code, _ = in_child(lambda root=root: spec["action"](root, staging), kill_at)
         assert code == KILLED, f"{name}: the child was not killed at mutation {kill_at}"
         got = restored(root, staging)
         assert got in (spec["old"], spec["new"]), f"{name}, killed at mutation {kill_at}/{total}: restored {got}"

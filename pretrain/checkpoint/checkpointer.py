@@ -33,8 +33,8 @@ from pretrain.checkpoint.layout import (
 )
 from pretrain.checkpoint.manifest import (
     committed_steps,
-    fsync_dir,
     fetch,
+    fsync_dir,
     fsync_write,
     is_local,
     local_path,
@@ -49,7 +49,8 @@ from pretrain.protocols import Engine
 
 def _old_number(names: list[str], name: str) -> int:
     """The next free n for `<name>.old-<n>` among the directory names `names`."""
-    taken = [int(n.rsplit("-", 1)[1]) for n in names if n.startswith(name + OLD_SUFFIX) and n.rsplit("-", 1)[1].isdigit()]
+    suffixes = [n[len(name + OLD_SUFFIX) :] for n in names if n.startswith(name + OLD_SUFFIX)]
+    taken = [int(s) for s in suffixes if s.isdigit()]
     return max(taken, default=0) + 1
 
 

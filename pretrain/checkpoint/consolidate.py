@@ -10,6 +10,7 @@ engine's payload).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,31 +29,42 @@ def resolve_checkpoint(path: str | Path) -> Path:
     run directory, in which case the newest of its committed steps that verifies (older ones are
     tried when newer ones fail, with a warning). The `latest` pointer is not followed: a file
     anyone can edit must not send a reader outside the run, into a `.tmp`, or past a newer step."""
+    return next(iter_checkpoints(path))
+
+
+def iter_checkpoints(path: str | Path) -> Iterator[Path]:
+    """The step directories `path` may mean, best first: `path` itself when it is a committed step
+    directory, else the committed steps under it (or its checkpoints/) that verify, newest first,
+    each failing one reported. Raises CheckpointError when there is none at all."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint or run directory")
     if (path / "config.yaml").is_file() and (path / "engine").is_dir():
         if path.name.endswith((TMP_SUFFIX, DELETING_SUFFIX)):
             raise CheckpointError(f"{path}: an uncommitted checkpoint (being written or deleted)")
-        return path
+        yield path
+        return
     for root in (path, path / "checkpoints"):
         steps = committed_steps(str(root)) if root.is_dir() else []
         if steps:
-            return _newest_verified(root, steps)
+            yield from _verified(root, steps)
+            return
     raise CheckpointError(f"{path}: not a checkpoint (no engine/ and config.yaml) and holds no step_* checkpoints")
 
 
-def _newest_verified(root: Path, steps: list[str]) -> Path:
-    """The first of `steps` (names under `root`, newest first) that verifies against its manifest."""
+def _verified(root: Path, steps: list[str]) -> Iterator[Path]:
+    """Those of `steps` (names under `root`, newest first) that verify against their manifest."""
     first_error = None
     for name in steps:
         try:
             verify_local(root / name)
-            return root / name
         except CheckpointError as err:
             get_logger().warning("skipping checkpoint %s: %s", root / name, err)
             first_error = first_error or err
-    raise CheckpointError(f"{root}: no committed checkpoint verifies (the newest: {first_error})")
+            continue
+        yield root / name
+    if first_error is not None:
+        raise CheckpointError(f"{root}: no committed checkpoint verifies (the newest: {first_error})")
 
 
 def read_run_config(step_dir: Path) -> RunConfig:

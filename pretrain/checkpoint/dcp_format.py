@@ -125,7 +125,6 @@ def save_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def load_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(module, optimizer)
@@ -141,7 +140,6 @@ def holds(engine_dir: Path) -> bool:
 
 def read_weights(engine_dir: Path) -> dict[str, torch.Tensor]:
     """The "model" tensors of a DCP checkpoint, read without a process group."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not (engine_dir / ".metadata").is_file():

@@ -75,7 +75,9 @@ def verify_local(directory: Path) -> dict[str, Any]:
     present.discard(MANIFEST)
     extra = sorted(present - set(sizes))
     if extra:
-        raise CheckpointError(f"{directory / extra[0]}: not listed in {manifest_path} (a file the checkpoint did not write)")
+        raise CheckpointError(
+            f"{directory / extra[0]}: not listed in {manifest_path} (a file the checkpoint did not write)"
+        )
     for rel, (size, sha) in sizes.items():
         if rel.startswith("/") or ".." in rel.split("/"):
             raise CheckpointError(f"{manifest_path}: lists {rel!r}, outside the step directory")

@@ -28,7 +28,7 @@ def load_torch_state(path: str, model: torch.nn.Module, optimizer: torch.optim.O
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # torch.load raises many types; weights-only refusals among them
-        raise CheckpointError(f"{file}: not a tensors-only optimizer state (refused to unpickle it): {cause(err)}") from err
+        raise CheckpointError(f"{file}: not a tensors-only optimizer state (refused to load it): {cause(err)}") from err
     optimizer.load_state_dict(state)
 
 
