@@ -16,12 +16,10 @@ from pathlib import Path
 import torch
 
 from model import CausalLM
-from pretrain.checkpoint.consolidate import consolidate, iter_checkpoints, read_run_config
+from pretrain.checkpoint.consolidate import load_newest
 from pretrain.checkpoint.layout import CheckpointError
-from pretrain.checkpoint.manifest import verify
 from pretrain.config import ConfigError
 from pretrain.export import CONFIG, ExportError, load_exported
-from pretrain.log import get_logger
 
 
 def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
@@ -31,25 +29,10 @@ def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
         if (path / CONFIG).is_file():
             model = load_exported(path)
         else:
-            model = _newest_loadable(path)
+            model = load_newest(path, "init.from")[2]
     except (ExportError, CheckpointError) as err:
         raise ConfigError(f"init.from: {err}") from err
     return {name: param.detach() for name, param in model.named_parameters()}
-
-
-def _newest_loadable(path: Path) -> CausalLM:
-    """The consolidated model of the newest checkpoint `path` means that verifies and loads; one
-    that verifies but does not consolidate is reported and the next older one tried. A step
-    directory named directly is not replaced by another."""
-    first_error = None
-    for step_dir in iter_checkpoints(path):
-        try:
-            verify(step_dir)
-            return consolidate(step_dir, read_run_config(step_dir))
-        except CheckpointError as err:
-            get_logger().warning("init.from: skipping checkpoint %s: %s", step_dir, err)
-            first_error = first_error or err
-    raise CheckpointError(f"{path}: no checkpoint there loads (the newest: {first_error})")
 
 
 @torch.no_grad()

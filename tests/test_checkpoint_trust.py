@@ -24,6 +24,7 @@ from pretrain.checkpoint.dcp_format import safe_load
 from pretrain.checkpoint.layout import MANIFEST, CheckpointError
 from pretrain.checkpoint.manifest import manifest_for, verify
 from pretrain.config import ConfigError, config_text, load_config
+from pretrain.export import ExportError, export
 from pretrain.export import main as export_main
 from pretrain.init_from import read_initial_weights
 from tests.test_checkpoint import make_engine, save_steps
@@ -226,7 +227,7 @@ def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped(
         ckpt.resume(str(step_dir), make_engine(1))
 
 
-def test_init_from_falls_back_past_a_checkpoint_that_does_not_consolidate(run_dir: Path, tmp_path: Path) -> None:
+def test_init_from_and_export_fall_back_past_a_checkpoint_that_does_not_load(run_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     text = config_text(load_config(str(REPO / "configs" / "tiny.yaml"), ["model.d_model=32", "model.n_layers=1"]))
@@ -243,3 +244,7 @@ def test_init_from_falls_back_past_a_checkpoint_that_does_not_consolidate(run_di
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     with pytest.raises(ConfigError, match=r"init.from: .*step_00000002/engine: holds no engine payload"):
         read_initial_weights(str(newest))  # named directly: not replaced by another
+    exported = export(copy, tmp_path / "export")  # export takes the same way past it
+    assert json.loads((exported / "config.json").read_text())["recurrent_export"]["step"] == 1
+    with pytest.raises(ExportError, match=r"step_00000002/engine: holds no engine payload"):
+        export(newest, tmp_path / "export_newest")

@@ -4,9 +4,10 @@ A checkpoint is written to a local staging area, copied under a temporary name t
 and committed by its manifest and a rename, so a crash at any point leaves the previous one usable;
 a step that exists already is renamed aside (`.old-<n>`, still restorable) before its replacement is
 renamed in, and the step a run resumed from is not saved again. A directory that does not match its
-manifest is never loaded; one that matches but fails to load is skipped under resume "auto". Loading never unpickles code (JSON and
-safetensors here; engine payloads are the format modules beside this one). docs/training.md,
-"Checkpoints", gives the layout (pretrain/checkpoint/layout.py), the commit order and retention.
+manifest is never loaded; one that matches but fails to load is skipped under resume "auto".
+Loading never unpickles code (JSON and safetensors here; engine payloads are the format modules
+beside this one). docs/training.md, "Checkpoints", gives the layout (pretrain/checkpoint/layout.py),
+the commit order and retention.
 """
 
 from __future__ import annotations

@@ -67,6 +67,24 @@ def _verified(root: Path, steps: list[str]) -> Iterator[Path]:
         raise CheckpointError(f"{root}: no committed checkpoint verifies (the newest: {first_error})")
 
 
+def load_newest(path: str | Path, reader: str) -> tuple[Path, RunConfig, CausalLM]:
+    """(step directory, its run config, its consolidated model) for the newest checkpoint `path`
+    means that verifies and loads; one that verifies but does not load is reported (as `reader`'s
+    warning) and the next older one tried. A step directory named directly is not replaced."""
+    first_error = None
+    for step_dir in iter_checkpoints(path):
+        try:
+            verify_local(step_dir)  # again: a step directory named directly has not been yet
+            cfg = read_run_config(step_dir)
+            return step_dir, cfg, consolidate(step_dir, cfg)
+        except CheckpointError as err:
+            if step_dir == Path(path):  # named directly: there is nothing to fall back to
+                raise
+            get_logger().warning("%s: skipping checkpoint %s: %s", reader, step_dir, err)
+            first_error = first_error or err
+    raise CheckpointError(f"{path}: no checkpoint there loads (the newest: {first_error})")
+
+
 def read_run_config(step_dir: Path) -> RunConfig:
     """The resolved RunConfig saved beside the weights."""
     path = step_dir / "config.yaml"

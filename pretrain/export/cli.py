@@ -7,7 +7,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pretrain.checkpoint.consolidate import resolve_checkpoint
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.export.directory import export
 from pretrain.export.layout import ExportError
@@ -23,12 +22,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out)
-        source = resolve_checkpoint(args.checkpoint)
     except (ExportError, CheckpointError) as err:
         get_logger().debug("export failed", exc_info=True)
         print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
-    print(f"exported {source} -> {out}")
+    print(f"exported {args.checkpoint} -> {out}")
     return 0
 
 

@@ -12,13 +12,13 @@ from safetensors.torch import load_model, save_model
 from model import CausalLM, build_model
 from model.config import model_config_from_dict
 from model.config_loader import ConfigError
-from pretrain.checkpoint.consolidate import consolidate, read_run_config, resolve_checkpoint
+from pretrain.checkpoint.consolidate import load_newest
 from pretrain.checkpoint.layout import CheckpointError
-from pretrain.checkpoint.manifest import verify
 from pretrain.config import RunConfig
 from pretrain.export.layout import CONFIG, EXPORT_FORMAT, WEIGHTS, ExportError
 from pretrain.export.metadata import data_fingerprint, eval_metrics, hf_config, model_card, write_tokenizer
 from pretrain.export.remote_code import write_code
+from pretrain.log import get_logger
 
 
 def write_export(
@@ -52,22 +52,18 @@ def write_export(
 
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
-    """Verify, consolidate and write the export directory; returns it."""
+    """Write the export directory of the newest checkpoint `checkpoint` means that verifies and
+    consolidates (pretrain.checkpoint.consolidate.load_newest); returns it."""
     try:
-        step_dir = resolve_checkpoint(checkpoint)
-        try:
-            manifest = verify(step_dir)
-        except CheckpointError as err:
-            raise ExportError(f"{step_dir}: checkpoint failed verification: {err}") from err
-        cfg = read_run_config(step_dir)
-        model = consolidate(step_dir, cfg)
+        step_dir, cfg, model = load_newest(checkpoint, "export")
     except CheckpointError as err:
         raise ExportError(str(err)) from err
+    get_logger().info("exporting %s", step_dir)
     try:
         trainer = json.loads((step_dir / "trainer_state.json").read_text()).get("trainer", {})
     except (OSError, json.JSONDecodeError) as err:
         raise ExportError(f"{step_dir / 'trainer_state.json'}: {err}") from err
-    step = int(trainer.get("step", manifest.get("step", 0)))
+    step = int(trainer.get("step", 0))
     training = {"checkpoint": str(step_dir.resolve()), "step": step, "tokens_seen": int(trainer.get("tokens_seen", 0))}
     return write_export(model, cfg, out, training, eval_metrics(step_dir, cfg, step))
 
