@@ -11,7 +11,9 @@ points read YAML, and model/ may not import pretrain/.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -20,11 +22,48 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 COMMAND_LINE = "<command line>"
+_FINITE = "a finite number"
 _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_PARENT = re.compile(r"(\.[^.\[]*|\[\d+\])$|^[^.\[]*$")  # the last `.key` or `[i]` of a dotted key
 
 
 class ConfigError(ValueError):
     """A configuration problem, reported before any work starts."""
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxlevel = 60, 60, 6, 6, 2
+
+
+def short(value: Any) -> str:
+    """`repr(value)` capped at about 80 characters, so that an error message stays one line whatever
+    the value (a huge list, a long string)."""
+    return _SHORT.repr(value)[:80]
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """The safe loader without aliases (a few hundred bytes of nested aliases expand to gigabytes)
+    and without duplicate keys (the second would silently win)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"line {mark.line + 1}: aliases (*name) are not allowed in configs")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: duplicate key {short(key)}")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text as plain data, refusing aliases and duplicate keys (raises yaml.YAMLError)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 # ----------------------------------------------------------------------------- reading YAML
@@ -35,7 +74,7 @@ def read_mapping(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
     if data is None:
@@ -60,10 +99,14 @@ def _merge(base: dict, extra: dict, sources: dict[str, str] | None, origin: str,
 
 
 def _record_sources(value: Any, dotted: str, sources: dict[str, str], origin: str) -> None:
+    """Record `origin` for `dotted` and every key below it, list items (`key[0]`) included."""
     sources[dotted] = origin
     if isinstance(value, dict):
         for key, sub in value.items():
             _record_sources(sub, f"{dotted}.{key}", sources, origin)
+    elif isinstance(value, list):
+        for index, sub in enumerate(value):
+            _record_sources(sub, f"{dotted}[{index}]", sources, origin)
 
 
 def _load_tree(path: Path, sources: dict[str, str], chain: tuple[Path, ...] = ()) -> dict:
@@ -77,7 +120,7 @@ def _load_tree(path: Path, sources: dict[str, str], chain: tuple[Path, ...] = ()
     if isinstance(parents, str):
         parents = [parents]
     if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
-        raise ConfigError(f"{path}: extends: expected a file name or a list of file names, got {parents!r}")
+        raise ConfigError(f"{path}: extends: expected a file name or a list of file names, got {short(parents)}")
     tree: dict = {}
     for parent in parents:
         tree = _merge(tree, _load_tree(path.parent / parent, sources, (*chain, path)), None, "")
@@ -92,9 +135,9 @@ def _apply_override(tree: dict, item: str, sources: dict[str, str]) -> None:
     if not all(parts):
         raise ConfigError(f"{COMMAND_LINE}: override {item!r}: malformed key {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise ConfigError(f"{COMMAND_LINE}: override {key}: cannot parse value {raw!r}: {err}") from err
+        raise ConfigError(f"{COMMAND_LINE}: override {key}: cannot parse value {short(raw)}: {err}") from err
     node = tree
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -161,14 +204,15 @@ def _convert(tp: Any, value: Any, key: str, sources: dict[str, str]) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in get_args(tp):
             return None
-        inner = None  # an option whose shape fits but one of whose fields does not: name that field
+        inner = None  # an option whose shape fits but whose field or value does not: name that problem
         for option in get_args(tp):
             if option is type(None):
                 continue
             try:
                 return _convert(option, value, key, sources)
             except _Mismatch as mismatch:
-                inner = inner or (mismatch if mismatch.key != key else None)
+                fits = mismatch.key != key or mismatch.expected == _FINITE
+                inner = inner or (mismatch if fits else None)
         raise inner or _Mismatch(key, _type_name(tp), value)
     if origin is list:
         if not isinstance(value, list):
@@ -190,9 +234,11 @@ def _convert(tp: Any, value: Any, key: str, sources: dict[str, str]) -> Any:
         return value
     if tp is float:
         if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
+            value = float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _Mismatch(key, _type_name(tp), value)
+        if not math.isfinite(value):
+            raise _Mismatch(key, _FINITE, value)  # NaN or infinity would train nothing
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -202,11 +248,12 @@ def _convert(tp: Any, value: Any, key: str, sources: dict[str, str]) -> Any:
 
 
 def _source_of(key: str, sources: dict[str, str]) -> str:
+    """The file (or the command line) that set `key` or the nearest section or list above it."""
     probe = key
     while probe:
         if probe in sources:
             return sources[probe]
-        probe = probe.rsplit(".", 1)[0] if "." in probe else ""
+        probe = _PARENT.sub("", probe)
     return "<defaults>"
 
 
@@ -275,5 +322,25 @@ def build_config(cls: type, tree: dict, sources: dict[str, str] | None = None, p
     except _Mismatch as err:
         raise ConfigError(
             f"{_source_of(err.key, sources)}: {err.key}: expected {err.expected}, "
-            f"got {err.got!r} ({type(err.got).__name__})"
+            f"got {short(err.got)} ({type(err.got).__name__})"
         ) from None
+
+
+def check_range(
+    key: str, value: float, low: float | None = None, high: float | None = None,
+    *, low_open: bool = False, high_open: bool = False, note: str = "",
+) -> None:
+    """The one range check of every config `__post_init__`: `value` must lie between `low` and `high`
+    (either may be None; `*_open` excludes that end). Raises `ValueError("key: ...")`, which the typed
+    builder turns into a ConfigError naming the dotted key and the file that set it."""
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if not (too_low or too_high):
+        return
+    if high is None:
+        wanted = f"must be {'>' if low_open else '>='} {low}"
+    elif low is None:
+        wanted = f"must be {'<' if high_open else '<='} {high}"
+    else:
+        wanted = f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    raise ValueError(f"{key}: {wanted}{note}, got {short(value)}")

@@ -15,7 +15,7 @@ from data_pipeline import synthetic
 from model import family
 from model.config import ModelConfig
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
-from model.config_loader import build_config, dump_yaml, read_tree, to_plain
+from model.config_loader import build_config, check_range, dump_yaml, read_tree, to_plain
 
 
 @dataclasses.dataclass
@@ -113,26 +113,17 @@ class TrainSection:
     max_runtime: float | None = None
 
     def __post_init__(self) -> None:
-        positive = {"steps": self.steps, "global_batch": self.global_batch,
-                    "micro_batch": self.micro_batch, "log_every": self.log_every}
-        for key, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{key}: must be >= 1, got {value}")
-        if self.lr <= 0:
-            raise ValueError(f"lr: must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"decay_fraction: must be in (0, 1], got {self.decay_fraction}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
-        for key, value in (("beta1", self.beta1), ("beta2", self.beta2)):
-            if not 0 <= value < 1:
-                raise ValueError(f"{key}: must be in [0, 1), got {value}")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip: must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        for key in ("steps", "global_batch", "micro_batch", "log_every"):
+            check_range(key, getattr(self, key), low=1)
+        check_range("lr", self.lr, low=0, low_open=True)
+        check_range("min_lr_ratio", self.min_lr_ratio, low=0, high=1)
+        check_range("warmup_steps", self.warmup_steps, low=0)
+        check_range("decay_fraction", self.decay_fraction, low=0, high=1, low_open=True)
+        check_range("weight_decay", self.weight_decay, low=0)
+        for key in ("beta1", "beta2"):
+            check_range(key, getattr(self, key), low=0, high=1, high_open=True)
+        check_range("eps", self.eps, low=0, high=1, low_open=True, high_open=True)
+        check_range("grad_clip", self.grad_clip, low=0, note=" (0 disables clipping)")
         if self.global_batch % self.micro_batch:
             raise ValueError(
                 f"global_batch: {self.global_batch} is not a multiple of micro_batch={self.micro_batch}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,55 @@ def test_a_key_that_is_a_python_keyword_keeps_its_yaml_name(tmp_path: Path, base
     for wrong in ("init.from_=runs/short", "init.form=runs/short"):
         with pytest.raises(ConfigError, match=r"unknown key; InitSection section init accepts: from$"):
             load_config(base, [wrong])
+
+
+def test_alias_bomb_is_refused_quickly(tmp_path: Path) -> None:
+    lines = ["a: &a ['lol', 'lol', 'lol', 'lol', 'lol', 'lol', 'lol', 'lol', 'lol']"]
+    lines += [f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+              f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]" for i in range(9)]
+    text = "\n".join(lines) + "\n"
+    assert len(text) < 1024
+    path = write(tmp_path / "bomb.yaml", text)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="aliases") as err:
+        load_config(path)
+    assert time.monotonic() - started < 1.0
+    assert str(path) in str(err.value)
+
+
+def test_duplicate_key_names_file_and_key(tmp_path: Path) -> None:
+    path = write(tmp_path / "dup.yaml", "train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match="duplicate key 'lr'") as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+@pytest.mark.parametrize("key", ["train.lr", "train.grad_clip", "model.init_std", "log.peak_tflops"])
+def test_every_float_rejects_nan_and_infinity(base: Path, key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match="a finite number") as err:
+        load_config(base, [f"{key}={value}"])
+    assert key in str(err.value) and "<command line>" in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["train.eps=0", "train.eps=1.5", "train.eps=-1e-8", "train.beta1=1", "train.beta2=-0.1"])
+def test_eps_and_betas_are_range_checked(base: Path, override: str) -> None:
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(base, [override])
+
+
+def test_long_values_are_truncated_in_errors(base: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(base, ["train.lr=[" + ", ".join(["1"] * 5000) + "]"])
+    assert len(str(err.value)) < 300
+
+
+def test_bad_key_in_a_command_line_list_item_blames_the_command_line(tmp_path: Path) -> None:
+    path = write(tmp_path / "base.yaml", "data:\n  train:\n    - path: a\n")
+    with pytest.raises(ConfigError, match="unknown key") as err:
+        load_config(path, ["data.train=[{path: b, bogus: 1}]"])
+    assert str(err.value).startswith("<command line>: data.train[0].bogus"), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path / "inline.yaml", "data:\n  train:\n    - path: a\n      bogus: 1\n"))
+    assert str(err.value).startswith(str(tmp_path / "inline.yaml")), str(err.value)
