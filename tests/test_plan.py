@@ -66,6 +66,8 @@ def test_plan_command_shards_state_and_says_whether_it_fits(capsys: pytest.Captu
 @pytest.mark.parametrize(("extra", "message"), [
     (["--gpu-mem", "eighty"], "--gpu-mem: expected a size like 80GiB"),
     (["--world", "3"], "engine.sequence_parallel=2 does not divide the world size 3"),
+    (["--world", "0"], "--world: must be >= 1 ranks, got 0"),
+    (["--world", "-4"], "--world: must be >= 1 ranks, got -4"),
 ])
 def test_plan_command_refuses_bad_arguments(extra: list[str], message: str, capsys) -> None:
     assert plan.main(["--config", SP_VORT, *extra]) == 2

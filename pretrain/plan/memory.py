@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        world = args.world or cfg.engine.sequence_parallel
+        world = cfg.engine.sequence_parallel if args.world is None else args.world
+        if world < 1:
+            raise ValueError(f"--world: must be >= 1 ranks, got {world}")
         dims, gas = check_start(cfg, world)
         capacity = parse_bytes(args.gpu_mem)
     except (ConfigError, ValueError) as err:
