@@ -136,7 +136,28 @@ def load_manifest(source: str) -> Manifest:
         raise ManifestError(f"manifest {url!r} is malformed: missing {exc}") from exc
     if not shards:
         raise ManifestError(f"manifest {url!r} lists no shards")
+    _check_paths_and_totals(manifest, doc)
     return manifest
+
+
+def _check_paths_and_totals(manifest: Manifest, doc: dict[str, Any]) -> None:
+    """Refuse shard paths that leave the manifest's directory (absolute, a URL, or with `..`) and
+    recorded totals that disagree with the shard entries: either means the file was edited."""
+    for entry in manifest.shards:
+        path = str(entry["path"])
+        parts = path.replace("\\", "/").split("/")
+        if path.startswith("/") or "://" in path or ".." in parts or not path:
+            raise ManifestError(
+                f"manifest {manifest.url!r}: shard path {path[:80]!r} must be relative and stay inside "
+                "the dataset directory"
+            )
+    recorded = {"total_tokens": manifest.total_tokens, "total_documents": manifest.total_documents,
+                "num_shards": len(manifest.shards)}
+    for key, actual in recorded.items():
+        if key in doc and doc[key] != actual:
+            raise ManifestError(
+                f"manifest {manifest.url!r}: {key} is {str(doc[key])[:80]!r} but its shards give {actual!r}"
+            )
 
 
 def save_manifest(manifest: Manifest, output: str) -> str:

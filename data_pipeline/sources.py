@@ -150,7 +150,10 @@ def _parquet_documents(f: BinaryIO, unit: Unit, text_field: str) -> Iterator[Doc
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(f)
+    try:
+        pf = pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{unit.url}: not a readable parquet file: {exc}") from exc
     schema = pf.schema_arrow
     if text_field not in schema.names:
         raise ValueError(f"{unit.url}: no column {text_field!r}; the file's columns are {schema.names}")
@@ -160,7 +163,10 @@ def _parquet_documents(f: BinaryIO, unit: Unit, text_field: str) -> Iterator[Doc
     first, stop = unit.row_groups or (0, pf.num_row_groups)
     row = sum(pf.metadata.row_group(rg).num_rows for rg in range(first))
     for rg in range(first, stop):
-        column = pf.read_row_group(rg, columns=[text_field]).column(0).cast(pa.large_binary())
+        try:
+            column = pf.read_row_group(rg, columns=[text_field]).column(0).cast(pa.large_binary())
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"{unit.url}: row group {rg}: cannot be read: {exc}") from exc
         for value in column.to_pylist():
             yield Document(value or b"", unit.url, row)
             row += 1
@@ -209,6 +215,8 @@ def read_unit(unit: Unit, text_field: str = "text") -> Iterator[Document]:
                     continue
                 try:
                     record = json.loads(raw)
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"{url}:{lineno}: not valid UTF-8 at byte {exc.start} of the line") from exc
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{url}:{lineno}: invalid JSON: {exc}") from exc
                 if not isinstance(record, dict) or not isinstance(record.get(text_field), str):

@@ -13,6 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 from data_pipeline.build import build_shards
 from data_pipeline.shards import ManifestError, ShardError
 from data_pipeline.sources import expand_inputs
+from data_pipeline.verify import verify_shards
 from data_pipeline.stream import PackedStream, StreamLoader, TokenizerMismatchError
 
 
@@ -74,6 +75,7 @@ def test_swapped_shard_sha_mismatch(shards: Path) -> None:
 def test_manifest_counts_disagree_with_shard(shards: Path) -> None:
     doc = _manifest(shards)
     doc["shards"][0]["tokens"] += 1
+    doc["total_tokens"] += 1  # the totals agree, so the shard itself is what disagrees
     (shards / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(ShardError, match=r"shard-000000\.tar.*manifest says"):
         _read_all(shards)
@@ -177,6 +179,49 @@ def test_range_reads_detect_truncation_and_bad_counts(shards: Path) -> None:
         _read_all(shards, read="range", verify=False)
     doc = _manifest(shards)
     doc["shards"][0]["documents"] += 1
+    doc["total_documents"] += 1  # the totals agree, so the shard itself is what disagrees
     (shards / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(ShardError, match=r"shard-000000\.tar.*manifest says"):
         _read_all(shards, read="range", verify=False)
+
+
+@pytest.mark.parametrize(("key", "delta"), [("total_tokens", 1), ("total_documents", -1), ("num_shards", 1)])
+def test_edited_manifest_total_is_refused(shards: Path, key: str, delta: int) -> None:
+    doc = _manifest(shards)
+    doc[key] += delta
+    (shards / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match=f"{key} is .* but its shards give"):
+        _read_all(shards)
+    with pytest.raises(ManifestError, match=key):
+        verify_shards(str(shards))
+
+
+@pytest.mark.parametrize("path", ["../outside.tar", "/etc/passwd", "sub/../../x.tar", "file:///tmp/x.tar"])
+def test_manifest_shard_path_must_stay_inside_the_dataset(shards: Path, path: str) -> None:
+    doc = _manifest(shards)
+    doc["shards"][0]["path"] = path
+    (shards / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="must be relative and stay inside"):
+        _read_all(shards)
+
+
+def test_jsonl_with_invalid_utf8_names_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "ok"}\n{"text": "\xff\xfe"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: not valid UTF-8"):
+        build_shards([str(tmp_path / "bad.jsonl")], str(tmp_path / "out"))
+
+
+def test_corrupt_parquet_names_the_file(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": ["a" * 50] * 20}), path, row_group_size=10)
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 this is not parquet at all PAR1")
+    with pytest.raises(ValueError, match=r"junk\.parquet: not a readable parquet file"):
+        build_shards([str(tmp_path / "junk.parquet")], str(tmp_path / "out1"))
+    data = bytearray(path.read_bytes())
+    data[8:200] = b"\x00" * 192  # the first row group's pages, the footer intact
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"docs\.parquet: row group 0: cannot be read"):
+        build_shards([str(path)], str(tmp_path / "out2"))
