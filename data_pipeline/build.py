@@ -231,6 +231,7 @@ def plan_build(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     text_field: str = "text",
     part_bytes: int = DEFAULT_PART_BYTES,
+    follow_symlinks: bool = False,
 ) -> BuildPlan:
     """Expand the inputs and cut them into parts (see the module docstring); reads no documents."""
     if shard_tokens < 1:
@@ -238,7 +239,7 @@ def plan_build(
     if part_bytes < 1:
         raise ValueError("part_bytes must be >= 1")
     tok = load_tokenizer(tokenizer)
-    paths = expand_inputs(inputs)
+    paths = expand_inputs(inputs, follow_symlinks)
     parts: list[list[Unit]] = [[]]
     size = 0
     for unit in split_units(paths, part_bytes):
@@ -375,6 +376,7 @@ def build_shards(
     text_field: str = "text",
     progress: bool = False,
     part_bytes: int = DEFAULT_PART_BYTES,
+    follow_symlinks: bool = False,
 ) -> Manifest:
     """Tokenize ``inputs`` into shards under ``output`` and write ``output/manifest.json`` in one process.
 
@@ -383,7 +385,7 @@ def build_shards(
     interrupted build with the same plan are reused. Returns the written manifest. Raises
     ``ValueError`` when no non-empty document was found.
     """
-    plan = plan_build(inputs, output, tokenizer, shard_tokens, text_field, part_bytes)
+    plan = plan_build(inputs, output, tokenizer, shard_tokens, text_field, part_bytes, follow_symlinks)
     build_parts(plan, workers, progress=progress)
     return merge_parts(plan)
 
@@ -401,9 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-tasks", type=int, default=1, help="build split over this many tasks")
     parser.add_argument("--task-index", type=int, default=0, help="which task this is (0-based)")
     parser.add_argument("--merge", action="store_true", help="only write the manifest from finished parts")
+    parser.add_argument("--follow-symlinks", action="store_true",
+                        help="read files that symlinks in an input directory lead to outside it")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    plan = plan_build(args.input, args.output, args.tokenizer, args.shard_tokens, args.text_field, args.part_bytes)
+    plan = plan_build(args.input, args.output, args.tokenizer, args.shard_tokens, args.text_field,
+                      args.part_bytes, args.follow_symlinks)
     if args.num_tasks > 1 and not args.merge:
         built = build_parts(plan, args.workers, args.num_tasks, args.task_index, progress=not args.no_progress)
         print(f"task {args.task_index}/{args.num_tasks}: built parts {built} of {len(plan.parts)}; merge with --merge")

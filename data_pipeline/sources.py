@@ -21,12 +21,14 @@ the wrong files cannot turn into shards of binary garbage. Paths may be local, `
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 _GLOB_CHARS = "*?["
 TEXT_FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".json": "jsonl"}
@@ -90,14 +92,23 @@ def _is_corpus_file(path: str) -> bool:
     return True
 
 
-def expand_inputs(inputs: Sequence[str]) -> list[tuple[str, int]]:
+def _inside(fs: fsspec.AbstractFileSystem, directory: str, found: str) -> bool:
+    """Whether `found` (below local `directory`) really lies inside it once symlinks are resolved."""
+    if not isinstance(fs, LocalFileSystem):
+        return True  # object stores have no symlinks
+    root = os.path.realpath(directory)
+    return os.path.commonpath([root, os.path.realpath(found)]) == root
+
+
+def expand_inputs(inputs: Sequence[str], follow_symlinks: bool = False) -> list[tuple[str, int]]:
     """Expand files, directories, globs and URLs into a sorted, de-duplicated ``[(url, size)]``.
 
     A directory contributes the corpus files below it (the accepted formats) and ignores others;
     a named or globbed file of another format is an error naming it. The order is deterministic
     (sorted within each input, inputs in the given order) so that the same inputs always produce
     the same document order and therefore identical shards. An input that matches nothing is an
-    error naming it.
+    error naming it. A symlink that leads out of an input directory is an error naming it unless
+    ``follow_symlinks``: a directory handed over as a corpus should not pull in files from elsewhere.
     """
     seen: set[str] = set()
     out: list[tuple[str, int]] = []
@@ -107,6 +118,10 @@ def expand_inputs(inputs: Sequence[str]) -> list[tuple[str, int]]:
             matches = sorted(fs.glob(path))
         elif fs.isdir(path):
             matches = sorted(m for m in fs.find(path) if _is_corpus_file(m))
+            outside = [m for m in matches if not follow_symlinks and not _inside(fs, path, m)]
+            if outside:
+                raise ValueError(f"input {spec!r}: {outside[0]} is a symlink leading out of the directory "
+                                 "(pass --follow-symlinks to read it)")
         elif fs.exists(path):
             matches = [path]
         else:

@@ -172,3 +172,17 @@ def test_jsonl_lines_longer_than_a_read(tmp_path: Path) -> None:
     (tmp_path / "long.jsonl.xz").write_bytes(lzma.compress(_jsonl(texts), preset=0))
     m = build_shards([str(tmp_path / "long.jsonl.xz")], str(tmp_path / "out"))
     assert m.total_documents == 3 and _tokens(tmp_path / "out") == "".join(texts).encode()
+
+
+def test_symlink_out_of_an_input_directory_is_refused_unless_asked(tmp_path: Path) -> None:
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    corpus.mkdir()
+    elsewhere.mkdir()
+    (corpus / "a.txt").write_text("inside")
+    (elsewhere / "secret.txt").write_text("outside")
+    (corpus / "link.txt").symlink_to(elsewhere / "secret.txt")
+    (corpus / "inner.txt").symlink_to(corpus / "a.txt")  # a link that stays inside is fine
+    with pytest.raises(ValueError, match=r"link\.txt is a symlink leading out of the directory"):
+        expand_inputs([str(corpus)])
+    names = sorted(Path(url).name for url, _ in expand_inputs([str(corpus)], follow_symlinks=True))
+    assert names == ["a.txt", "inner.txt", "link.txt"]
