@@ -43,6 +43,7 @@ from fsspec.core import url_to_fs
 from tqdm import tqdm
 
 from data_pipeline.shards import MANIFEST_NAME, Manifest, encode_shard, join_url, save_manifest, sha256_hex
+from data_pipeline.errors import DATA_ERRORS, report_data_error
 from data_pipeline.sources import Document, Unit, expand_inputs, read_unit, split_units
 from data_pipeline.tokenizer import Tokenizer, load_tokenizer
 
@@ -407,6 +408,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="read files that symlinks in an input directory lead to outside it")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except DATA_ERRORS as err:
+        return report_data_error(err)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The build `main` asks for, raising on bad input."""
     plan = plan_build(args.input, args.output, args.tokenizer, args.shard_tokens, args.text_field,
                       args.part_bytes, args.follow_symlinks)
     if args.num_tasks > 1 and not args.merge:

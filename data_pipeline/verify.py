@@ -2,7 +2,8 @@
 
 Reads every shard through fsspec, checks its sha256, tar/npy structure and token/document counts,
 and prints one line per problem (each naming the shard). Exit status 0 when all shards are good,
-1 otherwise. Useful after copying a dataset to an object store; training checks each shard again
+2 otherwise (a bad shard, or a manifest that cannot be read, points outside its directory or
+records totals its shards do not add up to). Useful after copying a dataset to an object store; training checks each shard again
 when it reads it.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from data_pipeline.errors import DATA_ERRORS, report_data_error
 from data_pipeline.shards import ShardError, checked_shard, load_manifest, read_bytes, sha256_hex
 
 
@@ -32,16 +34,19 @@ def verify_shards(source: str, progress: bool = False) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: print problems, exit 1 if any."""
+    """CLI: print problems, exit 2 if any."""
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.verify", description=__doc__)
     parser.add_argument("manifest", help="manifest.json URL or the directory holding it")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    problems = verify_shards(args.manifest, progress=not args.no_progress)
+    try:
+        problems = verify_shards(args.manifest, progress=not args.no_progress)
+    except DATA_ERRORS as err:
+        return report_data_error(err)
     for line in problems:
         print(line)
     print(f"{len(problems)} problem(s) in {args.manifest}")
-    return 1 if problems else 0
+    return 2 if problems else 0
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def test_verify_cli_reports_each_bad_shard(shards: Path, capsys: pytest.CaptureF
     (shards / "shard-000001.tar").unlink()
     victim = shards / "shard-000003.tar"
     victim.write_bytes(victim.read_bytes()[:-600])
-    assert verify_main([str(shards), "--no-progress"]) == 1
+    assert verify_main([str(shards), "--no-progress"]) == 2
     out = capsys.readouterr().out
     assert "shard-000001.tar' is missing" in out and "shard-000003.tar': sha256 mismatch" in out
     assert "2 problem(s)" in out
@@ -225,3 +225,19 @@ def test_corrupt_parquet_names_the_file(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"docs\.parquet: row group 0: cannot be read"):
         build_shards([str(path)], str(tmp_path / "out2"))
+
+
+def test_data_clis_exit_2_with_one_line_naming_the_file(tmp_path: Path, shards: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from data_pipeline.build import main as build_main
+    from data_pipeline.verify import main as verify_main
+
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": oops}\n')
+    assert build_main(["--input", str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad.jsonl:2: invalid JSON" in err and "Traceback" not in err
+    doc = _manifest(shards)
+    doc["total_tokens"] += 5
+    (shards / "manifest.json").write_text(json.dumps(doc))
+    assert verify_main([str(shards), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "manifest.json" in err and "total_tokens" in err
