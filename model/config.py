@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from model.config_loader import ConfigError, build_config, read_tree
+from model.config_loader import ConfigError, build_config, check_range, read_tree
 
 ModelKind = Literal["transformer", "vort", "pl", "exp", "m5", "pmnet"]
 
@@ -53,17 +53,12 @@ class VortConfig:
 
     def __post_init__(self) -> None:
         for key in ("n_features", "n_banks", "soe_horizon", "probe_rank", "probe_classes", "alpha_bins", "chunk_size"):
-            value = getattr(self, key)
-            if value < 1:
-                raise ValueError(f"{key}: must be >= 1, got {value}")
-        if self.n_banks < 2:
-            raise ValueError(f"n_banks: must be >= 2 (interpolation needs two banks), got {self.n_banks}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta: must be in (0, 1), got {self.delta}")
+            check_range(key, getattr(self, key), low=1)
+        check_range("n_banks", self.n_banks, low=2, note=" (interpolation needs two banks)")
+        check_range("delta", self.delta, low=0, high=1, low_open=True, high_open=True)
         if not self.delta <= self.pl_alpha <= 1:
             raise ValueError(f"pl_alpha: must be in [delta={self.delta}, 1], got {self.pl_alpha}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+        check_range("temperature", self.temperature, low=0, low_open=True)
         if self.temperature > self.temperature_max:
             raise ValueError(f"temperature: must be <= temperature_max={self.temperature_max} (the bound that keeps "
                              f"the random features finite in fp32), got {self.temperature}")
@@ -71,12 +66,9 @@ class VortConfig:
             raise ValueError(f"readout: must be 'numden' or 'norm_gate', got {self.readout!r}")
         if self.temper is not None and self.temper < 1:
             raise ValueError(f"temper: must be a number of tokens >= 1 or null (no tempering), got {self.temper}")
-        if not 0 < self.soe_eps < 1:
-            raise ValueError(f"soe_eps: must be in (0, 1), got {self.soe_eps}")
-        if self.eps <= 0:
-            raise ValueError(f"eps: must be > 0, got {self.eps}")
-        if self.entity_aux_weight < 0:
-            raise ValueError(f"entity_aux_weight: must be >= 0 (0 disables it), got {self.entity_aux_weight}")
+        check_range("soe_eps", self.soe_eps, low=0, high=1, low_open=True, high_open=True)
+        check_range("eps", self.eps, low=0, low_open=True)
+        check_range("entity_aux_weight", self.entity_aux_weight, low=0, note=" (0 disables it)")
         if len(self.m5_timescales) != 5 or min(self.m5_timescales) <= 0:
             raise ValueError(f"m5_timescales: must be 5 positive numbers of tokens, got {self.m5_timescales}")
 
@@ -109,17 +101,11 @@ class PMNetConfig:
 
     def __post_init__(self) -> None:
         for key in ("window", "depth", "memory_dim", "segment_len"):
-            value = getattr(self, key)
-            if value < 1:
-                raise ValueError(f"{key}: must be >= 1, got {value}")
-        if self.memory_horizon < 0:
-            raise ValueError(f"memory_horizon: must be >= 0 (0: the phases are never reset), got {self.memory_horizon}")
-        if self.memory_every < 0:
-            raise ValueError(f"memory_every: must be >= 0 (0 disables the memory), got {self.memory_every}")
-        if self.branching < 2:
-            raise ValueError(f"branching: must be >= 2, got {self.branching}")
-        if self.route_temperature <= 0:
-            raise ValueError(f"route_temperature: must be > 0, got {self.route_temperature}")
+            check_range(key, getattr(self, key), low=1)
+        check_range("memory_horizon", self.memory_horizon, low=0, note=" (0: the phases are never reset)")
+        check_range("memory_every", self.memory_every, low=0, note=" (0 disables the memory)")
+        check_range("branching", self.branching, low=2)
+        check_range("route_temperature", self.route_temperature, low=0, low_open=True)
 
     @property
     def n_slots(self) -> int:
@@ -153,19 +139,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-            value = getattr(self, key)
-            if value < 1:
-                raise ValueError(f"{key}: must be >= 1, got {value}")
+            check_range(key, getattr(self, key), low=1)
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads: must divide d_model={self.d_model}, got {self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(f"n_heads: head dim d_model/n_heads must be even (rotary), got {self.n_heads}")
-        if self.mlp_ratio <= 0:
-            raise ValueError(f"mlp_ratio: must be > 0, got {self.mlp_ratio}")
-        if self.short_conv < 0:
-            raise ValueError(f"short_conv: must be a kernel size >= 1, or 0 for none, got {self.short_conv}")
-        if self.init_std <= 0:
-            raise ValueError(f"init_std: must be > 0, got {self.init_std}")
+        check_range("mlp_ratio", self.mlp_ratio, low=0, low_open=True)
+        check_range("short_conv", self.short_conv, low=0, note=" (0 for none)")
+        check_range("init_std", self.init_std, low=0, low_open=True)
 
     @property
     def head_dim(self) -> int:
