@@ -29,8 +29,7 @@ class RunSection:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name: must be a non-empty string")
-        if self.seed < 0:
-            raise ValueError(f"seed: must be >= 0, got {self.seed}")
+        check_range("seed", self.seed, low=0)
 
 
 @dataclasses.dataclass
@@ -43,8 +42,7 @@ class DataSource:
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("path: must name a shard directory or URL")
-        if self.weight <= 0:
-            raise ValueError(f"weight: must be > 0, got {self.weight}")
+        check_range("weight", self.weight, low=0, low_open=True)
 
 
 @dataclasses.dataclass
@@ -79,12 +77,9 @@ class DataSection:
     def __post_init__(self) -> None:
         if self.task is not None and self.train:
             raise ValueError("task: set either data.train (shards) or data.task (a synthetic task), not both")
-        if self.seq_len < 2:
-            raise ValueError(f"seq_len: must be >= 2, got {self.seq_len}")
-        if self.shuffle_buffer < 1:
-            raise ValueError(f"shuffle_buffer: must be >= 1, got {self.shuffle_buffer}")
-        if self.num_workers < 0:
-            raise ValueError(f"num_workers: must be >= 0, got {self.num_workers}")
+        check_range("seq_len", self.seq_len, low=2)
+        check_range("shuffle_buffer", self.shuffle_buffer, low=1)
+        check_range("num_workers", self.num_workers, low=0)
 
 
 @dataclasses.dataclass
@@ -144,12 +139,10 @@ class EngineSection:
     sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
-        if self.sequence_parallel < 1:
-            raise ValueError(f"sequence_parallel: must be >= 1 (ranks per sequence), got {self.sequence_parallel}")
+        check_range("sequence_parallel", self.sequence_parallel, low=1, note=" (ranks per sequence)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.dist_timeout_s <= 0:
-            raise ValueError(f"dist_timeout_s: must be > 0, got {self.dist_timeout_s}")
+        check_range("dist_timeout_s", self.dist_timeout_s, low=0, low_open=True)
 
 
 @dataclasses.dataclass
@@ -164,12 +157,9 @@ class CheckpointSection:
     resume: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ValueError(f"every: must be >= 0 (0 disables periodic saves), got {self.every}")
-        if self.keep_last < 1:
-            raise ValueError(f"keep_last: must be >= 1, got {self.keep_last}")
-        if self.milestone_every < 0:
-            raise ValueError(f"milestone_every: must be >= 0, got {self.milestone_every}")
+        check_range("every", self.every, low=0, note=" (0 disables periodic saves)")
+        check_range("keep_last", self.keep_last, low=1)
+        check_range("milestone_every", self.milestone_every, low=0)
 
 
 @dataclasses.dataclass
@@ -207,16 +197,13 @@ class EvalSection:
                 f"task_len: must be >= {synthetic.MIN_TASK_LEN} tokens (room for the tasks' prompts), "
                 f"got {self.task_len}"
             )
-        if self.task_examples < 1:
-            raise ValueError(f"task_examples: must be >= 1, got {self.task_examples}")
+        check_range("task_examples", self.task_examples, low=1)
         if any(synthetic.TASKS[t].needs_haystack for t in self.tasks) and not self.haystack:
             raise ValueError("haystack: the needle task needs a text file to hide the needle in")
-        if self.every < 0:
-            raise ValueError(f"every: must be >= 0 (0 disables evaluation), got {self.every}")
+        check_range("every", self.every, low=0, note=" (0 disables evaluation)")
         if not self.contexts or min(self.contexts) < 2:
             raise ValueError(f"contexts: must be a non-empty list of lengths >= 2, got {self.contexts}")
-        if self.max_tokens < 2:
-            raise ValueError(f"max_tokens: must be >= 2, got {self.max_tokens}")
+        check_range("max_tokens", self.max_tokens, low=2)
 
 
 @dataclasses.dataclass
