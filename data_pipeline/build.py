@@ -42,8 +42,8 @@ import numpy as np
 from fsspec.core import url_to_fs
 from tqdm import tqdm
 
-from data_pipeline.shards import MANIFEST_NAME, Manifest, encode_shard, join_url, save_manifest, sha256_hex
 from data_pipeline.errors import DATA_ERRORS, report_data_error
+from data_pipeline.shards import MANIFEST_NAME, Manifest, encode_shard, join_url, save_manifest, sha256_hex
 from data_pipeline.sources import Document, Unit, expand_inputs, read_unit, split_units
 from data_pipeline.tokenizer import Tokenizer, load_tokenizer
 

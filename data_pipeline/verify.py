@@ -3,8 +3,8 @@
 Reads every shard through fsspec, checks its sha256, tar/npy structure and token/document counts,
 and prints one line per problem (each naming the shard). Exit status 0 when all shards are good,
 2 otherwise (a bad shard, or a manifest that cannot be read, points outside its directory or
-records totals its shards do not add up to). Useful after copying a dataset to an object store; training checks each shard again
-when it reads it.
+records totals its shards do not add up to). Useful after copying a dataset to an object store;
+training checks each shard again when it reads it.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class _StrictLoader(yaml.SafeLoader):
 
 def parse_yaml(text: str) -> Any:
     """YAML text as plain data, refusing aliases and duplicate keys (raises yaml.YAMLError)."""
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=_StrictLoader)
 
 
 # ----------------------------------------------------------------------------- reading YAML

@@ -10,6 +10,7 @@ import logging
 import pickle
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import warnings
@@ -23,7 +24,7 @@ from pretrain.checkpoint.consolidate import resolve_checkpoint
 from pretrain.checkpoint.dcp_format import safe_load
 from pretrain.checkpoint.layout import MANIFEST, CheckpointError
 from pretrain.checkpoint.manifest import manifest_for, verify
-from pretrain.config import ConfigError, config_text, load_config
+from pretrain.config import ConfigError, config_from_dict, config_text, config_to_dict, load_config
 from pretrain.export import ExportError, export
 from pretrain.export import main as export_main
 from pretrain.init_from import read_initial_weights
@@ -248,3 +249,28 @@ def test_init_from_and_export_fall_back_past_a_checkpoint_that_does_not_load(run
     assert json.loads((exported / "config.json").read_text())["recurrent_export"]["step"] == 1
     with pytest.raises(ExportError, match=r"step_00000002/engine: holds no engine payload"):
         export(newest, tmp_path / "export_newest")
+
+
+def test_export_contacts_nothing_a_checkpoint_config_names(run_dir: Path, tmp_path: Path) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    step_dir = copy / "checkpoints" / "step_00000002"
+    cfg = config_to_dict(load_config(str(REPO / "configs" / "tiny.yaml"), ["model.d_model=32", "model.n_layers=1"]))
+    cfg["data"]["train"] = [{"path": f"{url}/shards", "weight": 1.0}]
+    (step_dir / "config.yaml").write_text(config_text(config_from_dict(cfg)))
+    reseal(step_dir)
+    exported = export(step_dir, tmp_path / "bytes")  # byte tokenizer: only the data fingerprint is remote
+    assert "not computed" in json.loads((exported / "config.json").read_text())["recurrent_export"]["data_fingerprint"]
+    cfg["data"]["tokenizer"] = f"{url}/sp.model"
+    (step_dir / "config.yaml").write_text(config_text(config_from_dict(cfg)))
+    reseal(step_dir)
+    with pytest.raises(ExportError, match=r"data.tokenizer=.*remote .*--allow-network"):
+        export(step_dir, tmp_path / "sp")
+    with pytest.raises(BlockingIOError):  # nobody knocked
+        listener.accept()
+    listener.close()

@@ -190,7 +190,9 @@ def test_every_float_rejects_nan_and_infinity(base: Path, key: str, value: str) 
     assert key in str(err.value) and "<command line>" in str(err.value)
 
 
-@pytest.mark.parametrize("override", ["train.eps=0", "train.eps=1.5", "train.eps=-1e-8", "train.beta1=1", "train.beta2=-0.1"])
+@pytest.mark.parametrize(
+    "override", ["train.eps=0", "train.eps=1.5", "train.eps=-1e-8", "train.beta1=1", "train.beta2=-0.1"]
+)
 def test_eps_and_betas_are_range_checked(base: Path, override: str) -> None:
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

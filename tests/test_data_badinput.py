@@ -13,8 +13,8 @@ from fsspec.implementations.local import LocalFileSystem
 from data_pipeline.build import build_shards
 from data_pipeline.shards import ManifestError, ShardError
 from data_pipeline.sources import expand_inputs
-from data_pipeline.verify import verify_shards
 from data_pipeline.stream import PackedStream, StreamLoader, TokenizerMismatchError
+from data_pipeline.verify import verify_shards
 
 
 @pytest.fixture
@@ -227,7 +227,9 @@ def test_corrupt_parquet_names_the_file(tmp_path: Path) -> None:
         build_shards([str(path)], str(tmp_path / "out2"))
 
 
-def test_data_clis_exit_2_with_one_line_naming_the_file(tmp_path: Path, shards: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_data_clis_exit_2_with_one_line_naming_the_file(
+    tmp_path: Path, shards: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from data_pipeline.build import main as build_main
     from data_pipeline.verify import main as verify_main
 

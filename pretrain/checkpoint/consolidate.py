@@ -74,7 +74,10 @@ def load_newest(path: str | Path, reader: str) -> tuple[Path, RunConfig, CausalL
     first_error = None
     for step_dir in iter_checkpoints(path):
         try:
-            verify_local(step_dir)  # again: a step directory named directly has not been yet
+            try:
+                verify_local(step_dir)  # again: a step directory named directly has not been yet
+            except CheckpointError as err:
+                raise CheckpointError(f"{step_dir}: checkpoint failed verification: {err}") from err
             cfg = read_run_config(step_dir)
             return step_dir, cfg, consolidate(step_dir, cfg)
         except CheckpointError as err:

@@ -19,9 +19,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--checkpoint", required=True, help="step directory, checkpoints directory or run directory")
     parser.add_argument("--out", required=True, help="export directory (created)")
+    parser.add_argument("--allow-network", action="store_true",
+                        help="read remote paths the checkpoint's config names (tokenizer, data manifests)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out)
+        out = export(args.checkpoint, args.out, args.allow_network)
     except (ExportError, CheckpointError) as err:
         get_logger().debug("export failed", exc_info=True)
         print(f"error: {one_line(str(err))}", file=sys.stderr)

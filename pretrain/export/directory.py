@@ -27,12 +27,14 @@ def write_export(
     out: str | Path,
     training: dict[str, Any] | None = None,
     evals: dict[str, float] | None = None,
+    allow_network: bool = False,
 ) -> Path:
     """Write `model` (built from `cfg.model`) as an export directory. `training` adds provenance
-    (checkpoint, step, tokens_seen) and `evals` the metrics shown in the model card."""
+    (checkpoint, step, tokens_seen) and `evals` the metrics shown in the model card; remote paths
+    in `cfg` (tokenizer, data manifests) are read only under `allow_network`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = write_tokenizer(out, cfg.data.tokenizer)
+    tokenizer = write_tokenizer(out, cfg.data.tokenizer, allow_network)
     provenance = {
         "format": EXPORT_FORMAT,
         "checkpoint": None,
@@ -42,7 +44,7 @@ def write_export(
         **(training or {}),
         "parameters": model.num_parameters(),
         "tokenizer": tokenizer["kind"] if tokenizer["kind"] == "bytes" else cfg.data.tokenizer,
-        "data_fingerprint": data_fingerprint(cfg),
+        "data_fingerprint": data_fingerprint(cfg, allow_network),
     }
     save_model(model, str(out / WEIGHTS), metadata={"format": "pt"})
     (out / CONFIG).write_text(json.dumps(hf_config(cfg, tokenizer, provenance), indent=1) + "\n")
@@ -51,9 +53,10 @@ def write_export(
     return out
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
+def export(checkpoint: str | Path, out: str | Path, allow_network: bool = False) -> Path:
     """Write the export directory of the newest checkpoint `checkpoint` means that verifies and
-    consolidates (pretrain.checkpoint.consolidate.load_newest); returns it."""
+    consolidates (pretrain.checkpoint.consolidate.load_newest); returns it. Nothing its config
+    names is fetched over the network unless `allow_network`."""
     try:
         step_dir, cfg, model = load_newest(checkpoint, "export")
     except CheckpointError as err:
@@ -65,7 +68,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         raise ExportError(f"{step_dir / 'trainer_state.json'}: {err}") from err
     step = int(trainer.get("step", 0))
     training = {"checkpoint": str(step_dir.resolve()), "step": step, "tokens_seen": int(trainer.get("tokens_seen", 0))}
-    return write_export(model, cfg, out, training, eval_metrics(step_dir, cfg, step))
+    return write_export(model, cfg, out, training, eval_metrics(step_dir, cfg, step), allow_network)
 
 
 def read_export_config(export_dir: str | Path) -> dict[str, Any]:

@@ -9,18 +9,29 @@ from typing import Any
 
 import fsspec
 
+from pretrain.checkpoint.manifest import is_local
 from pretrain.config import RunConfig, config_to_dict
 from pretrain.export.layout import SENTENCEPIECE_FILE, TOKENIZER_CONFIG, TOKENIZER_JSON, ExportError
 
 TOKENIZER_CLASS = "RecurrentTokenizer"
 
 
-def write_tokenizer(out: Path, spec: str) -> dict[str, Any]:
+def refuse_remote(url: str, key: str, allow_network: bool) -> None:
+    """Export reads nothing over the network that a checkpoint's config names unless the user asked
+    (`--allow-network`): a config is a file anyone may have written, and a URL in it would make the
+    export contact whatever host it names."""
+    if not allow_network and not is_local(url):
+        raise ExportError(f"{key}={url!r}: a remote path named by the checkpoint's config; export contacts "
+                          "nothing unless asked (python -m pretrain.export --allow-network)")
+
+
+def write_tokenizer(out: Path, spec: str, allow_network: bool = False) -> dict[str, Any]:
     """recurrent_tokenizer.json describing the run's tokenizer, tokenizer_config.json for
     transformers' AutoTokenizer (whose class, tokenization_recurrent.py, wraps the project's own
     tokenizer) and, for sentencepiece runs, a copy of the model."""
     from data_pipeline.tokenizer import load_tokenizer
 
+    refuse_remote(spec, "data.tokenizer", allow_network)
     try:
         tok = load_tokenizer(spec)
     except (OSError, ValueError) as err:
@@ -58,10 +69,12 @@ def tokenizer_config() -> dict[str, Any]:
     }
 
 
-def data_fingerprint(cfg: RunConfig) -> str:
+def data_fingerprint(cfg: RunConfig, allow_network: bool = False) -> str:
     """sha256 over the training sources' manifests (path, weight, manifest bytes), or a note."""
     digest = hashlib.sha256()
     for source in cfg.data.train:
+        if not allow_network and not is_local(source.path):
+            return f"not computed ({source.path} is remote; python -m pretrain.export --allow-network reads it)"
         try:
             with fsspec.open(source.path.rstrip("/") + "/manifest.json", "rb") as f:
                 manifest = f.read()
