@@ -57,12 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("config error: %s", err)
         return EXIT_BAD_INPUT
 
+    from data_pipeline.shards import ManifestError, ShardError
     from pretrain.checkpoint.layout import CheckpointError
     from pretrain.trainer import DataError, RunLockedError, train
 
     try:
         return train(cfg, resume=args.resume, preempted_marker=args.preempted_marker)
-    except (DataError, ConfigError, RunLockedError, CheckpointError) as err:
+    except (DataError, ConfigError, RunLockedError, CheckpointError, ManifestError, ShardError) as err:
         log.debug("stopped on bad input", exc_info=True)
         log.error("%s", " ".join(str(err).split()))
         return EXIT_BAD_INPUT

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,18 @@ def test_bad_input_stops_before_compute(tmp_path: Path, demo_shards: dict[str, s
     message = run_bad(["--config", TINY, *ok, "data.tokenizer=some.model"], capsys, run)
     assert "data.tokenizer" in message and "some.model" in message
 
+
+
+def test_an_edited_manifest_stops_the_start_with_exit_2(tmp_path: Path, demo_shards: dict[str, str], capsys) -> None:
+    train = tmp_path / "train"
+    shutil.copytree(demo_shards["train"], train)
+    manifest = json.loads((train / "manifest.json").read_text())
+    manifest["total_tokens"] += 1
+    (train / "manifest.json").write_text(json.dumps(manifest))
+    run = tmp_path / "run"
+    message = run_bad(["--config", TINY, *data_overrides({**demo_shards, "train": str(train)}, run)], capsys, run)
+    assert str(train) in message and "total_tokens" in message
+    assert len([line for line in message.splitlines() if "ERROR" in line]) == 1
 
 
 def test_short_single_process_run_learns_and_writes_run_dir(tmp_path: Path, demo_shards: dict[str, str]) -> None:
