@@ -97,6 +97,26 @@ PLANTS = [
 ]
 
 
+def resume_fsdp_payload(engine_dir: Path, tmp_path: Path) -> None:
+    """What FSDPEngine.load does with `engine_dir` (load_dcp_state), here on an unsharded module:
+    it must refuse the planted file with a CheckpointError naming the directory."""
+    import torch.distributed as dist
+
+    from model import build_model
+    from pretrain.checkpoint.dcp_format import load_dcp_state
+    from pretrain.engines import TrainModule
+
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["model.d_model=32", "model.n_layers=1"])
+    module = TrainModule(build_model(cfg.model))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(CheckpointError, match=re.escape(str(engine_dir))), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_dcp_state(str(engine_dir), module, torch.optim.AdamW(module.parameters()))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(("plant", "fsdp"), PLANTS)
 def test_planted_payload_runs_nowhere_and_is_named(
     plant: str, fsdp: bool, run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -110,7 +130,9 @@ def test_planted_payload_runs_nowhere_and_is_named(
         assert len(err.strip().splitlines()) == 1 and str(step_dir / "engine") in err, err
         with pytest.raises(ConfigError, match=r"init\.from: .*engine"):
             read_initial_weights(str(step_dir))
-    if not fsdp:  # resume through the single engine; an FSDP engine needs a process group
+    if fsdp:  # resume through the FSDP engine's reader, in a process group of one
+        resume_fsdp_payload(step_dir / "engine", tmp_path)
+    if not fsdp:
         ckpt = Checkpointer(str(copy / "checkpoints"), tmp_path / "stage", 5, 0, False)
         with pytest.raises(CheckpointError, match=re.escape(str(step_dir / plant))):
             ckpt.resume(str(step_dir), make_engine(1))
