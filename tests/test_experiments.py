@@ -21,6 +21,7 @@ from experiments import EXPERIMENTS
 from experiments.runner import Experiment, ExperimentError, Family, subset_name
 from launch.experiment import main
 from model import build_model
+from pretrain.checkpoint.manifest import manifest_for
 from pretrain.config import ConfigError, load_config
 from pretrain.data import make_task_data
 from pretrain.preflight import DataError
@@ -163,6 +164,10 @@ def test_a_run_from_before_a_new_option_is_reused(tmp_path: Path, monkeypatch: p
         config = yaml.safe_load(saved.read_text())
         del config["model"]["pmnet"]["memory_horizon"]
         saved.write_text(yaml.safe_dump(config))
+    for manifest in run.dir.rglob("checkpoints/step_*/manifest.json"):  # as the old run wrote them
+        step = json.loads(manifest.read_text())["step"]
+        manifest.unlink()
+        manifest.write_text(json.dumps(manifest_for(manifest.parent, step)))
     monkeypatch.setattr(pretrain.trainer, "train", lambda *_a, **_k: pytest.fail("the run was trained again"))
     assert experiment.train(family, 0, tmp_path, quick=True).dir == run.dir
 
