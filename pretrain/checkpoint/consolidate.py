@@ -74,10 +74,11 @@ def load_newest(path: str | Path, reader: str) -> tuple[Path, RunConfig, CausalL
     first_error = None
     for step_dir in iter_checkpoints(path):
         try:
-            try:
-                verify_local(step_dir)  # again: a step directory named directly has not been yet
-            except CheckpointError as err:
-                raise CheckpointError(f"{step_dir}: checkpoint failed verification: {err}") from err
+            if step_dir == Path(path):  # iter_checkpoints verified the others; this one it only named
+                try:
+                    verify_local(step_dir)
+                except CheckpointError as err:
+                    raise CheckpointError(f"{step_dir}: checkpoint failed verification: {err}") from err
             cfg = read_run_config(step_dir)
             return step_dir, cfg, consolidate(step_dir, cfg)
         except CheckpointError as err:
