@@ -15,6 +15,7 @@ from model.config_loader import ConfigError
 from pretrain.checkpoint.consolidate import load_newest
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.config import RunConfig
+from pretrain.engines import engine_class
 from pretrain.export.layout import CONFIG, EXPORT_FORMAT, WEIGHTS, ExportError
 from pretrain.export.metadata import data_fingerprint, eval_metrics, hf_config, model_card, write_tokenizer
 from pretrain.export.remote_code import write_code
@@ -38,7 +39,7 @@ def write_export(
     provenance = {
         "format": EXPORT_FORMAT,
         "checkpoint": None,
-        "engine": cfg.engine.kind + (f" zero_stage={cfg.engine.zero_stage}" if cfg.engine.kind == "deepspeed" else ""),
+        "engine": engine_class(cfg).describe(cfg),
         "step": 0,
         "tokens_seen": 0,
         **(training or {}),
