@@ -189,15 +189,18 @@ class VortLayer(nn.Module):
         fq = self.features(F.normalize(q.to(dt), dim=-1) * scale)
         fk = self.features(F.normalize(k.to(dt), dim=-1) * scale)
         coef, log_lam = self.memory(x)
+        # the scan's operands in the run dtype (bf16 under engine.precision=bf16); its decays, state
+        # and sums stay fp32 (docs/kernels.md, "Precision")
+        fq, fk, v, coef = (t.to(x.dtype) for t in (fq, fk, v, coef))
         initial = None if state is None else (state.G, state.b)
         if sp is not None:  # the state entering this piece is combined from the earlier ranks' states
-            num, den, final = soe_scan_sequence_parallel(fq, fk, v.to(dt), coef, log_lam, sp.group, None, True,
+            num, den, final = soe_scan_sequence_parallel(fq, fk, v, coef, log_lam, sp.group, None, True,
                                                          self.chunk_size, self.backend, reset=doc_start)
         else:
-            num, den, final = kernels.soe_scan(fq, fk, v.to(dt), coef, log_lam, initial_state=initial,
+            num, den, final = kernels.soe_scan(fq, fk, v, coef, log_lam, initial_state=initial,
                                                output_final_state=True, chunk_size=self.chunk_size,
                                                backend=self.backend, reset=doc_start)
-        y = self.readout(num, den, x).to(x.dtype)
+        y = self.readout(num.to(dt), den.to(dt), x).to(x.dtype)
         return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], next_offset(offset, T, doc_start))
 
     def extra_forward_flops(self) -> float:

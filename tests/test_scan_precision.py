@@ -1,0 +1,77 @@
+"""The scans' operand dtypes under bf16 (docs/kernels.md, "Precision") and the precision benchmark."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import kernels
+from model import build_model
+from model.config import ModelConfig, PMNetConfig, VortConfig
+
+VORT = ModelConfig(
+    kind="vort", vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq_len=256,
+    vort=VortConfig(n_features=8, n_banks=4, soe_horizon=256, chunk_size=8, probe_rank=4, probe_classes=16),
+)
+PMNET = ModelConfig(
+    kind="pmnet", vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq_len=256,
+    pmnet=PMNetConfig(window=4, memory_every=1, branching=2, depth=2, memory_dim=4, segment_len=8),
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def spied(monkeypatch: pytest.MonkeyPatch, name: str) -> list[dict[str, torch.dtype]]:
+    """Replace kernels.<name> by a wrapper that records the dtype of every tensor argument by name."""
+    real, calls = getattr(kernels, name), []
+    names = {"soe_scan": ("q", "k", "v", "coef", "log_lam"), "phasor_scan": ("delta", "slots")}[name]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        seen = dict(zip(names, args)) | kwargs
+        calls.append({k: t.dtype for k, t in seen.items() if isinstance(t, torch.Tensor)}
+                     | {f"{k}.{i}": t.dtype for k, v in seen.items() if isinstance(v, tuple)
+                        for i, t in enumerate(v)})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("precision", [torch.bfloat16, torch.float32])
+def test_a_vort_model_hands_the_scan_operands_in_its_dtype_and_decays_in_fp32(
+    monkeypatch: pytest.MonkeyPatch, precision: torch.dtype
+) -> None:
+    calls = spied(monkeypatch, "soe_scan")
+    torch.manual_seed(0)
+    model = build_model(VORT).to(precision)
+    ids = torch.randint(0, 32, (2, 24))
+    state = model.init_state(2)  # a carried state: fp32, as the scans keep it
+    loss, _ = model.loss(ids[:, :-1], ids[:, 1:], state)
+    loss.backward()
+    assert len(calls) == VORT.n_layers
+    for call in calls:
+        assert {call[n] for n in ("q", "k", "v", "coef")} == {precision}, call
+        assert call["log_lam"] == call["initial_state.0"] == call["initial_state.1"] == torch.float32, call
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_a_pmnet_model_hands_the_phasor_scan_fp32_increments_under_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 increments drift by a large part of a radian over long sequences (benchmarks.scan_precision's
+    phase table), so PMNet keeps them fp32 whatever the run dtype."""
+    calls = spied(monkeypatch, "phasor_scan")
+    torch.manual_seed(0)
+    model = build_model(PMNET).bfloat16()
+    assert model.blocks[0].memory.write.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 32, (2, 24))
+    loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    assert calls and all(c["delta"] == c["initial_state"] == torch.float32 for c in calls), calls
