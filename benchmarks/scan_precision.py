@@ -1,0 +1,214 @@
+"""What bf16 scan operands cost in precision: error tables by length, and a training comparison.
+
+    python -m benchmarks.scan_precision table --T 4096,32768,131072,524288
+    python -m benchmarks.scan_precision training --steps 300 --seeds 1,2,3 --out docs/results/scan_bf16_training.json
+
+``table``, the SOE scan: inputs drawn in float64 and rounded to bf16, then run through the chunked CPU
+path twice, with bf16 operands (what a bf16 model hands it; the CPU path computes in fp32 and returns
+outputs and gradients in bf16) and with the same values in fp32; each against the float64 run on the
+same rounded values. Printed per length: the norm-wise relative error of the outputs o and z and of the
+gradients of q, k, v, coef and log_lam (one backward with random output gradients). Shape B=1, H=1,
+F=D=64 and S=18 terms (the shipped VORT's tiles), decays exp(-1/tau) with tau geometric from 1 to 1e6
+tokens and coefficients tau^-0.5 (a power law) times uniform(0.5, 1.5) per token.
+
+``table``, the phasor scan: every token writes one slot (as the root level does in PMNet) M=16 phase
+increments pi*tanh(x), x ~ N(0, 1), drawn in float64; the scan runs on them rounded to fp32 and to bf16,
+and the read phases are compared with the exact float64 sums: the largest circular error (radians) at
+each length. bf16 increments drift by a large part of a radian, so PMNet keeps them fp32.
+
+``training``: configs/tiny-vort.yaml on two demo plays (byte shards built in a scratch directory), once
+as it is and once with the SOE scan's operands q, k, v, coef and its outputs o, z rounded to bf16 (the
+gradients through them too) with the rest of the model fp32, for each seed; the same seed gives the
+same initial weights and data in both. Writes every logged loss and a summary (mean loss over the last
+quarter of the steps per seed and mode, the paired differences and the seed-to-seed spread) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kernels
+
+SOE_NAMES = ("o", "z", "dq", "dk", "dv", "dcoef", "dlog_lam")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def soe_inputs(seq_len: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(q, k, v, coef, log_lam) and the output gradients (d_o, d_z), float64; all but log_lam (which the
+    models pass in fp32) rounded to bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, feat, dim, terms = 1, 64, 64, 18
+    f64 = {"generator": gen, "dtype": torch.float64}
+    tau = torch.logspace(0, 6, terms, dtype=torch.float64)
+    coef = tau.pow(-0.5) * (0.5 + torch.rand(1, seq_len, heads, terms, **f64))
+    operands = [
+        torch.rand(1, seq_len, heads, feat, **f64) / feat,
+        torch.rand(1, seq_len, heads, feat, **f64) / feat,
+        torch.randn(1, seq_len, heads, dim, **f64),
+        coef,
+    ]
+    rounded = [x.to(torch.bfloat16).double() for x in operands]
+    log_lam = (-1.0 / tau).expand(heads, terms).contiguous()
+    seeds = [torch.randn(1, seq_len, heads, dim, **f64), torch.randn(1, seq_len, heads, **f64)]
+    return [*rounded, log_lam], [x.to(torch.bfloat16).double() for x in seeds]
+
+
+def soe_run(inputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """o, z and the gradients of (q, k, v, coef, log_lam), float64 copies, with the operands in
+    ``dtype`` (log_lam fp32 unless float64, as the models pass it)."""
+    decay_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = [x.to(dtype, copy=True).requires_grad_() for x in inputs[:4]]
+    leaves.append(inputs[4].to(decay_dtype, copy=True).requires_grad_())
+    o, z, _ = kernels.soe_scan(*leaves, backend="torch")
+    torch.autograd.backward([o, z], [s.to(o.dtype) for s in seeds])
+    return [o.detach().double(), z.detach().double(), *(x.grad.double() for x in leaves)]
+
+
+def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
+    """One row per (length, operand dtype): relative errors against the float64 run."""
+    rows = []
+    for seq_len in lengths:
+        inputs, seeds = soe_inputs(seq_len)
+        exact = soe_run(inputs, seeds, torch.float64)
+        for dtype in (torch.bfloat16, torch.float32):
+            started = time.perf_counter()
+            got = soe_run(inputs, seeds, dtype)
+            row: dict[str, Any] = {"T": seq_len, "operands": str(dtype).removeprefix("torch.")}
+            row.update({n: ((a - e).norm() / e.norm()).item() for n, a, e in zip(SOE_NAMES, got, exact)})
+            row["seconds"] = time.perf_counter() - started
+            rows.append(row)
+            print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+        del exact
+    return rows
+
+
+def phase_rows(lengths: Sequence[int], width: int = 16) -> list[dict[str, Any]]:
+    """Largest circular error (radians) of the phases read after T tokens of fp32 and bf16 increments."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    longest = max(lengths)
+    increments = torch.pi * torch.tanh(torch.randn(1, longest, 1, width, generator=gen, dtype=torch.float64))
+    exact = torch.remainder(increments.cumsum(1) - increments, 2 * torch.pi)  # what each token reads
+    slots = torch.zeros(1, longest, 1, dtype=torch.int32)
+    reads = {dtype: kernels.phasor_scan(increments.to(dtype), slots, 1, backend="torch")[0].double()
+             for dtype in (torch.float32, torch.bfloat16)}
+    for seq_len in lengths:
+        row: dict[str, Any] = {"T": seq_len}
+        for dtype, read in reads.items():
+            diff = torch.remainder(read[:, :seq_len] - exact[:, :seq_len] + torch.pi, 2 * torch.pi) - torch.pi
+            row[f"{str(dtype).removeprefix('torch.')}_max_rad"] = diff.abs().max().item()
+        rows.append(row)
+        print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+    return rows
+
+
+@contextlib.contextmanager
+def bf16_scan_operands() -> Iterator[None]:
+    """Within the block, kernels.soe_scan sees q, k, v and coef rounded to bf16 and returns o and z
+    rounded to bf16 (gradients through them rounded alike): a bf16 model's scan interface in an fp32
+    model. Models call the scan as ``kernels.soe_scan``, so the wrapper is what they get."""
+    real = kernels.soe_scan
+
+    def rounded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, *args: Any, **kwargs: Any):
+        q, k, v, coef = (x.to(torch.bfloat16).to(x.dtype) for x in (q, k, v, coef))
+        o, z, final = real(q, k, v, coef, *args, **kwargs)
+        return o.to(torch.bfloat16).to(o.dtype), z.to(torch.bfloat16).to(z.dtype), final
+
+    kernels.soe_scan = rounded
+    try:
+        yield
+    finally:
+        kernels.soe_scan = real
+
+
+def train_losses(shards: str, run_dir: Path, seed: int, steps: int, overrides: Sequence[str]) -> list[float]:
+    """Train configs/tiny-vort.yaml in this process; the loss of every step."""
+    from pretrain.config import load_config
+    from pretrain.trainer import train
+
+    cfg = load_config(REPO / "configs" / "tiny-vort.yaml", [
+        f"data.train=[{{path: {shards}}}]", "data.valid=[]", f"run.dir={run_dir}", f"run.seed={seed}",
+        f"train.steps={steps}", "train.log_every=1", *overrides])
+    if train(cfg) != 0:
+        raise RuntimeError(f"training run {run_dir} failed")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in records if "train/loss" in r]
+
+
+def training(seeds: Sequence[int], steps: int, overrides: Sequence[str]) -> dict[str, Any]:
+    """Loss curves with fp32 and bf16-rounded scan operands per seed, and their summary."""
+    from data_pipeline.build import build_shards
+
+    curves: dict[str, dict[str, list[float]]] = {"fp32": {}, "bf16_scan_operands": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        plays = [str(REPO / "data" / "demo" / "train" / n) for n in ("hamlet.txt", "macbeth.txt")]
+        build_shards(plays, f"{scratch}/train", tokenizer="bytes", shard_tokens=60_000)
+        for seed in seeds:
+            for mode in curves:
+                started = time.perf_counter()
+                with bf16_scan_operands() if mode != "fp32" else contextlib.nullcontext():
+                    curves[mode][str(seed)] = train_losses(f"{scratch}/train", Path(scratch) / f"{mode}-{seed}",
+                                                           seed, steps, overrides)
+                print(f"seed {seed} {mode}: {time.perf_counter() - started:.0f} s, "
+                      f"final loss {curves[mode][str(seed)][-1]:.4f}", flush=True)
+    return {"seeds": list(seeds), "steps": steps, "overrides": list(overrides), "curves": curves,
+            "summary": summarise(curves, steps)}
+
+
+def summarise(curves: dict[str, dict[str, list[float]]], steps: int) -> dict[str, Any]:
+    """Mean loss over the last quarter of the steps per mode and seed; paired (bf16 - fp32) differences
+    per seed, and the standard deviation across seeds of the fp32 means (the seed noise)."""
+    tail = max(1, steps // 4)
+    means = {mode: {s: statistics.fmean(c[-tail:]) for s, c in by_seed.items()} for mode, by_seed in curves.items()}
+    fp32, bf16 = means["fp32"], means["bf16_scan_operands"]
+    paired = {s: bf16[s] - fp32[s] for s in fp32}
+    worst_step = {s: max(abs(a - b) for a, b in zip(curves["fp32"][s], curves["bf16_scan_operands"][s])) for s in fp32}
+    return {
+        "tail_steps": tail, "tail_mean_loss": means, "paired_difference": paired,
+        "seed_std_fp32": statistics.stdev(fp32.values()) if len(fp32) > 1 else None,
+        "largest_stepwise_difference": worst_step,
+    }
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t]
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    table = commands.add_parser("table", help="SOE output and gradient errors, phasor phase drift, by length")
+    table.add_argument("--T", default="4096,32768,131072,524288", type=_ints, help="comma-separated lengths")
+    table.add_argument("--out", default=None, help="also write the rows as JSON here")
+    run = commands.add_parser("training", help="tiny-vort loss curves, fp32 against bf16-rounded scan operands")
+    run.add_argument("--seeds", default="1,2,3", type=_ints)
+    run.add_argument("--steps", default=300, type=int)
+    run.add_argument("--out", default=None, help="write the curves and summary as JSON here")
+    run.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=128")
+    args = parser.parse_args(argv)
+    if args.command == "table":
+        if not args.T or min(args.T) < 1:
+            parser.error(f"--T needs positive lengths, got {args.T}")
+        result: Any = {"soe": soe_rows(args.T), "phasor": phase_rows(args.T)}
+    else:
+        if not args.seeds or args.steps < 4:
+            parser.error("training needs at least one seed and 4 steps")
+        result = training(args.seeds, args.steps, args.overrides)
+        print(json.dumps(result["summary"], indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
