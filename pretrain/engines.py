@@ -21,6 +21,7 @@ class here, an entry in ENGINES, and its checkpoint format in pretrain/checkpoin
 
 from __future__ import annotations
 
+import copy
 import datetime
 import math
 from pathlib import Path
@@ -142,13 +143,26 @@ class _TorchOptimizerEngine:
     def joined(backend: str, timeout: datetime.timedelta) -> None:
         """The engine's own set-up once the process group exists."""
 
-    def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
+    def __init__(self, cfg: RunConfig, module: TrainModule, gas: int, stepped: nn.Module | None = None):
+        """``stepped``: the module whose parameters the optimizer updates, ``module`` itself unless given."""
         self.cfg, self.gas, self.model = cfg, gas, module.model
         self.module: nn.Module = torch.compile(module) if cfg.train.compile else module
-        self.optimizer = _adamw(cfg, module)
+        self.optimizer = _adamw(cfg, module if stepped is None else stepped)
 
     def _set_sync(self, last: bool) -> None:
         """FSDP reduces gradients only on the last micro-batch of a step."""
+
+    def _backward_done(self) -> None:
+        """After each micro-batch's backward: where the single engine's bf16 mode moves the gradients
+        to its fp32 master weights."""
+
+    def _stepped(self) -> list[nn.Parameter]:
+        """The parameters with gradients that the optimizer updates (clipped together)."""
+        return [p for p in self.module.parameters() if p.grad is not None]
+
+    def _updated(self) -> None:
+        """After the optimizer step: where the single engine's bf16 mode rounds its master weights into
+        the model."""
 
     def eval_loss(
         self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any, doc_start: torch.Tensor | None = None
@@ -161,10 +175,11 @@ class _TorchOptimizerEngine:
             self._set_sync(i == len(micro_batches) - 1)
             loss, state = _forward(self.module, batch)
             (loss / len(micro_batches)).backward()
+            self._backward_done()
             losses.append(loss.detach())
             states.append(state)
         local_loss = torch.stack(losses).mean()
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = self._stepped()
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):
@@ -175,19 +190,59 @@ class _TorchOptimizerEngine:
         self.optimizer.found_inf = skip
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._updated()
         return StepInfo(local_loss, norm, skip == 0, states)
 
 
 class SingleEngine(_TorchOptimizerEngine):
-    """One process (any device): the reference the distributed engines are compared against."""
+    """One process (any device): the reference the distributed engines are compared against.
+
+    Under engine.precision=bf16 it trains as FSDP2's mixed precision does: the model is converted to
+    bf16 in place, as DeepSpeed converts it (what the model keeps fp32 stays fp32), and computes in it;
+    the optimizer steps an fp32 master copy, whose gradients are the model's summed in fp32 over the
+    micro-batches; after each step the master weights are rounded into the model. Checkpoints hold the
+    master weights, so they are the fp32 run's format.
+    """
 
     one_process = True
 
+    def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
+        self.master: CausalLM | None = None
+        if cfg.engine.precision == "bf16":
+            self.master = copy.deepcopy(module.model)
+            module.model.to(torch.bfloat16)
+        super().__init__(cfg, module, gas, self.master)
+
+    def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(model parameter, master parameter), in the same order: the master is a deep copy."""
+        assert self.master is not None
+        return list(zip(self.model.parameters(), self.master.parameters(), strict=True))
+
+    def _backward_done(self) -> None:
+        if self.master is None:
+            return
+        for param, master in self._pairs():
+            if param.grad is not None:
+                master.grad = param.grad.float() if master.grad is None else master.grad.add_(param.grad)
+                param.grad = None
+
+    def _stepped(self) -> list[nn.Parameter]:
+        if self.master is None:
+            return super()._stepped()
+        return [p for p in self.master.parameters() if p.grad is not None]
+
+    @torch.no_grad()
+    def _updated(self) -> None:
+        if self.master is not None:
+            for param, master in self._pairs():
+                param.copy_(master)
+
     def save(self, path: str) -> None:
-        save_torch_state(path, self.model, self.optimizer)
+        save_torch_state(path, self.model if self.master is None else self.master, self.optimizer)
 
     def load(self, path: str, scratch: Path) -> None:
-        load_torch_state(path, self.model, self.optimizer)
+        load_torch_state(path, self.model if self.master is None else self.master, self.optimizer)
+        self._updated()
 
 
 class FSDPEngine(_TorchOptimizerEngine):
