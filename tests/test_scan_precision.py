@@ -75,3 +75,44 @@ def test_a_pmnet_model_hands_the_phasor_scan_fp32_increments_under_bf16(monkeypa
     loss, _ = model.loss(ids[:, :-1], ids[:, 1:])
     loss.backward()
     assert calls and all(c["delta"] == c["initial_state"] == torch.float32 for c in calls), calls
+
+
+def test_the_precision_table_shows_bf16_rounding_and_fp32_accumulation() -> None:
+    from benchmarks import scan_precision
+
+    result = scan_precision.main(["table", "--T", "200"])
+    rows = {r["operands"]: r for r in result["soe"]}
+    for name in scan_precision.SOE_NAMES:
+        assert rows["float32"][name] < 1e-5, name
+    for name in ("o", "z", "dq", "dk", "dv", "dcoef"):  # returned in bf16: its rounding, 2^-9 relative at most
+        assert 1e-4 < rows["bfloat16"][name] < 2e-3, name
+    assert rows["bfloat16"]["dlog_lam"] < 1e-5  # fp32, as the decays are passed
+    (phase,) = result["phasor"]
+    assert phase["float32_max_rad"] < 1e-5 < 1e-2 < phase["bfloat16_max_rad"]
+
+
+def test_rounded_scan_operands_are_what_a_bf16_model_hands_the_scan() -> None:
+    from benchmarks.scan_precision import bf16_scan_operands
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.rand(2, 1, 40, 1, 4, generator=gen)
+    v, coef = torch.randn(1, 40, 1, 4, generator=gen), torch.rand(1, 40, 1, 3, generator=gen)
+    log_lam = -torch.rand(1, 3, generator=gen)
+    real = kernels.soe_scan
+    with bf16_scan_operands():
+        o, z, _ = kernels.soe_scan(q, k, v, coef, log_lam)
+    assert kernels.soe_scan is real
+    low, low_z, _ = kernels.soe_scan(*(x.bfloat16() for x in (q, k, v, coef)), log_lam)
+    assert o.dtype == torch.float32 and torch.equal(o, low.float()) and torch.equal(z, low_z.float())
+
+
+def test_the_training_summary_pairs_modes_by_seed() -> None:
+    from benchmarks.scan_precision import summarise
+
+    curves = {"fp32": {"1": [4.0, 3.0, 2.0, 1.0], "2": [4.0, 3.0, 2.0, 1.2]},
+              "bf16_scan_operands": {"1": [4.0, 3.1, 2.0, 1.1], "2": [4.0, 3.0, 2.0, 1.2]}}
+    summary = summarise(curves, 4)
+    assert summary["tail_steps"] == 1
+    assert summary["paired_difference"] == pytest.approx({"1": 0.1, "2": 0.0})
+    assert summary["seed_std_fp32"] == pytest.approx(0.2 / 2**0.5)
+    assert summary["largest_stepwise_difference"] == pytest.approx({"1": 0.1, "2": 0.0})
