@@ -12,66 +12,93 @@ algorithm and the gradient conventions; docs/sequence_parallel.md how the models
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from kernels._common import decay, decay_cutoff, resolve_backend, wrap_angle
+from kernels._common import decay, resolve_backend, wrap_angle
 from kernels.phasor import phasor_scan, slot_phases
 from kernels.soe import soe_scan
 
 
 class _GatherStates(torch.autograd.Function):
-    """all_gather with a backward that sums, over ranks, the gradients of each rank's tensor."""
+    """all_gather with a backward that sums, over ranks, the gradients of each rank's tensor: a
+    reduce-scatter, so each rank receives the sum for its own tensor only (1/N of the gathered size)."""
 
     @staticmethod
     def forward(ctx, group, x):
-        ctx.group = group
+        ctx.group, ctx.like = group, torch.empty_like(x, memory_format=torch.contiguous_format)
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return tuple(parts)
 
     @staticmethod
     def backward(ctx, *grads):
-        stacked = torch.stack([torch.zeros_like(g) if g is None else g for g in grads])
-        dist.all_reduce(stacked, group=ctx.group)
-        return None, stacked[dist.get_rank(ctx.group)]
+        parts = [torch.zeros_like(ctx.like) if g is None else g.contiguous() for g in grads]
+        mine = torch.empty_like(ctx.like)
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        return None, mine
+
+
+def _piece_lengths(piece_lengths: Sequence[int] | None, seq_len: int, rank: int, size: int) -> list[int]:
+    """Every piece's length, known without communication: ``piece_lengths`` when given (checked against
+    this rank's piece), else equal pieces as long as this one (how the trainer splits a sequence)."""
+    if piece_lengths is None:
+        return [seq_len] * size
+    lengths = [int(n) for n in piece_lengths]
+    if len(lengths) != size or lengths[rank] != seq_len:
+        raise ValueError(f"piece_lengths={lengths} does not fit {size} ranks whose rank {rank} holds "
+                         f"{seq_len} tokens")
+    return lengths
 
 
 class _Pieces:
-    """What every rank knows of every piece, from one all-gather: its length and, per batch row, whether
-    it holds a reset. ``reaches(source, row)`` says whether the state leaving piece ``source`` (or, for
-    source -1, the initial state) reaches this rank's piece in a row: it comes earlier and no piece in
-    between holds a reset (a piece's own reset is already in its local state)."""
+    """What every rank knows of every piece: its length (static, from :func:`_piece_lengths`) and, with
+    resets, per batch row whether it holds one (one all-gather, kept on the device). ``reaches(source)``
+    weighs the state leaving piece ``source`` (or, for source -1, the initial state) by whether it reaches
+    this rank's piece: it comes earlier and no piece in between holds a reset (a piece's own reset is
+    already in its local state)."""
 
     def __init__(
         self,
         reset: torch.Tensor | None,
-        batch: int,
         seq_len: int,
+        piece_lengths: Sequence[int] | None,
         group: dist.ProcessGroup | None,
-        device: torch.device,
     ) -> None:
-        mine = torch.zeros(1 + batch, dtype=torch.long, device=device)
-        mine[0] = seq_len
+        self.rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.lengths = _piece_lengths(piece_lengths, seq_len, self.rank, size)
+        self.has_reset = None  # [ranks, B] bool on the device; None: no piece has a reset
         if reset is not None:
-            mine[1:] = reset.any(1)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, mine, group=group)
-        self.rank = dist.get_rank(group)
-        self.lengths = [int(t[0]) for t in every]
-        self.has_reset = torch.stack([t[1:] for t in every]).bool()  # [ranks, B]
+            mine = reset.any(1).long()
+            every = [torch.empty_like(mine) for _ in range(size)]
+            dist.all_gather(every, mine, group=group)
+            self.has_reset = torch.stack(every).bool()
 
-    def reaches(self, source: int) -> torch.Tensor:
-        """[B] bool: the state leaving piece ``source`` (-1: the initial state) reaches this rank's piece."""
+    def reaches(self, source: int) -> torch.Tensor | float:
+        """Weight of the state leaving piece ``source`` (-1: the initial state) here: bool [B], or a number
+        for every row (1.0 without resets, 0.0 for this piece and later ones)."""
         if source >= self.rank:
-            return torch.zeros_like(self.has_reset[0])
+            return 0.0
+        if self.has_reset is None:
+            return 1.0
         return ~self.has_reset[source + 1 : self.rank].any(0)
+
+    def leaves_entering(self) -> torch.Tensor | float:
+        """Weight of the entering state in the state leaving this piece: 0 in rows where it holds a reset."""
+        return 1.0 if self.has_reset is None else ~self.has_reset[self.rank]
 
     def tokens_between(self, source: int) -> int:
         """Tokens after piece ``source`` (-1: none yet) and before this rank's piece."""
         return sum(self.lengths[source + 1 : self.rank])
+
+
+def _row_weight(weight: torch.Tensor | float, like: torch.Tensor, dims: int) -> torch.Tensor | float:
+    """``weight`` (bool [B] or a number) as a factor for a tensor [B, ...] with ``dims`` trailing dims."""
+    if isinstance(weight, float):
+        return weight
+    return weight.to(like.dtype).reshape(-1, *([1] * dims))
 
 
 def _before_first_reset(reset: torch.Tensor) -> torch.Tensor:
@@ -84,10 +111,9 @@ class _SoeStateCorrection(torch.autograd.Function):
     """(o, z) contributions of an entering state: o_t = sum_s lam_s^(t+1) q_t^T G_s, z_t likewise with b.
 
     Computed chunk by chunk without keeping the [c, S*F] scaled queries: backward rebuilds them. b rides
-    along as column D+1 of G, so each chunk is one product forward and two backward. A term whose decay
-    is exactly 0 over a whole chunk (:func:`kernels._common.decay` flushes factors below its cutoff) is
-    left out of that chunk's products: deep into a piece only the slow terms still read the entering
-    state, which is about half the work at VORT's decays and 16k-token pieces.
+    along as column D+1 of G, so each chunk is one product forward and two backward. Every term enters
+    every chunk: a term whose decay has flushed to 0 (:func:`kernels._common.decay`) contributes exact
+    zeros, and leaving it out would need its decays read on the host, a sync inside the step.
     """
 
     @staticmethod
@@ -97,103 +123,45 @@ class _SoeStateCorrection(torch.autograd.Function):
         D = g_in.shape[-1]
         out = q.new_zeros(B, T, H, D + 1, dtype=dtype)
         state = torch.cat((g_in, b_in[..., None]), -1)  # [B, H, S, F, D+1]
-        live = _LiveState(state)
-        for start, stop, terms in _chunks_with_live_terms(log_lam, T, chunk, dtype):
-            if terms is None:  # no term reaches this chunk or any later one
-                break
-            qd = _scaled_queries(q, log_lam[:, terms], start, stop, dtype)  # [B, H, c, A*F]
-            out[:, start:stop] = (qd @ live.rows(terms)).transpose(1, 2)
+        rows = state.flatten(2, 3)  # [B, H, S*F, D+1]
+        for start in range(0, T, chunk):
+            stop = min(T, start + chunk)
+            qd = _scaled_queries(q, log_lam, start, stop, dtype)  # [B, H, c, S*F]
+            out[:, start:stop] = (qd @ rows).transpose(1, 2)
         ctx.save_for_backward(q, log_lam, state)
         ctx.chunk = chunk
         return out[..., :D].contiguous(), out[..., D].contiguous()
 
     @staticmethod
     def backward(ctx, d_o, d_z):
-        q, log_lam, state_in = ctx.saved_tensors
-        dtype = state_in.dtype
+        q, log_lam, state = ctx.saved_tensors
+        dtype = state.dtype
         B, T, H, F_ = q.shape
-        D = state_in.shape[-1] - 1
+        S, D = state.shape[2], state.shape[-1] - 1
         d_out = torch.cat((d_o.to(dtype), d_z.to(dtype)[..., None]), -1).transpose(1, 2)  # [B, H, T, D+1]
         d_q = torch.zeros(B, T, H, F_, dtype=dtype, device=q.device)
-        live = _LiveState(state_in)
+        rows = state.flatten(2, 3)  # [B, H, S*F, D+1]
+        d_rows = torch.zeros_like(rows).flatten(0, 1)  # [B*H, S*F, D+1]
         d_log_lam = torch.zeros(log_lam.shape, dtype=dtype, device=q.device)
-        for start, stop, terms in _chunks_with_live_terms(log_lam, T, ctx.chunk, dtype):
-            if terms is None:
-                break
-            state = live.rows(terms)  # [B, H, A*F, D+1]
-            c, n_live = stop - start, state.shape[2] // F_
-            scale = _entering_decay(log_lam[:, terms], start, stop, dtype)  # [H, c, A]
+        for start in range(0, T, ctx.chunk):
+            stop = min(T, start + ctx.chunk)
+            c = stop - start
+            scale = _entering_decay(log_lam, start, stop, dtype)  # [H, c, S]
             qc = q[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, F]
-            qd = (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, c, n_live * F_)
+            qd = (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, c, S * F_)
             dout = d_out[:, :, start:stop]
-            live.grad(terms).baddbmm_(qd.transpose(-1, -2).flatten(0, 1), dout.flatten(0, 1))
-            d_qd = (dout @ state.transpose(-1, -2)).view(B, H, c, n_live, F_)
+            d_rows.baddbmm_(qd.transpose(-1, -2).flatten(0, 1), dout.flatten(0, 1))
+            d_qd = (dout @ rows.transpose(-1, -2)).view(B, H, c, S, F_)
             d_q[:, start:stop] = (d_qd * scale[None, ..., None]).sum(3).transpose(1, 2)
             if not ctx.needs_input_grad[1]:  # VORT's decays are fixed buffers
                 continue
             # d scale[h, t, s] = sum_{b, f} q d_qd; scale = lam^(t+1), so d log_lam += (t+1) scale d scale
-            d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, A]
+            d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, S]
             steps = torch.arange(start + 1, stop + 1, dtype=dtype, device=q.device)[None, :, None]
-            d_log_lam[:, terms] += (d_scale * scale * steps).sum(1)
-        d_state = live.total_grad()
+            d_log_lam += (d_scale * scale * steps).sum(1)
+        d_state = d_rows.view(state.shape)
         d_log_lam = d_log_lam.to(log_lam.dtype) if ctx.needs_input_grad[1] else None
         return d_q.to(q.dtype), d_log_lam, d_state[..., :D], d_state[..., D], None
-
-
-class _LiveState:
-    """The entering state [B, H, S, F, D+1] restricted to the live terms, as [B, H, A*F, D+1] rows, and its
-    gradient: both are rebuilt only when the set of live terms changes (it only shrinks along a piece)."""
-
-    def __init__(self, state: torch.Tensor) -> None:
-        self.state = state
-        self.d_state = torch.zeros_like(state)
-        self._terms: slice | torch.Tensor | None = None
-        self._rows = self._d_rows = None
-
-    def _select(self, terms: slice | torch.Tensor) -> None:
-        if terms is self._terms:  # the chunk iterator hands out one object per live set
-            return
-        self._flush()
-        self._terms = terms
-        self._rows = self.state[:, :, terms].flatten(2, 3)
-        self._d_rows = None
-
-    def _flush(self) -> None:
-        if self._d_rows is not None:
-            B, H = self.state.shape[:2]
-            self.d_state[:, :, self._terms] += self._d_rows.view(B, H, -1, *self.state.shape[3:])
-
-    def rows(self, terms: slice | torch.Tensor) -> torch.Tensor:
-        self._select(terms)
-        return self._rows
-
-    def grad(self, terms: slice | torch.Tensor) -> torch.Tensor:
-        """The gradient of :meth:`rows` as [B*H, A*F, D+1], to accumulate into in place."""
-        self._select(terms)
-        if self._d_rows is None:
-            self._d_rows = torch.zeros_like(self._rows).flatten(0, 1)
-        return self._d_rows
-
-    def total_grad(self) -> torch.Tensor:
-        self._flush()
-        self._d_rows = None
-        return self.d_state
-
-
-def _chunks_with_live_terms(
-    log_lam: torch.Tensor, seq_len: int, chunk: int, dtype: torch.dtype
-) -> Iterator[tuple[int, int, slice | torch.Tensor | None]]:
-    """(start, stop, terms) per chunk of a piece: the terms whose decay lam^(t+1) is non-zero somewhere in
-    the chunk for some head (a full slice while that is all of them; None once it is none of them). The
-    same object comes back for as long as the live set stays the same."""
-    cutoff = decay_cutoff(dtype)
-    previous, terms = None, None
-    for start in range(0, seq_len, chunk):
-        live = ((start + 1) * log_lam.to(dtype) >= cutoff).any(0)  # a chunk's first token decays least
-        if previous is None or not torch.equal(live, previous):
-            terms = slice(None) if bool(live.all()) else live.nonzero()[:, 0] if bool(live.any()) else None
-            previous = live
-        yield start, min(seq_len, start + chunk), terms
 
 
 def _entering_decay(log_lam: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
@@ -221,25 +189,25 @@ def soe_scan_sequence_parallel(
     chunk_size: int = 64,
     backend: str = "auto",
     reset: torch.Tensor | None = None,
+    piece_lengths: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """:func:`kernels.soe_scan` over a sequence split across the ranks of ``group`` (this rank's piece
     in q, k, v, coef and ``reset``, bool [B, T_piece]; log_lam the same everywhere). Returns this piece's
-    (o, z, state after it). With ``reset`` the state entering a piece is the sum of the earlier pieces'
-    local states (decayed) from the last piece with a reset on, plus the initial state only if no earlier
-    piece has one; it reaches only the tokens before the piece's first reset, and the state leaving a
-    piece with a reset is its local state."""
+    (o, z, state after it). ``piece_lengths`` gives every rank's piece length (default: equal pieces):
+    the decays between pieces are computed from it, never read from the other ranks. With ``reset`` the
+    state entering a piece is the sum of the earlier pieces' local states (decayed) from the last piece
+    with a reset on, plus the initial state only if no earlier piece has one; it reaches only the tokens
+    before the piece's first reset, and the state leaving a piece with a reset is its local state."""
     size = dist.get_world_size(group)
     o, z, (g_local, b_local) = soe_scan(q, k, v, coef, log_lam, None, True, chunk_size, backend, reset=reset)
-    pieces = _Pieces(reset, q.shape[0], q.shape[1], group, q.device)
+    pieces = _Pieces(reset, q.shape[1], piece_lengths, group)
     g_all = _GatherStates.apply(group, g_local)
     b_all = _GatherStates.apply(group, b_local)
     log_decay = log_lam.to(g_local.dtype)
 
-    def decayed(tokens: int, weight: torch.Tensor | None, g: torch.Tensor, b: torch.Tensor):
-        """(g, b) decayed by lambda^tokens, times ``weight`` [B] when given."""
-        factor = decay(tokens * log_decay)[None, :, :, None]  # lambda^tokens: [1, H, S, 1]
-        if weight is not None:
-            factor = factor * weight.to(factor.dtype)[:, None, None, None]
+    def decayed(tokens: int, weight: torch.Tensor | float, g: torch.Tensor, b: torch.Tensor):
+        """(g, b) decayed by lambda^tokens, times ``weight`` (per row [B], or one number)."""
+        factor = decay(tokens * log_decay)[None, :, :, None] * _row_weight(weight, log_decay, 3)  # [B|1, H, S, 1]
         return g * factor[..., None], b * factor
 
     if initial_state is None:
@@ -248,7 +216,7 @@ def soe_scan_sequence_parallel(
         g0, b0 = (x.to(g_local.dtype) for x in initial_state)
         g_in, b_in = decayed(pieces.tokens_between(-1), pieces.reaches(-1), g0, b0)
     # Every rank's state enters the sum, with weight 0 from this rank on (and behind a reset): each rank
-    # then takes part in the gather's backward (an all-reduce), also rank 0, which needs no other state.
+    # then takes part in the gather's backward (a reduce-scatter), also rank 0, which needs no other state.
     for source in range(size):
         g, b = decayed(pieces.tokens_between(source), pieces.reaches(source), g_all[source], b_all[source])
         g_in, b_in = g_in + g, b_in + b
@@ -262,7 +230,7 @@ def soe_scan_sequence_parallel(
     o, z = o + o_in.to(o.dtype), z + z_in.to(z.dtype)
     if not output_final_state:
         return o, z, None
-    g_out, b_out = decayed(q.shape[1], ~pieces.has_reset[pieces.rank], g_in, b_in)
+    g_out, b_out = decayed(q.shape[1], pieces.leaves_entering(), g_in, b_in)
     return o, z, (g_local + g_out, b_local + b_out)
 
 
@@ -281,19 +249,20 @@ def phasor_scan_sequence_parallel(
     Phases add, and a reset restarts from zero (as in :func:`kernels.phasor_scan`): a piece enters with
     the local phases of the earlier pieces from the last one with a reset on, plus ``initial_state`` only
     if no earlier piece has a reset; tokens from its first reset on read only their own piece's phases,
-    and a piece with a reset leaves its local phases."""
+    and a piece with a reset leaves its local phases. Phases do not decay, so the pieces' lengths do
+    not enter."""
     read, local = phasor_scan(delta, slots, n_slots, None, True, backend, reset=reset)
-    pieces = _Pieces(reset, delta.shape[0], delta.shape[1], group, delta.device)
+    pieces = _Pieces(reset, delta.shape[1], None, group)
     totals = _GatherStates.apply(group, local)
     entering = torch.zeros_like(local)
     if initial_state is not None:
-        entering = pieces.reaches(-1).to(local.dtype)[:, None, None] * initial_state.to(local.dtype)
+        entering = _row_weight(pieces.reaches(-1), local, 2) * initial_state.to(local.dtype)
     for source in range(dist.get_world_size(group)):  # weight 0 from this rank on, as in the SOE scan
-        entering = entering + pieces.reaches(source).to(local.dtype)[:, None, None] * totals[source]
+        entering = entering + _row_weight(pieces.reaches(source), local, 2) * totals[source]
     entering_read = slot_phases(entering, slots)
     if reset is not None:
         entering_read = entering_read * _before_first_reset(reset)[..., None, None]
-        entering = entering * ~pieces.has_reset[pieces.rank][:, None, None]
+        entering = entering * _row_weight(pieces.leaves_entering(), local, 2)
     read = wrap_angle(read + entering_read.to(read.dtype))  # wrap counts as the identity for gradients
     return read, (wrap_angle(local + entering) if output_final_state else None)
 

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from kernels import phasor_scan, phasor_scan_sequence_parallel, soe_scan, soe_scan_sequence_parallel
 from kernels._common import decay
-from kernels.parallel import _SoeStateCorrection
+from kernels.parallel import _piece_lengths, _SoeStateCorrection
 from kernels.testing import angle_err, phasor_inputs, rel_err, resets, soe_inputs
 from tests.launchers import free_port
 
@@ -55,7 +55,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
         piece = [leaves[n][:, lo:hi] for n in ("q", "k", "v", "coef")]
         init = (leaves["g0"], leaves["b0"])
-        o, z, (g, b) = soe_scan_sequence_parallel(*piece, leaves["log_lam"], None, init, True, chunk_size=8)
+        o, z, (g, b) = soe_scan_sequence_parallel(*piece, leaves["log_lam"], None, init, True, chunk_size=8,
+                                                  piece_lengths=SPLIT)
         weights = _weights([x["v"].shape, x["q"].shape[:3], x["g0"].shape, x["b0"].shape])
         loss = _soe_loss(o, z, g if last else None, b, [weights[0][:, lo:hi], weights[1][:, lo:hi], *weights[2:]])
         loss.backward()
@@ -119,9 +120,9 @@ def test_phasor_pieces_equal_one_scan(ranks):
     [[-45.0, -3.0, -0.3, 0.0], [-50.0, -2.0, -0.5, -0.01]],  # one term dead from the start, one dies mid-piece
     [[-45.0, -3.0, -1.5, -4.0], [-50.0, -2.0, -5.0, -1.5]],  # every term dead before the piece ends
 ])
-def test_state_correction_leaves_out_only_terms_that_decayed_to_zero(log_lam: list[list[float]]) -> None:
-    """The entering state's correction skips, per chunk, the terms whose decay is already flushed to 0;
-    outputs and every gradient equal the dense sum over all terms and tokens."""
+def test_state_correction_equals_the_dense_sum(log_lam: list[list[float]]) -> None:
+    """The entering state's correction, chunk by chunk, with terms whose decay flushes to 0 before or
+    inside the piece: outputs and every gradient equal the dense sum over all terms and tokens."""
     gen = torch.Generator().manual_seed(3)
     B, T, H, S, F, D = 2, 40, 2, 4, 3, 5
     q = torch.randn(B, T, H, F, generator=gen).requires_grad_()
@@ -140,6 +141,16 @@ def test_state_correction_leaves_out_only_terms_that_decayed_to_zero(log_lam: li
     want = [o_ref, z_ref, *torch.autograd.grad((o_ref * w_o).sum() + (z_ref * w_z).sum(), inputs)]
     for name, a, b in zip(("o", "z", "dq", "dlog_lam", "dg", "db"), got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_piece_lengths_are_static_and_checked() -> None:
+    """Equal pieces unless told; given lengths must name every rank and agree with this rank's piece."""
+    assert _piece_lengths(None, 16, 1, 3) == [16, 16, 16]
+    assert _piece_lengths((30, 41), 41, 1, 2) == [30, 41]
+    with pytest.raises(ValueError, match=r"piece_lengths=\[30, 40\] does not fit 2 ranks whose rank 1 holds 41"):
+        _piece_lengths((30, 40), 41, 1, 2)
+    with pytest.raises(ValueError, match="piece_lengths"):
+        _piece_lengths((30, 41, 5), 41, 1, 2)
 
 
 # ----------------------------------------------------------------------------- document resets
@@ -170,7 +181,8 @@ def _reset_worker(rank: int, port: int, out_dir: str, world: int) -> None:
             leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
             piece = [leaves[n][:, lo:hi] for n in ("q", "k", "v", "coef")]
             o, z, (g, b) = soe_scan_sequence_parallel(
-                *piece, leaves["log_lam"], None, (leaves["g0"], leaves["b0"]), True, 16, backend, reset=reset
+                *piece, leaves["log_lam"], None, (leaves["g0"], leaves["b0"]), True, 16, backend, reset=reset,
+                piece_lengths=split,
             )
             weights = _weights([x["v"].shape, x["q"].shape[:3], x["g0"].shape, x["b0"].shape])
             loss = _soe_loss(o, z, g if last else None, b, [weights[0][:, lo:hi], weights[1][:, lo:hi], *weights[2:]])
