@@ -154,21 +154,16 @@ def prefix_document_ids(doc_start: torch.Tensor, offset: Offset, n_prefix: int) 
 
 def documents_across_pieces(doc_start: torch.Tensor, sp: SequenceParallel) -> SequenceParallel:
     """`sp` for a sequence-parallel piece whose tokens start documents where doc_start (bool [B, T]) is
-    True: ``offset`` becomes each row's first-token position within its document (its global index minus
-    the global index of its document's start, which may lie on an earlier rank), ``first_document`` the
-    starts in earlier pieces and ``n_documents`` the most starts of a row, plus one (the same on every
-    rank). One all-gather of two numbers per row: each piece's last start and its number of starts."""
+    True: ``offset`` becomes each row's first-token position within its document (long [B]: its global
+    index minus the global index of its document's start, which may lie on an earlier rank). One
+    all-gather of one number per row, each piece's last start; nothing is read on the host."""
     index = torch.arange(doc_start.shape[1], device=doc_start.device)
     last_start = torch.where(doc_start, sp.offset + index, -1).max(dim=1).values  # [B], -1: none in the piece
-    mine = torch.stack((last_start, doc_start.long().sum(1)))  # [2, B]
-    every = [torch.empty_like(mine) for _ in range(sp.size)]
-    dist.all_gather(every, mine.contiguous(), group=sp.group)
-    earlier = torch.stack(every[: sp.rank] or [torch.stack((torch.full_like(last_start, -1),
-                                                            torch.zeros_like(last_start)))])
-    entering_start = earlier[:, 0].max(dim=0).values
+    every = [torch.empty_like(last_start) for _ in range(sp.size)]
+    dist.all_gather(every, last_start.contiguous(), group=sp.group)
+    entering_start = torch.stack([torch.full_like(last_start, -1), *every[: sp.rank]]).max(dim=0).values
     offset = torch.where(entering_start >= 0, sp.offset - entering_start, sp.offset)
-    n_documents = int(torch.stack(every)[:, 1].sum(0).max()) + 1
-    return dataclasses.replace(sp, offset=offset, first_document=earlier[:, 1].sum(0), n_documents=n_documents)
+    return dataclasses.replace(sp, offset=offset)
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,16 +125,13 @@ class SequenceParallel:
     state, attention halo) from the neighbouring ranks through ``group``; ``offset`` is the global
     position of the piece's first token (rotary angles, segment positions). With document starts the
     model replaces it (`model.blocks.documents_across_pieces`) by the position of each row's first
-    token within its document (long [B]), and sets ``first_document`` (long [B], the documents started
-    in earlier pieces) and ``n_documents`` (the most documents a row starts, plus one).
+    token within its document (long [B]).
     """
 
     group: Any  # a torch.distributed ProcessGroup
     rank: int
     size: int
     offset: int | torch.Tensor
-    first_document: torch.Tensor | None = None
-    n_documents: int = 1
 
 
 class ScanShape(NamedTuple):

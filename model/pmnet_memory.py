@@ -7,7 +7,7 @@ serves the whole call; in training the backward also sees the reads of the child
 (a softmax-weighted mixture whose forward value is exactly zero). Writes carry the 1/sqrt(s)
 collision normalisation, and the output projection starts at zero, so a new memory is a no-op.
 docs/pmnet.md ("Memory" and its decisions) explains the choices; docs/sequence_parallel.md
-("Models") why this memory is relayed between ranks rather than combined like the plain scan.
+("Models") how a sequence-parallel piece combines the other pieces' phases.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
-from kernels.parallel import receive_from_previous, send_to_next
+from kernels.parallel import phasor_scan_sequence_parallel
 from model.blocks import Offset, document_ids, token_positions
 from model.config import PMNetConfig
 from model.interface import SequenceParallel
@@ -54,44 +54,100 @@ def collision_counts(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, t
     return counts, counts.gather(1, flat).view(slots.shape)
 
 
-def normalise_collisions(delta: torch.Tensor, slots: torch.Tensor, n_slots: int) -> torch.Tensor:
-    """Segment-aware gradient normalisation of writes delta [B, T, L, M] going to slots [B, T, L].
+def key_counts(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For keys (long [B, K]): how often each entry's key occurs in its row (float32 [B, K]), and a mask
+    true at exactly one entry of each distinct key of a row (bool [B, K]). Counted by sorting, so nothing
+    is sized by the largest key (a number of documents or segments only the host could read)."""
+    ordered, order = keys.sort(dim=1)
+    lo = torch.searchsorted(ordered, ordered, side="left")
+    hi = torch.searchsorted(ordered, ordered, side="right")
+    counts = torch.empty(keys.shape, dtype=torch.float32, device=keys.device).scatter_(1, order, (hi - lo).float())
+    first = lo == torch.arange(keys.shape[1], device=keys.device)
+    return counts, torch.zeros_like(first).scatter_(1, order, first)
+
+
+def normalise_collisions(delta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Segment-aware gradient normalisation of writes delta [B, T, L, M] going to slots [B, T, L] (any
+    ids: one per (segment, slot) in the model).
 
     Forward value unchanged; the gradient of each write divided by sqrt(s), s = the number of
     writers of its slot among these tokens: dM_eff = dM/sqrt(s) + sg(dM - dM/sqrt(s)).
     """
-    _, s = collision_counts(slots, n_slots)
-    return scale_gradient(delta, s.rsqrt()[..., None])
+    s, _ = key_counts(slots.reshape(slots.shape[0], -1))
+    return scale_gradient(delta, s.view(slots.shape).rsqrt()[..., None])
 
 
 class SequenceCollisions:
-    """The same normalisation with s counted over a whole call (several segments).
+    """The same normalisation with s counted over a whole call (several segments), each document apart,
+    and over every piece of a sequence-parallel group.
 
     A segment's writes enter the scan before later segments are routed, so their s is known only
     at the end of the forward pass; `finish` then attaches the 1/sqrt(s) factor as a gradient hook
-    on each segment's writes. Forward values are untouched; the gradient is the one of the
+    on each batch of writes. Forward values are untouched; the gradient is the one of the
     stop-gradient construction with the sequence's counts.
     """
 
-    def __init__(self, batch: int, n_slots: int, device: torch.device | str):
+    def __init__(self, n_slots: int):
         self.n_slots = n_slots
-        self.counts = torch.zeros(batch, n_slots, device=device)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def add(self, delta: torch.Tensor, slots: torch.Tensor) -> None:
-        """Count the writes of one segment (delta [B, T, L, M] to slots [B, T, L])."""
-        self.counts += collision_counts(slots, self.n_slots)[0]
-        if delta.requires_grad:
-            self.pending.append((delta, slots))
+    def add(self, delta: torch.Tensor, slots: torch.Tensor, documents: torch.Tensor | None = None) -> None:
+        """Writes delta [B, T, L, M] to slots [B, T, L] by tokens of ``documents`` (long [B, T], numbered as
+        `model.blocks.document_ids` numbers a call's; None: all of one document)."""
+        if documents is None:
+            documents = torch.zeros(slots.shape[:2], dtype=torch.long, device=slots.device)
+        self.pending.append((delta, slots, documents[..., None].expand(slots.shape)))
 
     def finish(self, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False) -> None:
         """Attach the 1/sqrt(s) gradient factors; a sequence-parallel piece counts over all pieces."""
+        if not self.pending:
+            return
+        slots = torch.cat([slots for _, slots, _ in self.pending], dim=1)
+        documents = torch.cat([documents for _, _, documents in self.pending], dim=1)
+        counts, _ = key_counts((documents * self.n_slots + slots).reshape(slots.shape[0], -1))
+        counts = counts.view(slots.shape)
         if sequence_parallel:
-            dist.all_reduce(self.counts, group=group)
-        for delta, slots in self.pending:
-            scale = self.counts.gather(1, slots.reshape(slots.shape[0], -1)).view(slots.shape).rsqrt()[..., None]
-            delta.register_hook(lambda grad, scale=scale: grad * scale)
+            counts = counts + writers_in_other_pieces(slots, documents, self.n_slots, group)
+        start = 0
+        for delta, part, _ in self.pending:
+            if delta.requires_grad:
+                scale = counts[:, start : start + part.shape[1]].rsqrt()[..., None]
+                delta.register_hook(lambda grad, scale=scale: grad * scale)
+            start += part.shape[1]
         self.pending = []
+
+
+def writers_in_other_pieces(
+    slots: torch.Tensor, documents: torch.Tensor, n_slots: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Per write to slots [B, T, L] by a token of documents [B, T, L] (this piece's numbering, 0 for the
+    document that entered it): the writers of the same (document, slot) in the other pieces of ``group``.
+
+    Only two documents of a piece cross its borders: its first (number 0, begun in an earlier piece)
+    and its last (going on into later ones; the same document when the piece starts none). One
+    all-gather shares each piece's per-slot writers of both and whether it starts a document; each rank
+    then walks back to the last earlier piece that starts one, and forward to the first later one."""
+    B, n = slots.shape[0], n_slots
+    flat, docs = slots.reshape(B, -1), documents.reshape(B, -1)
+    last = docs.amax(1, keepdim=True)  # [B, 1]: the documents this piece starts
+    in_first, in_last = (docs == 0).float(), (docs == last).float()
+    head = torch.zeros(B, n, device=slots.device).scatter_add_(1, flat, in_first)
+    tail = torch.zeros(B, n, device=slots.device).scatter_add_(1, flat, in_last)
+    mine = torch.cat((head, tail, (last > 0).float()), dim=1)  # [B, 2n + 1]
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    rank = dist.get_rank(group)
+    before, after = torch.zeros(B, n, device=slots.device), torch.zeros(B, n, device=slots.device)
+    reach = torch.ones(B, 1, device=slots.device)
+    for piece in every[:rank][::-1]:  # back: whole pieces, then the last document of one that starts one
+        starts = piece[:, 2 * n :]
+        before = before + reach * torch.where(starts > 0, piece[:, n : 2 * n], piece[:, :n])
+        reach = reach * (1 - starts)
+    reach = torch.ones(B, 1, device=slots.device)
+    for piece in every[rank + 1 :]:  # forward: the first document of each piece up to one that starts one
+        after = after + reach * piece[:, :n]
+        reach = reach * (1 - piece[:, 2 * n :])
+    return (before.gather(1, flat) * in_first + after.gather(1, flat) * in_last).view(slots.shape)
 
 
 def straight_through_mixture(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
@@ -209,8 +265,8 @@ class PhasorMemory(nn.Module):
         doc_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MemoryState]:
         """Read and write the memory for h [B, T, d] at positions position.. ; a sequence-parallel piece
-        takes its entering state from the previous rank (relay). With ``doc_start`` (bool [B, T]) each
-        document starts from the initial phases (the carried or entering phases reach only the tokens
+        adds the phases of the earlier pieces (kernels.phasor_scan_sequence_parallel). With ``doc_start``
+        (bool [B, T]) each document starts from the initial phases (the carried or entering phases reach only the tokens
         before a row's first start), and its segments and collision counts are its own."""
         B, T, _ = h.shape
         L, M = self.n_levels, self.memory_dim
@@ -229,13 +285,8 @@ class PhasorMemory(nn.Module):
                                  "(a document's segments cross the pieces' borders); use 'sequence'")
             if self.collision_scope == "segment" and (position % self.segment_len or T % self.segment_len):
                 raise ValueError(f"sequence-parallel pieces must be whole segments of {self.segment_len} tokens")
-            phase_q, received = receive_from_previous(memory, phase_q, sp.group)
-            if received is not None:
-                memory = received
         with torch.autocast(h.device.type, enabled=False):  # phases, routing scores and reads stay fp32
             features, memory, sequence = self._read_write(phase_q, increment, memory, position, doc_start, sp)
-        if sp is not None:  # before the collision counts' all-reduce, which the next rank reaches after this
-            features = send_to_next(memory, features, sp.group)
         if sequence is not None:
             sequence.finish(None if sp is None else sp.group, sp is not None)
         return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), MemoryState(memory)
@@ -255,7 +306,7 @@ class PhasorMemory(nn.Module):
         Routing compares queries with the anchors only, never with the phases, so a document start
         needs nothing but the scan's reset: the phases go back to the initial ones there. Segments are
         fixed chunks of positions within a document, and the sequence scope counts each document's
-        writers apart (across the pieces of a sequence-parallel group: ``sp.first_document``).
+        writers apart (across the pieces of a sequence-parallel group: `writers_in_other_pieces`).
 
         The scan takes each token's path with its write and, when gradients are wanted, the other
         children of every node on the path with zero increments (pure reads of the same state): the
@@ -279,24 +330,13 @@ class PhasorMemory(nn.Module):
         if doc_start is not None:
             starts = starts | doc_start
         segment = document_ids(starts.expand(B, T)) - 1  # the call's segments, numbered from 0 in each row
-        # an upper bound without documents (a host sync only with them): extra segments stay empty
-        n_segments = int(segment.max()) + 1 if doc_start is not None else (T - 1) // self.segment_len + 2
         by_segment = path + (segment * self.n_slots)[..., None]  # one slot id per (segment, slot)
-        if doc_start is None:
-            by_document, n_documents = path, 1
-        else:  # one slot id per (document, slot)
-            documents = document_ids(doc_start)
-            if sp is not None:
-                documents, n_documents = documents + sp.first_document[:, None], sp.n_documents
-            else:
-                n_documents = int(documents.max()) + 1
-            by_document = path + (documents * self.n_slots)[..., None]
         sequence = None
         if self.collision_scope == "sequence":
-            sequence = SequenceCollisions(B, n_documents * self.n_slots, phase_q.device)
-            sequence.add(delta, by_document)
+            sequence = SequenceCollisions(self.n_slots)
+            sequence.add(delta, path, None if doc_start is None else document_ids(doc_start))
         elif self.collision_scope == "segment":
-            delta = normalise_collisions(delta, by_segment, n_segments * self.n_slots)
+            delta = normalise_collisions(delta, by_segment)
         mixture = torch.is_grad_enabled()
         if mixture:  # entries: the root, then every child of each node on the path (the chosen one writes)
             chosen = children == path[:, :, 1:, None]
@@ -305,9 +345,10 @@ class PhasorMemory(nn.Module):
             entry_delta = torch.cat((delta[:, :, :1], sibling_delta), dim=2)
         else:
             entries, entry_delta = path, delta
-        read, memory = self._scan(entry_delta, entries, memory, self._resets(positions, doc_start, B))
-        if mixture:
-            hard_read = torch.cat((read[:, :, :1], read[:, :, 1:].reshape(B, T, L - 1, N, M)[chosen]
+        read, memory = self._scan(entry_delta, entries, memory, self._resets(positions, doc_start, B), sp)
+        if mixture:  # the chosen child's read, picked by index (a boolean mask's size is read on the host)
+            picked = chosen.long().argmax(-1)[..., None, None].expand(B, T, L - 1, 1, M)
+            hard_read = torch.cat((read[:, :, :1], read[:, :, 1:].reshape(B, T, L - 1, N, M).gather(3, picked)
                                    .view(B, T, L - 1, M)), dim=2)
         else:
             hard_read = read
@@ -316,10 +357,11 @@ class PhasorMemory(nn.Module):
             every_child = self._demodulate(read[:, :, 1:], phase_q).view(B, T, L - 1, N, 2 * M)
             soft = torch.einsum("btln,btlnd->btld", weights, every_child)
             features = torch.cat((features[:, :, :1], straight_through_mixture(features[:, :, 1:], soft)), dim=2)
-        with torch.no_grad():
-            counts, _ = collision_counts(by_segment, n_segments * self.n_slots)
-            counts = counts.view(B, n_segments, self.n_slots)
-            self.slot_writes, self.slot_segments = counts.sum((0, 1)), (counts > 0).sum((0, 1)).float()
+        with torch.no_grad():  # writes per slot, and the (row, segment) pairs in which each slot is written
+            self.slot_writes = collision_counts(path, self.n_slots)[0].sum(0)
+            _, first = key_counts(by_segment.reshape(B, -1))
+            self.slot_segments = torch.zeros(self.n_slots, device=path.device).scatter_add_(
+                0, path.reshape(-1), first.reshape(-1).float())
         return features, memory, sequence
 
     def _resets(self, positions: torch.Tensor, doc_start: torch.Tensor | None, batch: int) -> torch.Tensor | None:
@@ -331,14 +373,20 @@ class PhasorMemory(nn.Module):
         return horizon if doc_start is None else horizon | doc_start
 
     def _scan(
-        self, delta: torch.Tensor, slots: torch.Tensor, memory: torch.Tensor, reset: torch.Tensor | None
+        self, delta: torch.Tensor, slots: torch.Tensor, memory: torch.Tensor, reset: torch.Tensor | None,
+        sp: SequenceParallel | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """kernels.phasor_scan over the call, or token by token with the sequential reference, from the
-        phases `memory` carried (or relayed) into the call.
+        phases `memory` carried into the call; a sequence-parallel piece scans from zero and adds the
+        earlier pieces' phases (kernels.phasor_scan_sequence_parallel; exact, since routing never reads
+        the phases).
 
         With reset (bool [B, T]: document starts, horizon ends) the phases start again from their
         initial values, zero, not from `memory`: the kernel's reset forgets the carried phases.
         """
+        if sp is not None:
+            backend = "reference" if self.reference else self.scan_backend
+            return phasor_scan_sequence_parallel(delta, slots, self.n_slots, sp.group, None, True, backend, reset)
         if self.reference:
             reads = []
             for t in range(delta.shape[1]):

@@ -298,7 +298,7 @@ def test_collision_normalisation_forward_exact_gradient_scaled() -> None:
 
     delta = torch.randn(1, 4, 2, 3, requires_grad=True)
     upstream = torch.randn(1, 4, 2, 3)
-    effective = normalise_collisions(delta, slots, 5)
+    effective = normalise_collisions(delta, slots)
     assert torch.equal(effective, delta)  # forward: the full accumulation, bit for bit
     (effective * upstream).sum().backward()
     torch.testing.assert_close(delta.grad, upstream / s.sqrt()[..., None], rtol=1e-6, atol=0)
@@ -311,7 +311,7 @@ def test_collision_normalisation_over_the_sequence() -> None:
     second = torch.tensor([[[0, 4], [0, 4], [0, 1]]])
     deltas = [torch.randn(1, 4, 2, 3, requires_grad=True), torch.randn(1, 3, 2, 3, requires_grad=True)]
     upstream = [torch.randn(1, 4, 2, 3), torch.randn(1, 3, 2, 3)]
-    sequence = SequenceCollisions(1, 5, "cpu")
+    sequence = SequenceCollisions(5)
     outs = []
     for delta, slots in zip(deltas, (first, second)):
         out = delta * 1.0  # the model passes on a view of its increments; so does this

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels._common import BACKENDS, resolve_backend
-from kernels.phasor.compiled import PhasorScanCompiled
+from kernels.phasor.compiled import PhasorScanCompiled, check_slots
 from kernels.phasor.naive import phasor_scan_reference
 from kernels.phasor.segment import PhasorScanSegmented
 
@@ -50,12 +50,8 @@ def phasor_scan(
         raise ValueError(f"reset must be bool [B, T] = {(batch, seq_len)}, got {reset.dtype} {tuple(reset.shape)}")
     if initial_state is not None and initial_state.shape != (batch, n_slots, width):
         raise ValueError(f"initial_state must be [B, n_slots, M] = {(batch, n_slots, width)}")
-    if not slots.is_cuda and slots.numel():  # a host-side check would stall a GPU stream
-        if slots.min() < 0 or slots.max() >= n_slots:
-            raise ValueError(f"slot ids must lie in [0, {n_slots})")
-        levels = slots.shape[-1]
-        if any((slots[..., i] == slots[..., j]).any() for i in range(levels) for j in range(i + 1, levels)):
-            raise ValueError("two levels of one token share a slot; levels must use disjoint slot ids")
+    if not slots.is_cuda:  # a host-side check would stall a GPU stream
+        check_slots(slots, n_slots)
     which = resolve_backend(backend, delta, PHASOR_BACKENDS)
     if which == "reference":
         return phasor_scan_reference(delta, slots, n_slots, initial_state, output_final_state, reset)

@@ -124,6 +124,18 @@ def _starts(reset: torch.Tensor | None, shape: torch.Size) -> np.ndarray:
     return np.zeros(shape[:2], dtype=np.bool_) if reset is None else _array(reset)
 
 
+def check_slots(slots: torch.Tensor, n_slots: int) -> None:
+    """Slot ids [B, T, L] of CPU tensors in [0, n_slots), disjoint across the levels of a token: the
+    compiled loops index with them unchecked. Reads the ids on the host, so CPU tensors only."""
+    if not slots.numel():
+        return
+    if slots.min() < 0 or slots.max() >= n_slots:
+        raise ValueError(f"slot ids must lie in [0, {n_slots})")
+    levels = slots.shape[-1]
+    if any((slots[..., i] == slots[..., j]).any() for i in range(levels) for j in range(i + 1, levels)):
+        raise ValueError("two levels of one token share a slot; levels must use disjoint slot ids")
+
+
 class PhasorScanCompiled(torch.autograd.Function):
     """Autograd wrapper: saves only the slot ids and the resets; the backward needs no forward activations.
     ``reset`` (bool [B, T] or None) zeroes every slot before a document's first token reads."""
