@@ -1,15 +1,18 @@
 """What sequence parallelism costs a scan: the local scan, the entering-state correction, the exchange.
 
-    python -m benchmarks.sequence_parallel [--T 8192,32768] [--ranks 2]
+    python -m benchmarks.sequence_parallel [--T 8192,32768] [--ranks 2] [--ops soe,phasor,memory]
 
 Spawns ``--ranks`` gloo ranks on this machine; each holds T/ranks tokens of one sequence. Per op and
 length it prints, for rank 1 (which has an entering state): the forward+backward time of the local
 scan alone, of the whole sequence-parallel scan, of the correction pass alone and of the state
-all-gather (and its all-reduce backward) alone, the ratio sequence-parallel / local (target <= 1.3), and
-the bytes each rank sends per call. Times are the best of ``--repeats``. Shapes are VORT-125m's per
-layer (H 12, F 64, D 64) and PMNet's memory (4 levels, M 64); the SOE terms are the decay bank of the
-VORT config given by --decays (how far into a piece each term still reads the entering state decides
-the correction's cost).
+all-gather (and its reduce-scatter backward) alone, the ratio sequence-parallel / local (target <= 1.3),
+and the bytes each rank sends per call. The memory op compares, for PMNet's memory scan, the parallel
+combine (kernels.phasor_scan_sequence_parallel, what the model runs) with the relay it replaced (rank r
+waits for rank r-1's final phases, scans from them and sends its own on; the backward runs the chain in
+reverse), both as the slowest rank's forward+backward time, the one a step waits for. Times are the
+best of ``--repeats``. Shapes are VORT-125m's per layer (H 12, F 64, D 64) and PMNet's memory (4
+levels, M 64); the SOE terms are the decay bank of the VORT config given by --decays (how far into a
+piece each term still reads the entering state decides the correction's cost).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import torch.multiprocessing as mp
 
 from kernels.parallel import (
     _GatherStates,
+    _peer,
     _SoeStateCorrection,
+    _swap,
     phasor_scan_sequence_parallel,
     soe_scan_sequence_parallel,
 )
@@ -101,15 +106,76 @@ def _phasor_row(T: int, args: argparse.Namespace) -> dict:
             "exchange_s": _best(gather, args.repeats), "bytes_sent": 2 * init.numel() * 4 * (dist.get_world_size() - 1)}
 
 
+class _Receive(torch.autograd.Function):
+    """The relay's receive (PMNet's memory before the parallel combine): the previous rank's final
+    phases; backward sends their gradient back. ``carrier`` makes autograd run the backward."""
+
+    @staticmethod
+    def forward(ctx, like, carrier):
+        ctx.like = like.detach()
+        received = torch.zeros_like(like)
+        _swap(None, None, received, _peer(None, -1))
+        return carrier.view_as(carrier), received
+
+    @staticmethod
+    def backward(ctx, grad_carrier, grad_received):
+        outgoing = torch.zeros_like(ctx.like) if grad_received is None else grad_received
+        if _peer(None, -1) is not None:
+            _swap(outgoing, _peer(None, -1), outgoing, None)
+        return None, grad_carrier
+
+
+class _Send(torch.autograd.Function):
+    """The relay's send: this rank's final phases to the next rank; backward receives their gradient."""
+
+    @staticmethod
+    def forward(ctx, x, carrier):
+        ctx.like = x.detach()
+        _swap(x, _peer(None, 1), x, None)
+        return carrier.view_as(carrier)
+
+    @staticmethod
+    def backward(ctx, grad_carrier):
+        from_next = torch.zeros_like(ctx.like)
+        _swap(None, None, from_next, _peer(None, 1))
+        return from_next, grad_carrier
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's time (the step waits for the slowest rank)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _memory_row(T: int, args: argparse.Namespace) -> dict:
+    x, n_slots = phasor_inputs(1, T, 4, 64, 4, with_state=False, seed=dist.get_rank())
+    delta = x["delta"].float().requires_grad_()
+    slots = x["slots"]
+    zeros = torch.zeros(1, n_slots, 64)
+
+    def relay() -> list[torch.Tensor]:
+        carrier, received = _Receive.apply(zeros, delta)
+        entering = received if dist.get_rank() > 0 else zeros
+        read, final = phasor_scan(carrier, slots, n_slots, entering, True)
+        return [_Send.apply(final, read)]
+
+    local = _fwd_bwd(lambda: [phasor_scan(delta, slots, n_slots)[0]])
+    combine = _fwd_bwd(lambda: [phasor_scan_sequence_parallel(delta, slots, n_slots)[0]])
+    times = {name: _slowest(_best(fn, args.repeats)) for name, fn in
+             (("local_s", local), ("combine_s", combine), ("relay_s", _fwd_bwd(relay)))}
+    return {"op": "memory", "T_rank": T, **times}
+
+
+ROWS = {"soe": _soe_row, "phasor": _phasor_row, "memory": _memory_row}
+
+
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     try:
-        rows = []
-        for T in args.T:
-            rows.append(_soe_row(T // args.ranks, args))
-            rows.append(_phasor_row(T // args.ranks, args))
+        rows = [ROWS[op](T // args.ranks, args) for T in args.T for op in args.ops]
         if rank == 1:
             Path(out).write_text(json.dumps(rows))
     finally:
@@ -120,6 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--T", type=lambda s: [int(t) for t in s.split(",")], default=[8192, 32768])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ops", type=lambda s: s.split(","), default=list(ROWS), help="of soe, phasor, memory")
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--feat", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
@@ -127,6 +194,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.ranks < 2 or set(args.ops) - set(ROWS):
+        parser.error(f"--ranks must be >= 2 and --ops a list of {', '.join(ROWS)}; got {args.ranks}, {args.ops}")
     args.log_lam = vort_decays(args.decays, args.heads)
     from tests.launchers import free_port
 
@@ -134,12 +203,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         out = str(Path(tmp) / "rows.json")
         mp.spawn(_worker, args=(free_port(), args, out), nprocs=args.ranks)
         rows = json.loads(Path(out).read_text())
-    print(f"{'op':<8}{'T/rank':>8}{'local s':>10}{'SP s':>10}{'SP/local':>10}{'correct s':>11}{'exchange s':>12}"
-          f"{'bytes sent':>12}")
-    for r in rows:
+    scans = [r for r in rows if r["op"] != "memory"]
+    if scans:
+        print(f"{'op':<8}{'T/rank':>8}{'local s':>10}{'SP s':>10}{'SP/local':>10}{'correct s':>11}{'exchange s':>12}"
+              f"{'bytes sent':>12}")
+    for r in scans:
         print(f"{r['op']:<8}{r['T_rank']:>8}{r['local_s']:>10.4f}{r['parallel_s']:>10.4f}"
               f"{r['parallel_s'] / r['local_s']:>10.2f}{r['correction_s']:>11.4f}{r['exchange_s']:>12.4f}"
               f"{r['bytes_sent']:>12,}")
+    memory = [r for r in rows if r["op"] == "memory"]
+    if memory:
+        print(f"PMNet memory, {args.ranks} ranks, slowest rank: {'T/rank':>8}{'local s':>10}{'combine s':>11}"
+              f"{'relay s':>10}{'relay/combine':>15}")
+    for r in memory:
+        print(f"{'':<36}{r['T_rank']:>8}{r['local_s']:>10.4f}{r['combine_s']:>11.4f}{r['relay_s']:>10.4f}"
+              f"{r['relay_s'] / r['combine_s']:>15.2f}")
     return rows
 
 

@@ -5,8 +5,9 @@ the pieces' final states, and each rank folds the states of earlier ranks into i
 result equals one scan over the whole sequence, forward and backward, with communication that does
 not grow with the length. With document resets a piece holding a reset cuts off what entered it: its
 tokens from its first reset on ignore the entering state, and its outgoing state starts at its last reset.
-Operations that depend on earlier tokens non-linearly (PMNet's routing)
-use the neighbour exchanges at the end instead. docs/kernels.md, "Sequence parallelism", gives the
+Nothing is read on the host: the pieces' lengths are static (equal pieces unless given) and every
+per-row decision is a mask on the device. What crosses a border over a fixed distance (an attention
+window's keys, a convolution's tail) uses the neighbour exchange at the end. docs/kernels.md, "Sequence parallelism", gives the
 algorithm and the gradient conventions; docs/sequence_parallel.md how the models use it.
 """
 
@@ -317,52 +318,3 @@ def exchange_with_neighbours(
     """
     x, received = _Exchange.apply(group, x)
     return x, (received if dist.get_rank(group) > 0 else None)
-
-
-class _Receive(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, like, carrier):
-        ctx.group, ctx.like = group, like.detach()
-        received = torch.zeros_like(like)
-        _swap(None, None, received, _peer(group, -1))
-        return carrier.view_as(carrier), received
-
-    @staticmethod
-    def backward(ctx, grad_carrier, grad_received):
-        outgoing = torch.zeros_like(ctx.like) if grad_received is None else grad_received
-        if _peer(ctx.group, -1) is not None:
-            _swap(outgoing, _peer(ctx.group, -1), outgoing, None)
-        return None, None, grad_carrier
-
-
-class _Send(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, x, carrier):
-        ctx.group, ctx.like = group, x.detach()
-        _swap(x, _peer(group, 1), x, None)
-        return carrier.view_as(carrier)
-
-    @staticmethod
-    def backward(ctx, grad_carrier):
-        from_next = torch.zeros_like(ctx.like)
-        _swap(None, None, from_next, _peer(ctx.group, 1))
-        return None, from_next, grad_carrier
-
-
-def receive_from_previous(
-    like: torch.Tensor, carrier: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Wait for the tensor the previous rank sends with :func:`send_to_next` (shaped like ``like``).
-
-    Returns (carrier, received or None on the first rank). ``carrier`` is any tensor that requires
-    gradients and is used afterwards: its returned copy is what makes autograd run this exchange's
-    backward (which sends the received tensor's gradient back) on every rank.
-    """
-    carrier, received = _Receive.apply(group, like, carrier)
-    return carrier, (received if dist.get_rank(group) > 0 else None)
-
-
-def send_to_next(x: torch.Tensor, carrier: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Send x to the next rank's :func:`receive_from_previous`; returns ``carrier``, through whose
-    backward x receives the gradient the next rank sends back (so use the returned carrier)."""
-    return _Send.apply(group, x, carrier)
