@@ -9,8 +9,12 @@ all-gather (and its reduce-scatter backward) alone, the ratio sequence-parallel 
 and the bytes each rank sends per call. The memory op compares, for PMNet's memory scan, the parallel
 combine (kernels.phasor_scan_sequence_parallel, what the model runs) with the relay it replaced (rank r
 waits for rank r-1's final phases, scans from them and sends its own on; the backward runs the chain in
-reverse), both as the slowest rank's forward+backward time, the one a step waits for. Times are the
-best of ``--repeats``. Shapes are VORT-125m's per layer (H 12, F 64, D 64) and PMNet's memory (4
+reverse): the slowest rank's forward+backward wall time here (the one a step waits for), and the
+critical path on as many cores as ranks, from each rank's compute alone (its thread's CPU time): the
+slowest rank's for the combine, every rank's added up for the relay, whose ranks work one after
+another. On a machine with fewer usable cores than ranks the wall times cannot show the relay's
+serial chain (the ranks share the cores either way); the critical path can. Times are the best of
+``--repeats``. Shapes are VORT-125m's per layer (H 12, F 64, D 64) and PMNet's memory (4
 levels, M 64); the SOE terms are the decay bank of the VORT config given by --decays (how far into a
 piece each term still reads the entering state decides the correction's cost).
 """
@@ -42,14 +46,14 @@ from kernels.soe import soe_scan
 from kernels.testing import phasor_inputs, soe_inputs
 
 
-def _best(fn: Callable[[], torch.Tensor], repeats: int) -> float:
+def _best(fn: Callable[[], torch.Tensor], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
@@ -141,10 +145,10 @@ class _Send(torch.autograd.Function):
         return from_next, grad_carrier
 
 
-def _slowest(seconds: float) -> float:
-    """The largest of every rank's time (the step waits for the slowest rank)."""
+def _over_ranks(seconds: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> float:
+    """Every rank's time reduced by ``op``: MAX, the slowest rank (a step waits for it); SUM, all of them."""
     t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return float(t)
 
 
@@ -162,8 +166,15 @@ def _memory_row(T: int, args: argparse.Namespace) -> dict:
 
     local = _fwd_bwd(lambda: [phasor_scan(delta, slots, n_slots)[0]])
     combine = _fwd_bwd(lambda: [phasor_scan_sequence_parallel(delta, slots, n_slots)[0]])
-    times = {name: _slowest(_best(fn, args.repeats)) for name, fn in
-             (("local_s", local), ("combine_s", combine), ("relay_s", _fwd_bwd(relay)))}
+    relay = _fwd_bwd(relay)
+    times = {name: _over_ranks(_best(fn, args.repeats)) for name, fn in
+             (("local_s", local), ("combine_s", combine), ("relay_s", relay))}
+    # Compute alone (this thread's CPU time, waits excluded): the combine's ranks work side by side, so its
+    # critical path is the slowest rank's; the relay's ranks work one after another, forward then backward
+    # in reverse, so its critical path is the sum of every rank's (the messages, B x n_slots x M phases,
+    # left out of both).
+    times["combine_cpu_s"] = _over_ranks(_best(combine, args.repeats, time.thread_time))
+    times["relay_cpu_s"] = _over_ranks(_best(relay, args.repeats, time.thread_time), dist.ReduceOp.SUM)
     return {"op": "memory", "T_rank": T, **times}
 
 
@@ -213,11 +224,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['bytes_sent']:>12,}")
     memory = [r for r in rows if r["op"] == "memory"]
     if memory:
-        print(f"PMNet memory, {args.ranks} ranks, slowest rank: {'T/rank':>8}{'local s':>10}{'combine s':>11}"
-              f"{'relay s':>10}{'relay/combine':>15}")
+        print(f"PMNet memory over {args.ranks} ranks ({os.cpu_count()} CPUs here, "
+              f"{len(os.sched_getaffinity(0))} usable); wall: slowest rank here; critical path: compute alone")
+        print(f"{'T/rank':>8}{'local s':>10}{'combine s':>11}{'relay s':>10}{'path: combine s':>17}"
+              f"{'path: relay s':>15}{'relay/combine':>15}")
     for r in memory:
-        print(f"{'':<36}{r['T_rank']:>8}{r['local_s']:>10.4f}{r['combine_s']:>11.4f}{r['relay_s']:>10.4f}"
-              f"{r['relay_s'] / r['combine_s']:>15.2f}")
+        print(f"{r['T_rank']:>8}{r['local_s']:>10.4f}{r['combine_s']:>11.4f}{r['relay_s']:>10.4f}"
+              f"{r['combine_cpu_s']:>17.4f}{r['relay_cpu_s']:>15.4f}{r['relay_cpu_s'] / r['combine_cpu_s']:>15.2f}")
     return rows
 
 

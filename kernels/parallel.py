@@ -5,20 +5,22 @@ the pieces' final states, and each rank folds the states of earlier ranks into i
 result equals one scan over the whole sequence, forward and backward, with communication that does
 not grow with the length. With document resets a piece holding a reset cuts off what entered it: its
 tokens from its first reset on ignore the entering state, and its outgoing state starts at its last reset.
-Nothing is read on the host: the pieces' lengths are static (equal pieces unless given) and every
-per-row decision is a mask on the device. What crosses a border over a fixed distance (an attention
-window's keys, a convolution's tail) uses the neighbour exchange at the end. docs/kernels.md, "Sequence parallelism", gives the
-algorithm and the gradient conventions; docs/sequence_parallel.md how the models use it.
+No device tensor is read on the host: the pieces' lengths are static (equal pieces unless given) and
+every per-row decision is a mask on the device. What crosses a border over a fixed distance (an
+attention window's keys, a convolution's tail) uses the neighbour exchange at the end. docs/kernels.md,
+"Sequence parallelism", gives the algorithm and the gradient conventions; docs/sequence_parallel.md how
+the models use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from kernels._common import decay, resolve_backend, wrap_angle
+from kernels._common import decay, decay_cutoff, resolve_backend, wrap_angle
 from kernels.phasor import phasor_scan, slot_phases
 from kernels.soe import soe_scan
 
@@ -112,9 +114,12 @@ class _SoeStateCorrection(torch.autograd.Function):
     """(o, z) contributions of an entering state: o_t = sum_s lam_s^(t+1) q_t^T G_s, z_t likewise with b.
 
     Computed chunk by chunk without keeping the [c, S*F] scaled queries: backward rebuilds them. b rides
-    along as column D+1 of G, so each chunk is one product forward and two backward. Every term enters
-    every chunk: a term whose decay has flushed to 0 (:func:`kernels._common.decay`) contributes exact
-    zeros, and leaving it out would need its decays read on the host, a sync inside the step.
+    along as column D+1 of G, so each chunk is one product forward and two backward. On the CPU a term
+    whose decay is exactly 0 over a whole chunk (:func:`kernels._common.decay` flushes factors below its
+    cutoff) is left out of that chunk's products: deep into a piece only the slow terms still read the
+    entering state, which is about half the work at VORT's decays and 16k-token pieces. Elsewhere every
+    term enters every chunk (a flushed one adds exact zeros): choosing the live terms reads the decays,
+    which on a GPU is a host sync inside the step.
     """
 
     @staticmethod
@@ -124,45 +129,112 @@ class _SoeStateCorrection(torch.autograd.Function):
         D = g_in.shape[-1]
         out = q.new_zeros(B, T, H, D + 1, dtype=dtype)
         state = torch.cat((g_in, b_in[..., None]), -1)  # [B, H, S, F, D+1]
-        rows = state.flatten(2, 3)  # [B, H, S*F, D+1]
-        for start in range(0, T, chunk):
-            stop = min(T, start + chunk)
-            qd = _scaled_queries(q, log_lam, start, stop, dtype)  # [B, H, c, S*F]
-            out[:, start:stop] = (qd @ rows).transpose(1, 2)
+        live = _LiveState(state)
+        for start, stop, terms in _chunks_with_live_terms(log_lam, T, chunk, dtype):
+            if terms is None:  # no term reaches this chunk or any later one
+                break
+            qd = _scaled_queries(q, log_lam[:, terms], start, stop, dtype)  # [B, H, c, A*F]
+            out[:, start:stop] = (qd @ live.rows(terms)).transpose(1, 2)
         ctx.save_for_backward(q, log_lam, state)
         ctx.chunk = chunk
         return out[..., :D].contiguous(), out[..., D].contiguous()
 
     @staticmethod
     def backward(ctx, d_o, d_z):
-        q, log_lam, state = ctx.saved_tensors
-        dtype = state.dtype
+        q, log_lam, state_in = ctx.saved_tensors
+        dtype = state_in.dtype
         B, T, H, F_ = q.shape
-        S, D = state.shape[2], state.shape[-1] - 1
+        D = state_in.shape[-1] - 1
         d_out = torch.cat((d_o.to(dtype), d_z.to(dtype)[..., None]), -1).transpose(1, 2)  # [B, H, T, D+1]
         d_q = torch.zeros(B, T, H, F_, dtype=dtype, device=q.device)
-        rows = state.flatten(2, 3)  # [B, H, S*F, D+1]
-        d_rows = torch.zeros_like(rows).flatten(0, 1)  # [B*H, S*F, D+1]
+        live = _LiveState(state_in)
         d_log_lam = torch.zeros(log_lam.shape, dtype=dtype, device=q.device)
-        for start in range(0, T, ctx.chunk):
-            stop = min(T, start + ctx.chunk)
-            c = stop - start
-            scale = _entering_decay(log_lam, start, stop, dtype)  # [H, c, S]
+        for start, stop, terms in _chunks_with_live_terms(log_lam, T, ctx.chunk, dtype):
+            if terms is None:
+                break
+            state = live.rows(terms)  # [B, H, A*F, D+1]
+            c, n_live = stop - start, state.shape[2] // F_
+            scale = _entering_decay(log_lam[:, terms], start, stop, dtype)  # [H, c, A]
             qc = q[:, start:stop].to(dtype).transpose(1, 2)  # [B, H, c, F]
-            qd = (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, c, S * F_)
+            qd = (qc[:, :, :, None, :] * scale[None, ..., None]).reshape(B, H, c, n_live * F_)
             dout = d_out[:, :, start:stop]
-            d_rows.baddbmm_(qd.transpose(-1, -2).flatten(0, 1), dout.flatten(0, 1))
-            d_qd = (dout @ rows.transpose(-1, -2)).view(B, H, c, S, F_)
+            live.grad(terms).baddbmm_(qd.transpose(-1, -2).flatten(0, 1), dout.flatten(0, 1))
+            d_qd = (dout @ state.transpose(-1, -2)).view(B, H, c, n_live, F_)
             d_q[:, start:stop] = (d_qd * scale[None, ..., None]).sum(3).transpose(1, 2)
             if not ctx.needs_input_grad[1]:  # VORT's decays are fixed buffers
                 continue
             # d scale[h, t, s] = sum_{b, f} q d_qd; scale = lam^(t+1), so d log_lam += (t+1) scale d scale
-            d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, S]
+            d_scale = (qc[:, :, :, None, :] * d_qd).sum((0, 4))  # [H, c, A]
             steps = torch.arange(start + 1, stop + 1, dtype=dtype, device=q.device)[None, :, None]
-            d_log_lam += (d_scale * scale * steps).sum(1)
-        d_state = d_rows.view(state.shape)
+            d_log_lam[:, terms] += (d_scale * scale * steps).sum(1)
+        d_state = live.total_grad()
         d_log_lam = d_log_lam.to(log_lam.dtype) if ctx.needs_input_grad[1] else None
         return d_q.to(q.dtype), d_log_lam, d_state[..., :D], d_state[..., D], None
+
+
+class _LiveState:
+    """The entering state [B, H, S, F, D+1] restricted to the live terms, as [B, H, A*F, D+1] rows, and its
+    gradient: both are rebuilt only when the set of live terms changes (it only shrinks along a piece)."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+        self.d_state = torch.zeros_like(state)
+        self._terms: slice | torch.Tensor | None = None
+        self._rows = self._d_rows = None
+
+    def _select(self, terms: slice | torch.Tensor) -> None:
+        if terms is self._terms:  # the chunk iterator hands out one object per live set
+            return
+        self._flush()
+        self._terms = terms
+        self._rows = self.state[:, :, terms].flatten(2, 3)
+        self._d_rows = None
+
+    def _flush(self) -> None:
+        if self._d_rows is not None:
+            B, H = self.state.shape[:2]
+            self.d_state[:, :, self._terms] += self._d_rows.view(B, H, -1, *self.state.shape[3:])
+
+    def rows(self, terms: slice | torch.Tensor) -> torch.Tensor:
+        self._select(terms)
+        return self._rows
+
+    def grad(self, terms: slice | torch.Tensor) -> torch.Tensor:
+        """The gradient of :meth:`rows` as [B*H, A*F, D+1], to accumulate into in place."""
+        self._select(terms)
+        if self._d_rows is None:
+            self._d_rows = torch.zeros_like(self._rows).flatten(0, 1)
+        return self._d_rows
+
+    def total_grad(self) -> torch.Tensor:
+        self._flush()
+        self._d_rows = None
+        return self.d_state
+
+
+def _chunks_with_live_terms(
+    log_lam: torch.Tensor, seq_len: int, chunk: int, dtype: torch.dtype
+) -> Iterator[tuple[int, int, slice | torch.Tensor | None]]:
+    """(start, stop, terms) per chunk of a piece: the terms whose decay lam^(t+1) is non-zero somewhere in
+    the chunk for some head (a full slice while that is all of them; None once it is none of them). The
+    same object comes back for as long as the live set stays the same. Decided from a numpy view of CPU
+    decays (host memory: no sync); decays on another device give every term to every chunk."""
+    if log_lam.device.type != "cpu":
+        for start in range(0, seq_len, chunk):
+            yield start, min(seq_len, start + chunk), _EVERY_TERM
+        return
+    log_power = log_lam.detach().to(dtype).numpy()
+    cutoff = decay_cutoff(dtype)
+    previous, terms = None, None
+    for start in range(0, seq_len, chunk):
+        live = ((start + 1) * log_power >= cutoff).any(0)  # a chunk's first token decays least
+        if previous is None or not np.array_equal(live, previous):
+            terms = _EVERY_TERM if live.all() else torch.from_numpy(live.nonzero()[0]) if live.any() else None
+            previous = live
+        yield start, min(seq_len, start + chunk), terms
+
+
+_EVERY_TERM = slice(None)
 
 
 def _entering_decay(log_lam: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:

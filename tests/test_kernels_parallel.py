@@ -120,9 +120,10 @@ def test_phasor_pieces_equal_one_scan(ranks):
     [[-45.0, -3.0, -0.3, 0.0], [-50.0, -2.0, -0.5, -0.01]],  # one term dead from the start, one dies mid-piece
     [[-45.0, -3.0, -1.5, -4.0], [-50.0, -2.0, -5.0, -1.5]],  # every term dead before the piece ends
 ])
-def test_state_correction_equals_the_dense_sum(log_lam: list[list[float]]) -> None:
-    """The entering state's correction, chunk by chunk, with terms whose decay flushes to 0 before or
-    inside the piece: outputs and every gradient equal the dense sum over all terms and tokens."""
+def test_state_correction_leaves_out_only_terms_that_decayed_to_zero(log_lam: list[list[float]]) -> None:
+    """The entering state's correction skips, per chunk, the terms whose decay is already flushed to 0
+    (on the CPU, where the decays are read without a sync); outputs and every gradient equal the dense
+    sum over all terms and tokens."""
     gen = torch.Generator().manual_seed(3)
     B, T, H, S, F, D = 2, 40, 2, 4, 3, 5
     q = torch.randn(B, T, H, F, generator=gen).requires_grad_()

@@ -126,13 +126,14 @@ def _starts(reset: torch.Tensor | None, shape: torch.Size) -> np.ndarray:
 
 def check_slots(slots: torch.Tensor, n_slots: int) -> None:
     """Slot ids [B, T, L] of CPU tensors in [0, n_slots), disjoint across the levels of a token: the
-    compiled loops index with them unchecked. Reads the ids on the host, so CPU tensors only."""
-    if not slots.numel():
+    compiled loops index with them unchecked. Reads the ids through numpy, so CPU tensors only."""
+    ids = _array(slots)
+    if not ids.size:
         return
-    if slots.min() < 0 or slots.max() >= n_slots:
+    if ids.min() < 0 or ids.max() >= n_slots:
         raise ValueError(f"slot ids must lie in [0, {n_slots})")
-    levels = slots.shape[-1]
-    if any((slots[..., i] == slots[..., j]).any() for i in range(levels) for j in range(i + 1, levels)):
+    levels = ids.shape[-1]
+    if any((ids[..., i] == ids[..., j]).any() for i in range(levels) for j in range(i + 1, levels)):
         raise ValueError("two levels of one token share a slot; levels must use disjoint slot ids")
 
 
