@@ -114,13 +114,15 @@ class PMNet(StackedLM):
 
     def state_bytes(self, batch: int, sequence_parallel: int) -> tuple[float, float]:
         """fp32 phases and segment phases per memory block; under sequence parallelism the attention
-        halo (received and sent, every layer) and one more copy of the memory states."""
+        halo (received and sent, every layer) and per memory block the N gathered local phases and the
+        entering ones (kernels.phasor_scan_sequence_parallel)."""
         c, pm = self.config, self.config.pmnet
-        memory = len(self.memories()) * batch * pm.n_slots * pm.memory_dim * 4 * 2
+        phases = len(self.memories()) * batch * pm.n_slots * pm.memory_dim * 4
+        memory = phases * 2
         if sequence_parallel == 1:
             return memory, 0.0
         halo = c.n_layers * 2 * batch * (pm.window - 1) * c.d_model * 4 * 2
-        return memory, halo + memory
+        return memory, halo + phases * (sequence_parallel + 1)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config, lambda i: PMNetBlock(config, has_memory(i, config.pmnet)))
