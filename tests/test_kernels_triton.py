@@ -46,26 +46,22 @@ def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_term
     _check_soe(soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed=seq_len), chunk_size)
 
 
-@pytest.mark.parametrize(
-    ("seq_len", "target", "spans", "batch", "heads", "dim_v"),
-    [(150, 2, 1, 1, 1, 5), (150, 6, 4, 1, 1, 5), (150, 264, 10, 1, 1, 5), (70, 16, 3, 2, 2, 20)],
-)
-def test_soe_triton_spans_match_reference(monkeypatch, seq_len, target, spans, batch, heads, dim_v):
-    """The span decomposition at several splits (chunks of 16): 150 tokens as one span (the plain
-    sequential walk), as spans of three chunks with a 6-token last span, and as one chunk per span; 70
-    tokens of two sequences and two heads, with two value blocks in the backward, as spans of two
-    chunks. With an initial state, a term that decays fast, and every gradient (q, k, v, coef, log_lam,
-    G0, b0)."""
-    import kernels.span
+@pytest.mark.parametrize(("seq_len", "chunk_size", "batch", "heads", "dim_v"), [(150, 16, 1, 1, 5), (70, 32, 2, 2, 20)])
+def test_soe_triton_many_chunks_match_reference(seq_len, chunk_size, batch, heads, dim_v):
+    """Lengths over many chunks, not a multiple of the chunk (150 tokens: nine chunks of 16 and one of 6;
+    70 tokens of two sequences and two heads: chunks of 32, one value block forward and one backward),
+    with an initial state, a term that decays fast, and every gradient (q, k, v, coef, log_lam, G0, b0).
+    Each chunk kernel runs one program per (chunk x batch x head, value block)."""
     from kernels.soe.triton import soe_launches
 
-    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
-    span, launches = soe_launches(batch, seq_len, heads, 2, 4, dim_v, 16, torch.float32, 80)
-    assert launches["fwd"].grid[2] == spans == math.ceil(seq_len / span)
-    assert {launch.grid[2] for name, launch in launches.items() if "pass" not in name} == {spans}
+    chunk, launches = soe_launches(batch, seq_len, heads, 2, 4, dim_v, chunk_size, torch.float32, 80)
+    assert chunk == chunk_size
+    for name, launch in launches.items():
+        if "pass" not in name:
+            assert launch.grid[0] == math.ceil(seq_len / chunk) * batch * heads, name
     inputs = soe_inputs(batch, seq_len, heads, 4, dim_v, 2, True, seed=7)
     inputs["log_lam"] = torch.tensor([[-0.01, -3.0]] * heads, dtype=torch.float64)
-    _check_soe(inputs, 16)
+    _check_soe(inputs, chunk_size)
 
 
 @pytest.mark.parametrize(("target", "spans"), [(1, 1), (4, 5)])
@@ -93,20 +89,54 @@ def test_phasor_triton_spans_match_reference(monkeypatch, target, spans):
 RESET_ROWS = [[0, 5, 16, 17, 32, 33, 34, 64, 69], [15, 48]]
 
 
-@pytest.mark.parametrize(("target", "spans"), [(2, 1), (8, 3), (264, 5)])
-def test_soe_triton_resets_match_reference(monkeypatch, target, spans):
-    """Resets in the Triton SOE scan as one span, as spans of two chunks and as one chunk per span, with an
-    initial state and a fast-decaying term: outputs, final state and every gradient."""
-    import kernels.span
-    from kernels.soe.triton import soe_launches
-
-    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", target)
-    span, launches = soe_launches(2, 70, 1, 2, 4, 5, 16, torch.float32, 80)
-    assert launches["fwd"].grid[2] == spans == math.ceil(70 / span)
-    inputs = soe_inputs(2, 70, 1, 4, 5, 2, True, seed=9)
+@pytest.mark.parametrize(("chunk_size", "dim_v"), [(16, 5), (32, 70)])
+def test_soe_triton_resets_match_reference(chunk_size, dim_v):
+    """Resets in the Triton SOE scan with chunks of 16 and of 32 (then with two value blocks forward and
+    three backward), an initial state and a fast-decaying term: outputs, final state and every gradient."""
+    inputs = soe_inputs(2, 70, 1, 4, dim_v, 2, True, seed=9)
     inputs["log_lam"] = torch.tensor([[-0.01, -3.0]], dtype=torch.float64)
     inputs["reset"] = resets(70, RESET_ROWS)
-    _check_soe(inputs, 16)
+    _check_soe(inputs, chunk_size)
+
+
+def test_soe_triton_runs_are_bitwise_equal():
+    """Two runs of the Triton SOE scan (resets, an initial state, several value blocks, so partials are
+    summed over value blocks and chunks) give bitwise-equal outputs and gradients."""
+    inputs = soe_inputs(2, 70, 2, 4, 70, 3, True, seed=4)
+    inputs["reset"] = resets(70, RESET_ROWS)
+    first, second = (soe_run(inputs, "triton", device=DEVICE, chunk_size=16) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first[0], second[0], strict=True))
+    assert first[1].keys() == second[1].keys()
+    assert all(torch.equal(first[1][n], second[1][n]) for n in first[1])
+
+
+def test_scan_kernels_have_no_atomics():
+    """No Triton source of the scans (the SOE chunk kernels, the phasor kernels, the shared sequence
+    pass) calls an atomic (tl.atomic_add, tl.atomic_cas, ...): every reduction is a fixed-order sum of
+    partials."""
+    import re
+    from pathlib import Path
+
+    import kernels
+
+    root = Path(kernels.__file__).parent
+    sources = [*sorted((root / "soe").rglob("*.py")), *sorted((root / "phasor").rglob("*.py")), root / "span.py"]
+    assert any(p.parent.name == "gpu" for p in sources)
+    for path in sources:
+        assert not re.search(r"atomic_\w+\s*\(", path.read_text()), path
+
+
+def test_soe_grids_fit_at_a_million_tokens():
+    """At 1M tokens per rank and the vort-125m sizes (12 heads, 18 terms, 64-wide features and values,
+    chunk 64), every SOE launch keeps grid axes 1 and 2 within 65,535 (the long axis is axis 0)."""
+    from kernels.soe.triton import entering_launches, soe_launches
+
+    for capability in (80, 90):
+        _chunk, launches = soe_launches(1, 1 << 20, 12, 18, 64, 64, 64, torch.bfloat16, capability)
+        launches |= entering_launches(1, 1 << 20, 12, 18, 64, 64, torch.bfloat16, capability)
+        for launch in launches.values():
+            assert max(launch.grid[1:], default=1) <= 65_535 and launch.grid[0] < 2**31
+        assert launches["fwd"].grid[0] == (1 << 20) // 64 * 12
 
 
 @pytest.mark.parametrize(("target", "spans"), [(1, 1), (264, 5)])
@@ -256,7 +286,7 @@ def test_soe_triton_bf16_on_cuda():
 @pytest.mark.parametrize(
     ("seq_len", "width", "log_lam"),
     [
-        (70, 7, [[-0.02, -0.3, -2.0], [0.0, -0.05, -45.0]]),  # three chunks of 32; a term flushed to 0 at once
+        (150, 7, [[-0.02, -0.3, -2.0], [0.0, -0.05, -45.0]]),  # three chunks of 64; a term flushed to 0 at once
         (33, 70, [[-0.01, -0.1, -1.0], [-0.2, -0.002, -5.0]]),  # two value blocks in the forward
     ],
 )
