@@ -27,8 +27,8 @@ def precision(dtype: torch.dtype) -> str:
 # sized for the shipped shapes (64-wide features and values, chunk 64); the compile gate checks each.
 CHUNK_MAX = {False: 64, True: 64}
 _TABLE: dict[bool, dict[str, tuple[int, int, int]]] = {
-    False: {"states": (64, 4, 2), "fwd": (64, 4, 2), "bwd": (32, 8, 1)},
-    True: {"states": (64, 4, 2), "fwd": (64, 8, 2), "bwd": (32, 8, 1)},
+    False: {"states": (64, 8, 2), "fwd": (64, 8, 2), "bwd": (32, 8, 1)},
+    True: {"states": (64, 8, 2), "fwd": (64, 8, 2), "bwd": (32, 8, 1)},
 }
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W")
 
