@@ -106,16 +106,16 @@ class SoeScanTriton(torch.autograd.Function):
         launches["bwd_states"].run(q, d_out, coef, d_zz, ll, docs, d_states, *sizes)
         pass_args = (n_chunks, seq_len, chunk, *pass_sizes(states, heads * n_terms))
         launches["bwd_pass"].run(d_states, ll, carry, *pass_args)
-        n_blocks = launches["bwd"].grid[1]
-        dq = torch.empty(n_blocks, *q.shape, dtype=f32, device=dev)
+        parts = 2 * launches["bwd_cross"].grid[1]  # (cross, intra) x value block
+        dq = torch.empty(parts, *q.shape, dtype=f32, device=dev)
         dk = torch.empty_like(dq)
-        dv = torch.empty(v.shape, dtype=f32, device=dev)
-        dcoef = torch.empty(n_blocks, *coef.shape, dtype=f32, device=dev)
-        dll = torch.empty(n_blocks * n_chunks * batch, heads, n_terms, dtype=f32, device=dev)
+        dv = torch.empty(2, *v.shape, dtype=f32, device=dev)  # value blocks are disjoint
+        dcoef = torch.empty(parts, *coef.shape, dtype=f32, device=dev)
+        dll = torch.empty(parts * n_chunks * batch, heads, n_terms, dtype=f32, device=dev)
         centre = (seq_len - 1) / 2.0
-        launches["bwd"].run(
-            q, k, v, coef, ll, docs, states, d_out, d_zz, d_states, dq, dk, dv, dcoef, dll, *sizes, centre
-        )
+        grads = (dq, dk, dv, dcoef, dll)
+        launches["bwd_cross"].run(q, k, v, coef, ll, docs, states, d_out, d_zz, d_states, *grads, *sizes, centre)
+        launches["bwd_intra"].run(q, k, v, coef, ll, docs, d_out, d_zz, *grads, *sizes[:-1])
         # The decay gradient's boundary terms: the final state is read at position T - 1 and the initial
         # state written at -1, each (position - centre) times <state, its gradient>.
         boundary = (states[-1] * d_states[-1] * centre + states[0] * d_states[0] * (centre + 1)).view(
@@ -123,5 +123,5 @@ class SoeScanTriton(torch.autograd.Function):
         )
         d_log_lam = dll.sum(0) + boundary.sum((0, 3))
         dg0, db0 = unpack(d_states[0], g_shape)
-        grads = (dq.sum(0), dk.sum(0), dv, dcoef.sum(0), d_log_lam, dg0, db0)
+        grads = (dq.sum(0), dk.sum(0), dv.sum(0), dcoef.sum(0), d_log_lam, dg0, db0)
         return (*(g.to(d) for g, d in zip(grads, dtypes)), None, None)
