@@ -1,17 +1,30 @@
-"""Compile gate: every Triton kernel, compiled ahead of time for an A100 (sm_80) and an H100 (sm_90).
+"""Compile gate: the Triton launches the shipped models make, compiled ahead of time for an A100 (sm_80)
+and an H100 (sm_90), and checked.
 
     python -m benchmarks.kernel_compile [--json compile.json]
 
 Needs no GPU: triton's own compiler makes the PTX and the ptxas that ships with triton assembles it
-and reports registers and spills. For every shipped model config (configs/model/*.yaml) it takes the
-scan shapes (heads, features, head width, SOE terms, chunk; PMNet levels, memory width, slots), builds
-the launches the autograd Functions make (kernels.soe.triton.soe_launches,
-kernels.phasor.triton.phasor_launches) for fp32 and bf16 inputs and for both targets, compiles each
-distinct one once, and prints one row per kernel, target and dtype: shared memory per block,
-registers per thread, spilled bytes, and the programs launched at batch 1 and 65,536 tokens. A row
-fails on shared memory above the target's per-block limit or on any spill in bf16 (fp32 is the
-debugging dtype: its spills are reported, not fatal); a compile error fails the run. Exit status 1
-if any row fails. tests/test_kernels_compile.py runs the same checks.
+and reports registers and spills. The launches are captured from the models themselves
+(benchmarks/launch_capture.py): every config in configs/model/*.yaml with a scan, in bf16 as the
+engines' bf16 precision runs it, forward and backward on the meta device, at batch 1 x 65,536 tokens,
+batch 1 x 1M tokens and batch 8 x 512k tokens per rank, plus the sequence-parallel entering-state
+read of the SOE scan. Each distinct launch is compiled once per target with the arguments' runtime
+JIT specialisation (integers equal to 1 as constants, the divisibility-by-16 and pointer-alignment
+hints). One row per kernel, target, operand dtype and compile-time blocks; a row fails on:
+
+- a compile error;
+- any register spill (the dtype compiled is the one the model passes, so every spill runs);
+- a kernel with a ``tl.dot`` whose PTX has no tensor-core instruction (``mma.sync``; on sm_90 also
+  ``wgmma.mma_async``);
+- any atomic (``atom.``/``red.``) instruction: scan kernels write partials summed in a fixed order;
+- shared memory over the target's per-block limit;
+- fewer than 132 programs (one per H100 SM) at batch 1 and 65,536 tokens;
+- a grid axis 1 or 2 over 65,535 (CUDA's limit) at any of the shapes, 1M tokens per rank included;
+- a tensor argument with more elements than int32 offsets reach, at batch 8 x 512k tokens, that the
+  launch does not declare 64-bit indexed (kernels._common.check_offsets, which also guards every
+  launch at run time).
+
+Exit status 1 if any row fails. tests/test_kernels_compile.py runs the same checks.
 """
 
 from __future__ import annotations
@@ -25,38 +38,58 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from kernels._common import Launch
+from benchmarks.launch_capture import SHAPES, Captured, capture_config
+from kernels._common import check_offsets
 from kernels.span import MIN_PROGRAMS
-from model import family
 from model.config import ModelConfig, load_model_config
 
 TARGETS = (80, 90)
 SHARED_LIMIT = {80: 166_912, 90: 232_448}  # bytes per block (opt-in maximum) on A100 and H100
-DTYPES = (torch.float32, torch.bfloat16)
-SEQ_LEN = 65_536  # tokens per rank of the long-context runs: the grids are counted at this length
+GRID_AXIS_LIMIT = 65_535  # CUDA's limit on grid axes 1 and 2
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+_TENSOR_CORE = {80: r"mma\.sync", 90: r"(?:wgmma\.mma_async|mma\.sync)"}
+_PREDICATE = r"^\s*(?:@!?%p\d+\s+)?"
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What one compilation shows: shared bytes per block, registers per thread, spilled bytes, whether
+    the kernel has a tl.dot, and its tensor-core and atomic instructions in the PTX."""
+
+    shared: int
+    registers: int
+    spills: int
+    dots: bool
+    mma: int
+    atomics: int
 
 
 @dataclasses.dataclass
 class Row:
-    """One compiled kernel on one target, with the configs whose shapes it serves."""
+    """One kernel on one target with one operand dtype and one set of compile-time blocks, over every
+    config, shape and specialisation it was captured with (the worst of each)."""
 
+    scan: str
     kernel: str
     target: int
     dtype: str
-    configs: list[str]
     constexprs: str
     warps: int
     stages: int
+    configs: list[str] = dataclasses.field(default_factory=list)
     shared: int = 0
     registers: int = 0
     spills: int = 0
-    programs: int = 0  # the fewest over its configs, at batch 1 and SEQ_LEN tokens
+    dots: bool = False
+    mma: int = -1  # the fewest over the row's compilations; -1 before any
+    atomics: int = 0
+    programs: int = -1  # the fewest at batch 1, 65,536 tokens; -1 if never captured there
+    grid_axis: int = 0  # the widest grid axis 1 or 2 at any shape
+    overflow: str = ""  # the first int32-offset refusal at the largest run
     error: str = ""
 
     @property
@@ -65,45 +98,21 @@ class Row:
         if self.error:
             return [f"compile error: {self.error}"]
         out = []
+        if self.spills:
+            out.append(f"{self.spills} B spilled")
+        if self.dots and self.mma <= 0:
+            out.append("tl.dot without tensor-core instructions")
+        if self.atomics:
+            out.append(f"{self.atomics} atomic instructions")
         if self.shared > SHARED_LIMIT[self.target]:
             out.append(f"shared {self.shared} B > {SHARED_LIMIT[self.target]} B")
-        if self.dtype != "fp32" and self.spills:
-            out.append(f"{self.spills} B spilled in {self.dtype}")
+        if 0 <= self.programs < MIN_PROGRAMS:
+            out.append(f"{self.programs} programs < {MIN_PROGRAMS}")
+        if self.grid_axis > GRID_AXIS_LIMIT:
+            out.append(f"grid axis {self.grid_axis} > {GRID_AXIS_LIMIT}")
+        if self.overflow:
+            out.append(f"int32 offsets: {self.overflow}")
         return out
-
-
-def _shapes(name: str, cfg: ModelConfig, dtype: torch.dtype, target: int) -> dict[str, Launch]:
-    """The launches of one training step's scans for a config, with the sequence-parallel entering-state
-    read for the SOE scan (none for configs without a scan)."""
-    from kernels.phasor.triton import phasor_launches
-    from kernels.soe.triton import entering_launches, soe_launches
-
-    scan = family(cfg.kind).scan_shape(cfg)
-    if scan is None:
-        return {}
-    if scan.kernel == "soe":
-        *sizes, chunk_size = scan.sizes
-        shape = (1, SEQ_LEN, *sizes)
-        _span, launches = soe_launches(*shape, chunk_size, dtype, target)
-        found = {f"soe_{k}": x for k, x in launches.items()}
-        # the entering-state read of sequence parallelism
-        return found | {f"soe_entering_{k}": x for k, x in entering_launches(*shape, dtype, target).items()}
-    _span, launches = phasor_launches(1, SEQ_LEN, *scan.sizes, dtype, target)
-    return {f"phasor_{k}": x for k, x in launches.items()}
-
-
-def shipped_configs(config_dir: Path = CONFIG_DIR) -> dict[str, ModelConfig]:
-    """Every model config shipped in configs/model, by file stem."""
-    return {p.stem: load_model_config(p) for p in sorted(config_dir.glob("*.yaml"))}
-
-
-def enumerate_launches(configs: dict[str, ModelConfig]) -> Iterator[tuple[str, str, int, torch.dtype, Launch]]:
-    """(config, kernel, target, dtype, launch) for every config, scan kernel, target and dtype."""
-    for name, cfg in configs.items():
-        for target in TARGETS:
-            for dtype in DTYPES:
-                for kernel, launch in _shapes(name, cfg, dtype, target).items():
-                    yield name, kernel, target, dtype, launch
 
 
 def _ptxas_log(ptx: str, target: int) -> str:
@@ -120,7 +129,7 @@ def _ptxas_log(ptx: str, target: int) -> str:
 
 def _parse_ptxas(log: str, name: str) -> tuple[int, int]:
     """(registers per thread, spilled bytes stored + loaded) of kernel ``name`` in a ptxas -v log."""
-    part = log[log.index(f"Function properties for {name}") :]
+    part = log[log.index(f"Function properties for {name}") :] if f"Function properties for {name}" in log else ""
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", part)
     registers = re.search(r"Used (\d+) registers", part)
     if spills is None or registers is None:
@@ -128,135 +137,147 @@ def _parse_ptxas(log: str, name: str) -> tuple[int, int]:
     return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
-def compile_launch(launch: Launch, target: int) -> tuple[int, int, int]:
-    """Compile ``launch`` for compute capability ``target``: (shared bytes per block, registers, spills).
+def count_instructions(ptx: str, target: int) -> tuple[int, int]:
+    """(tensor-core instructions, atomic instructions) in ``ptx`` for compute capability ``target``."""
+    mma = re.findall(_PREDICATE + _TENSOR_CORE[target], ptx, re.MULTILINE)
+    atomics = re.findall(_PREDICATE + r"(?:atom|red)\.", ptx, re.MULTILINE)
+    return len(mma), len(atomics)
 
-    Pointer arguments get the 16-byte alignment hint the JIT gives torch tensors. The ptxas log comes
-    from triton's own ptxas run when it compiles, and from a second ptxas run on a cache hit.
-    """
+
+def compile_kernel(
+    kernel: Any, specialization: dict[str, tuple], constexprs: dict[str, Any], warps: int, stages: int, target: int
+) -> Compiled:
+    """Compile ``kernel`` for compute capability ``target`` as the runtime JIT would for arguments of
+    ``specialization`` (Captured.specialization) and ``constexprs``. The ptxas log comes from triton's
+    own ptxas run when it compiles, and from a second ptxas run on a cache hit."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = launch.signature()
-    names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in launch.pointers}
-    source = ASTSource(launch.kernel, signature, launch.constexprs, attrs)
-    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        kind, attr = specialization[name]
+        signature[name] = kind
+        if kind == "constexpr":
+            constants[name] = attr
+        elif attr == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
     captured = io.StringIO()
     previous = triton.knobs.nvidia.dump_ptxas_log
     triton.knobs.nvidia.dump_ptxas_log = True
     try:
         with contextlib.redirect_stdout(captured):
-            compiled = triton.compile(source, target=GPUTarget("cuda", target, 32), options=options)
+            compiled = triton.compile(
+                ASTSource(kernel, signature, constants, attrs),
+                target=GPUTarget("cuda", target, 32),
+                options={"num_warps": warps, "num_stages": stages},
+            )
     finally:
         triton.knobs.nvidia.dump_ptxas_log = previous
-    name = launch.kernel.__name__
     log = captured.getvalue()
-    if f"Function properties for {name}" not in log:
+    if f"Function properties for {kernel.__name__}" not in log:
         log = _ptxas_log(compiled.asm["ptx"], target)
-    registers, spills = _parse_ptxas(log, name)
-    return compiled.metadata.shared, registers, spills
+    registers, spills = _parse_ptxas(log, kernel.__name__)
+    mma, atomics = count_instructions(compiled.asm["ptx"], target)
+    dots = "tt.dot" in compiled.asm["ttir"]
+    return Compiled(compiled.metadata.shared, registers, spills, dots, mma, atomics)
 
 
-def gate(configs: dict[str, ModelConfig] | None = None) -> list[Row]:
-    """Compile every distinct launch of ``configs`` (default: the shipped ones) on both targets."""
-    configs = shipped_configs() if configs is None else configs
-    rows: dict[tuple, Row] = {}
-    for name, kernel, target, dtype, launch in enumerate_launches(configs):
-        dtype_name = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
-        key = (
-            kernel,
-            target,
-            dtype_name,
-            tuple(sorted(launch.signature().items())),
-            tuple(sorted(launch.constexprs.items())),
-            launch.num_warps,
-            launch.num_stages,
-        )
-        if key in rows:
-            rows[key].configs.append(name)
-            rows[key].programs = min(rows[key].programs, launch.programs)
-            continue
-        const = ",".join(f"{k}={v}" for k, v in launch.constexprs.items())
-        row = Row(
-            kernel, target, dtype_name, [name], const, launch.num_warps, launch.num_stages, programs=launch.programs
-        )
+def _merge(row: Row, found: Compiled) -> None:
+    """Fold one compilation of the row's kernel into it, keeping the worst of each."""
+    row.shared, row.registers = max(row.shared, found.shared), max(row.registers, found.registers)
+    row.spills, row.atomics = max(row.spills, found.spills), max(row.atomics, found.atomics)
+    row.dots = row.dots or found.dots
+    row.mma = found.mma if row.mma < 0 else min(row.mma, found.mma)
+
+
+def _check_launch(row: Row, c: Captured) -> None:
+    """The launch checks of one captured launch: programs, grid axes and int32 offsets."""
+    if c.shape == "fill":
+        row.programs = c.launch.programs if row.programs < 0 else min(row.programs, c.launch.programs)
+    row.grid_axis = max(row.grid_axis, *c.launch.grid[1:3], 0)
+    if c.shape == "largest" and not row.overflow:
         try:
-            row.shared, row.registers, row.spills = compile_launch(launch, target)
-        except Exception as err:
-            row.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        rows[key] = row
+            check_offsets(c.launch, c.args)
+        except ValueError as err:
+            row.overflow = f"{c.config}: {err}"
+
+
+def gate(captures: Iterable[Captured]) -> list[Row]:
+    """Check every captured launch and compile each distinct one once per target."""
+    rows: dict[tuple, Row] = {}
+    compiled: dict[tuple, Compiled | str] = {}
+    for c in captures:
+        launch, spec = c.launch, c.specialization()
+        const = tuple(sorted(launch.constexprs.items()))
+        key = (c.scan, c.name, c.target, c.run_dtype(), const, launch.num_warps, launch.num_stages)
+        if key not in rows:
+            text = ",".join(f"{k}={v}" for k, v in launch.constexprs.items())
+            rows[key] = Row(c.scan, c.name, c.target, c.run_dtype(), text, launch.num_warps, launch.num_stages)
+        row = rows[key]
+        if c.config not in row.configs:
+            row.configs.append(c.config)
+        _check_launch(row, c)
+        ckey = (id(launch.kernel), c.target, const, launch.num_warps, launch.num_stages, tuple(sorted(spec.items())))
+        if ckey not in compiled:
+            try:
+                compiled[ckey] = compile_kernel(
+                    launch.kernel, spec, launch.constexprs, launch.num_warps, launch.num_stages, c.target
+                )
+            except Exception as err:  # a compile error is a finding of the gate, reported in its row
+                compiled[ckey] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        found = compiled[ckey]
+        if isinstance(found, str):
+            row.error = row.error or found
+        else:
+            _merge(row, found)
     return list(rows.values())
 
 
+def shipped_configs(config_dir: Path = CONFIG_DIR) -> dict[str, ModelConfig]:
+    """Every model config shipped in configs/model, by file stem."""
+    return {p.stem: load_model_config(p) for p in sorted(config_dir.glob("*.yaml"))}
+
+
+def capture_shipped(configs: dict[str, ModelConfig]) -> list[Captured]:
+    """The captured launches of every config on both targets."""
+    return [c for name, cfg in configs.items() for c in capture_config(name, cfg, TARGETS)]
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    """One line per row: kernel, target, dtype, blocks, shared bytes, registers, spills, programs."""
-    head = (
-        "kernel",
-        "sm",
-        "dtype",
-        "constexprs",
-        "warps",
-        "stages",
-        "shared B",
-        "regs",
-        "spill B",
-        f"programs@{SEQ_LEN}",
-        "configs",
-        "result",
-    )
+    """One line per row, with the checks' values and the result."""
+    b, t = SHAPES["fill"]
+    head = ("scan", "kernel", "sm", "dtype", "constexprs", "warps", "stages", "shared B", "regs", "spill B",
+            "mma", "atom", f"programs@{b}x{t}", "grid y/z max", "int32", "configs", "result")
     lines = [head]
     for r in rows:
         configs = ",".join(r.configs) if len(r.configs) <= 3 else f"{r.configs[0]} +{len(r.configs) - 1}"
-        result = "; ".join(r.failures) or "ok"
-        lines.append(
-            (
-                r.kernel,
-                str(r.target),
-                r.dtype,
-                r.constexprs,
-                str(r.warps),
-                str(r.stages),
-                f"{r.shared:,}",
-                str(r.registers),
-                str(r.spills),
-                str(r.programs),
-                configs,
-                result,
-            )
-        )
+        mma = str(max(r.mma, 0)) if r.dots else "-"
+        lines.append((r.scan, r.kernel, str(r.target), r.dtype, r.constexprs, str(r.warps), str(r.stages),
+                      f"{r.shared:,}", str(r.registers), str(r.spills), mma, str(r.atomics), str(r.programs),
+                      str(r.grid_axis), "overflow" if r.overflow else "ok", configs, "; ".join(r.failures) or "ok"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
-
-
-def format_launch_counts(configs: dict[str, ModelConfig]) -> str:
-    """Programs each kernel launches at batch 1 and SEQ_LEN tokens, per config and target (bf16)."""
-    counts: dict[tuple[str, str], dict[int, int]] = {}
-    for name, kernel, target, dtype, launch in enumerate_launches(configs):
-        if dtype == torch.bfloat16:
-            counts.setdefault((name, kernel), {})[target] = launch.programs
-    lines = [
-        f"programs at batch 1, {SEQ_LEN} tokens (bf16; >= {MIN_PROGRAMS} fills an H100)",
-        "config  kernel  sm_80  sm_90",
-    ]
-    lines += [f"{c}  {k}  {t[80]}  {t[90]}" for (c, k), t in counts.items()]
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    configs = shipped_configs()
-    rows = gate(configs)
+    rows = gate(capture_shipped(shipped_configs()))
     print(format_table(rows))
-    print()
-    print(format_launch_counts(configs))
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) | {"failures": r.failures} for r in rows], indent=1))
     failed = [r for r in rows if r.failures]
-    print(f"{len(rows)} compilations, {len(failed)} failing")
+    for scan in sorted({r.scan for r in rows}):
+        mine = [r for r in rows if r.scan == scan]
+        print(f"{scan}: {len(mine)} rows, {sum(1 for r in mine if r.failures)} failing")
+    print(f"{len(rows)} rows, {len(failed)} failing")
+    for r in failed:
+        print(f"FAIL {r.scan} {r.kernel} sm_{r.target} {r.dtype} [{r.constexprs}]: {'; '.join(r.failures)}")
     return 1 if failed else 0
 
 

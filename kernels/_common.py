@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,9 +37,12 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def check_triton_inputs(x: torch.Tensor, kernel: object) -> None:
     """Triton kernels need CUDA tensors, unless they were built by the interpreter (TRITON_INTERPRET=1 set
-    before kernels' Triton modules were first imported), which runs them on CPU tensors."""
+    before kernels' Triton modules were first imported), which runs them on CPU tensors, or the launches
+    are being captured (:func:`capture_launches`, meta tensors)."""
     if x.dtype == torch.float64:
         raise ValueError("the triton backend takes fp32, bf16 or fp16 inputs, not float64")
+    if _CAPTURE.target is not None and x.is_meta:
+        return
     if not x.is_cuda and type(kernel).__name__ != "InterpretedFunction":
         raise RuntimeError(
             "the triton backend needs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before the first "
@@ -59,6 +64,10 @@ def decay_cutoff(dtype: torch.dtype) -> float:
     return -300.0 if dtype == torch.float64 else -40.0
 
 
+INT32_ELEMENTS = 2**31 - 1
+"""The most elements a tensor may hold for int32 offsets into it to be safe (the largest int32)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """One Triton kernel launch, known without running it.
@@ -67,7 +76,9 @@ class Launch:
     (benchmarks/kernel_compile.py) compiles them ahead of time for a GPU target: one description, so
     the gate checks the block sizes, warps, stages and grid that run. ``pointers`` maps each pointer
     argument to its element type ("fp32", "bf16", "i32"); ``scalars`` each scalar argument to its type
-    ("i32", "fp32"); ``constexprs`` holds the compile-time arguments.
+    ("i32", "fp32"); ``constexprs`` holds the compile-time arguments. ``wide`` names the pointer
+    arguments the kernel indexes with 64-bit offsets: only those may hold more than INT32_ELEMENTS
+    elements (``run`` refuses the launch otherwise, :func:`check_offsets`).
     """
 
     kernel: Any
@@ -77,6 +88,7 @@ class Launch:
     grid: tuple[int, ...]
     num_warps: int
     num_stages: int
+    wide: frozenset[str] = frozenset()
 
     @property
     def programs(self) -> int:
@@ -92,9 +104,61 @@ class Launch:
             raise ValueError(f"{self.kernel.__name__}: no type for {sorted(missing)}")
         return {n: types[n] for n in self.kernel.arg_names}
 
+    def argument_names(self) -> list[str]:
+        """The non-constexpr arguments, in the order ``run`` takes them."""
+        return [n for n in self.kernel.arg_names if n not in self.constexprs]
+
     def run(self, *args: Any) -> None:
-        """Launch the kernel on ``args`` (the non-constexpr arguments, in order)."""
+        """Launch the kernel on ``args`` (the non-constexpr arguments, in order), after
+        :func:`check_offsets`; while :func:`capture_launches` is on, record the launch instead (the
+        compile gate checks the offsets of what it records)."""
+        if _CAPTURE.target is not None:
+            _CAPTURE.launches.append((self, args))
+            return
+        check_offsets(self, args)
         self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def check_offsets(launch: Launch, args: tuple) -> None:
+    """Raise ValueError if a tensor argument of ``launch`` holds more than INT32_ELEMENTS elements and
+    is not one of ``launch.wide``: the kernel's int32 offsets into it could overflow and read or write
+    out of bounds. Launch.run calls it before every launch."""
+    names = launch.argument_names()
+    if len(names) != len(args):
+        raise ValueError(f"{launch.kernel.__name__} takes {len(names)} arguments ({names}), got {len(args)}")
+    for name, arg in zip(names, args):
+        if isinstance(arg, torch.Tensor) and arg.numel() > INT32_ELEMENTS and name not in launch.wide:
+            raise ValueError(
+                f"{launch.kernel.__name__}: argument {name!r} holds {arg.numel():,} elements "
+                f"{tuple(arg.shape)}, over the {INT32_ELEMENTS:,} that int32 offsets reach; use a smaller "
+                "batch or sequence per rank (or a kernel that indexes it with 64-bit offsets)"
+            )
+
+
+@dataclasses.dataclass
+class _Capture:
+    """What capture_launches records: the compute capability reported, and the launches made."""
+
+    target: int | None = None
+    launches: list[tuple[Launch, tuple]] = dataclasses.field(default_factory=list)
+
+
+_CAPTURE = _Capture()
+
+
+@contextlib.contextmanager
+def capture_launches(target: int) -> Iterator[list[tuple[Launch, tuple]]]:
+    """Record, without running them, the Triton launches made inside the block: (launch, its arguments)
+    in order. The scans then take meta tensors and see a GPU of compute capability ``target``, so a
+    model run on the meta device shows the launches it makes on that GPU (the compile gate,
+    benchmarks/kernel_compile.py). Outputs the kernels would write stay unset."""
+    if _CAPTURE.target is not None:
+        raise RuntimeError("capture_launches does not nest")
+    _CAPTURE.target, _CAPTURE.launches = target, []
+    try:
+        yield _CAPTURE.launches
+    finally:
+        _CAPTURE.target = None
 
 
 def triton_type(dtype: torch.dtype) -> str:
@@ -104,7 +168,10 @@ def triton_type(dtype: torch.dtype) -> str:
 
 def device_capability(x: torch.Tensor) -> int:
     """Compute capability of x's GPU as 10 * major + minor (80 for an A100); 80 for CPU tensors, whose
-    kernels the interpreter runs, so they run the A100 launch table."""
+    kernels the interpreter runs, so they run the A100 launch table; the captured target inside
+    :func:`capture_launches`."""
+    if _CAPTURE.target is not None:
+        return _CAPTURE.target
     if not x.is_cuda:
         return 80
     major, minor = torch.cuda.get_device_capability(x.device)

@@ -1,12 +1,15 @@
-"""The compile gate: every Triton kernel compiled ahead of time for sm_80 and sm_90, without a GPU.
+"""The compile gate: the launches the shipped models make, compiled ahead of time for sm_80 and sm_90.
 
-The gate runs as `python -m benchmarks.kernel_compile` in a subprocess: other test modules set
-TRITON_INTERPRET=1 at collection, which turns the kernels into interpreted functions that triton
-cannot compile, and a fresh process imports them as real JIT functions. One run serves every test here.
+The gate over the shipped configs runs as `python -m benchmarks.kernel_compile` in a subprocess: other
+test modules set TRITON_INTERPRET=1 at collection, which turns the kernels into interpreted functions
+that triton cannot compile, and a fresh process imports them as real JIT functions. One run serves the
+tests of the shipped configs. The tests of the checks themselves compile small kernels made here as
+JITFunctions directly (so the interpreter setting does not reach them), each built to fail one check.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,17 +20,35 @@ import pytest
 
 pytest.importorskip("triton")
 
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
 from benchmarks.kernel_compile import (
-    DTYPES,
+    GRID_AXIS_LIMIT,
     MIN_PROGRAMS,
     SHARED_LIMIT,
     TARGETS,
     Row,
     _parse_ptxas,
+    count_instructions,
+    gate,
     shipped_configs,
 )
+from benchmarks.launch_capture import SHAPES, Captured, capture_config
+from kernels._common import INT32_ELEMENTS, Launch, capture_launches, check_offsets, device_capability
+from model import family
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Scans whose kernels are known to fail the gate, with the reason; their gate test is an expected
+# failure (strict: it fails once they pass, so the entry must then be deleted). The SOE kernels of
+# today spread the terms over programs (S-fold reads of q/k/v, fp32 atomic adds, FMA dots); their
+# chunk-form rewrite (#32 point 2) removes this entry.
+EXPECTED_FAILING = {
+    "soe": "the SOE kernels use atomics and fp32 IEEE dots (no tensor cores) until their chunk-form rewrite "
+    "(#32 point 2) lands; delete this entry then",
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +62,7 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=3600,
     )
     print(done.stdout)
     assert out.exists(), done.stderr[-3000:]
@@ -49,51 +70,131 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def test_gate_covers_every_shipped_scan(rows):
-    """Each config with a scan has all its kernels on both targets in both dtypes."""
-    expected = set()
-    for name, cfg in shipped_configs().items():
-        if cfg.kind in ("vort", "pl", "exp", "m5"):
-            kernels = (
-                "soe_fwd_spans",
-                "soe_fwd_pass",
-                "soe_fwd",
-                "soe_bwd_spans",
-                "soe_bwd_pass",
-                "soe_bwd_forward_order",
-                "soe_bwd_reverse_order",
-                "soe_entering_fwd",
-                "soe_entering_bwd",
-            )
-        elif cfg.kind == "pmnet" and cfg.pmnet.memory_every:
-            kernels = tuple(f"phasor_{k}" for k in ("fwd_spans", "fwd_pass", "fwd", "bwd_spans", "bwd_pass", "bwd"))
-        else:
-            continue
-        expected |= {(name, k, t, d) for k in kernels for t in TARGETS for d in ("fp32", "bf16")}
-    assert len(DTYPES) == 2
-    found = {(c, r["kernel"], r["target"], r["dtype"]) for r in rows for c in r["configs"]}
-    assert expected <= found, sorted(expected - found)
+    """Every config with a scan has launches on both targets, and only those configs."""
+    expected = {
+        (name, t) for name, cfg in shipped_configs().items() if family(cfg.kind).scan_shape(cfg) for t in TARGETS
+    }
+    found = {(c, r["target"]) for r in rows for c in r["configs"]}
+    assert found == expected, sorted(expected ^ found)
+    assert {r["scan"] for r in rows} == {"soe", "phasor"}
+    assert all(r["registers"] > 0 or r["error"] for r in rows)
 
 
-def test_every_kernel_compiles_and_fits_shared_memory(rows):
-    for r in rows:
-        assert not r["error"], (r["kernel"], r["target"], r["dtype"], r["error"])
-        assert r["shared"] <= SHARED_LIMIT[r["target"]], (r["kernel"], r["target"], r["dtype"], r["shared"])
-        assert r["registers"] > 0
+@pytest.mark.parametrize(
+    "scan",
+    [pytest.param(s, marks=pytest.mark.xfail(reason=EXPECTED_FAILING[s], strict=True)) if s in EXPECTED_FAILING
+     else s for s in ("soe", "phasor")],
+)
+def test_gate_passes(rows, scan):
+    """No row of the scan's kernels fails a check (see benchmarks/kernel_compile.py)."""
+    failing = [(r["kernel"], r["target"], r["constexprs"], r["failures"]) for r in rows if r["scan"] == scan]
+    assert [f for f in failing if f[3]] == []
 
 
-def test_no_register_spills_in_bf16(rows):
-    spilled = [
-        (r["kernel"], r["target"], r["constexprs"], r["spills"]) for r in rows if r["dtype"] == "bf16" and r["spills"]
-    ]
-    assert not spilled
+# ---- each check can fail: small kernels built to fail one check each ----
 
 
-def test_every_kernel_fills_an_h100_at_batch_one(rows):
-    """Every kernel of every shipped config, tiny ones included, launches one program per H100 SM or more
-    at batch 1 and 65,536 tokens (a row holds the fewest over the configs it serves)."""
-    assert MIN_PROGRAMS == 132
-    few = [(r["kernel"], r["configs"], r["programs"]) for r in rows if r["programs"] < MIN_PROGRAMS]
-    assert not few
+def _jit(fn) -> JITFunction:
+    return JITFunction(fn)
+
+
+def _atomic(x, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.atomic_add(x + offs, tl.load(x + offs, mask=offs < n), mask=offs < n)
+
+
+def _dot(a, c, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tile = tl.load(a + offs[:, None] * BLOCK + offs[None, :])
+    tl.store(c + offs[:, None] * BLOCK + offs[None, :], tl.dot(tile, tile, input_precision=PRECISION))
+
+
+def _copy(x, y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + offs, tl.load(x + offs, mask=offs < n), mask=offs < n)
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _case(launch: Launch, args: tuple, shape: str = "fill", target: int = 90) -> Row:
+    (row,) = gate([Captured("case", "test", shape, target, launch, args)])
+    return row
+
+
+def test_atomics_fail():
+    launch = Launch(_jit(_atomic), {"x": "fp32"}, {"n": "i32"}, {"BLOCK": 128}, (MIN_PROGRAMS,), 4, 1)
+    row = _case(launch, (_meta(128), 100))
+    assert row.atomics > 0
+    assert any("atomic" in f for f in row.failures)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_dot_without_tensor_cores_fails(target):
+    """An fp32 IEEE dot compiles to FMAs and fails; the same dot on bf16 operands uses tensor cores."""
+    kernel = _jit(_dot)
+    ieee = Launch(kernel, {}, {}, {"BLOCK": 32, "PRECISION": "ieee"}, (MIN_PROGRAMS,), 4, 1)
+    row = _case(ieee, (_meta(32, 32), _meta(32, 32)), target=target)
+    assert row.dots and row.mma == 0
+    assert row.failures == ["tl.dot without tensor-core instructions"]
+    bf16 = Launch(kernel, {}, {}, {"BLOCK": 32, "PRECISION": "tf32"}, (MIN_PROGRAMS,), 4, 1)
+    row = _case(bf16, (_meta(32, 32, dtype=torch.bfloat16), _meta(32, 32)), target=target)
+    assert row.dots and row.mma > 0
+    assert row.failures == []
+
+
+def test_too_few_programs_and_too_wide_grids_fail():
+    args = (_meta(128), _meta(128), 128)
+    few = Launch(_jit(_copy), {}, {}, {"BLOCK": 128}, (MIN_PROGRAMS - 1,), 4, 1)
+    assert _case(few, args, shape="fill").failures == [f"{MIN_PROGRAMS - 1} programs < {MIN_PROGRAMS}"]
+    assert _case(few, args, shape="long").failures == []  # programs are counted at 65,536 tokens
+    wide = dataclasses.replace(few, grid=(1, GRID_AXIS_LIMIT + 1))
+    assert _case(wide, args, shape="long").failures == [f"grid axis {GRID_AXIS_LIMIT + 1} > {GRID_AXIS_LIMIT}"]
+    assert _case(dataclasses.replace(few, grid=(GRID_AXIS_LIMIT + 1, 1)), args, shape="long").failures == []
+
+
+def test_int32_offsets_fail_at_the_largest_run_and_are_refused_at_launch():
+    big = _meta(INT32_ELEMENTS + 1)
+    launch = Launch(_jit(_copy), {"x": "fp32", "y": "fp32"}, {"n": "i32"}, {"BLOCK": 128}, (MIN_PROGRAMS,), 4, 1)
+    row = _case(launch, (big, _meta(128), 128), shape="largest")
+    assert "int32 offsets" in row.failures[0] and "'x'" in row.failures[0]
+    with pytest.raises(ValueError, match="argument 'x' holds 2,147,483,648 elements"):
+        launch.run(big, _meta(128), 128)  # refused before the kernel is reached
+    wide = dataclasses.replace(launch, wide=frozenset({"x"}))
+    assert _case(wide, (big, _meta(128), 128), shape="largest").failures == []
+    check_offsets(wide, (big, _meta(128), 128))
+    with pytest.raises(ValueError, match="takes 3 arguments"):
+        check_offsets(launch, (big,))
+
+
+def test_spills_fail():
+    """An fp32 IEEE dot of a 64 x 64 tile on 4 warps holds more than the registers (it spills)."""
+    launch = Launch(_jit(_dot), {}, {}, {"BLOCK": 64, "PRECISION": "ieee"}, (MIN_PROGRAMS,), 4, 1)
+    row = _case(launch, (_meta(64, 64), _meta(64, 64)), target=80)
+    assert row.spills > 0
+    assert f"{row.spills} B spilled" in row.failures
+
+
+def test_runtime_specialisation_is_the_jits():
+    """Integers equal to 1 become constants, multiples of 16 get the divisibility hint, and a view that
+    starts off a 16-byte boundary loses the alignment hint, as in triton's JIT."""
+    launch = Launch(_jit(_copy), {}, {}, {"BLOCK": 128}, (1,), 4, 1)
+    base = _meta(1024)
+    spec = Captured("c", "test", "fill", 90, launch, (base, base[1:], 1)).specialization()
+    assert spec == {"x": ("*fp32", "D"), "y": ("*fp32", ""), "n": ("constexpr", 1)}
+    spec = Captured("c", "test", "fill", 90, launch, (base[4:], base, 48)).specialization()
+    assert spec == {"x": ("*fp32", "D"), "y": ("*fp32", "D"), "n": ("i32", "D")}
+    assert Captured("c", "test", "fill", 90, launch, (base, base, 17)).specialization()["n"] == ("i32", "")
+    assert Captured("c", "test", "fill", 90, launch, (base, base, 2**33)).specialization()["n"] == ("i64", "D")
+
+
+def test_row_failures():
+    ok = Row("s", "k", 80, "bf16", "", 4, 2, shared=SHARED_LIMIT[80], registers=100, mma=0)
+    assert ok.failures == []
+    shared = Row("s", "k", 90, "bf16", "", 4, 2, shared=SHARED_LIMIT[90] + 1)
+    assert shared.failures == [f"shared {SHARED_LIMIT[90] + 1} B > {SHARED_LIMIT[90]} B"]
+    assert Row("s", "k", 90, "bf16", "", 4, 2, error="x").failures == ["compile error: x"]
 
 
 LOG = """ptxas info    : 11 bytes gmem
@@ -104,15 +205,42 @@ ptxas info    : Used 255 registers, used 1 barriers, 24 bytes cumulative stack s
 """
 
 
-def test_ptxas_log_is_parsed():
+def test_ptxas_log_and_ptx_are_parsed():
     assert _parse_ptxas(LOG, "_k") == (255, 24)
     with pytest.raises(ValueError):
         _parse_ptxas(LOG, "_other")
+    ptx = "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f1};\n" \
+          "\t@%p1 atom.global.gpu.acq_rel.add.f32 %f2, [%rd1], %f3;\n\tred.global.add.f32 [%rd2], %f4;\n" \
+          "\tredux.sync.add.s32 %r3, %r4, -1;\n\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f5};\n"
+    assert count_instructions(ptx, 80) == (1, 2)
+    assert count_instructions(ptx, 90) == (2, 2)
 
 
-def test_row_failures():
-    ok = Row("k", 80, "bf16", ["c"], "", 4, 2, shared=SHARED_LIMIT[80], registers=100)
-    assert ok.failures == []
-    assert Row("k", 80, "fp32", ["c"], "", 4, 2, shared=1, spills=8).failures == []  # fp32 spills: reported only
-    assert len(Row("k", 80, "bf16", ["c"], "", 4, 2, shared=SHARED_LIMIT[80] + 1, spills=8).failures) == 2
-    assert Row("k", 90, "bf16", ["c"], "", 4, 2, error="x").failures == ["compile error: x"]
+# ---- the capture is the model's ----
+
+
+def test_capture_records_without_launching():
+    launch = Launch(_jit(_copy), {}, {}, {"BLOCK": 128}, (1,), 4, 1)
+    x = _meta(8)
+    with capture_launches(90) as found:
+        assert device_capability(x) == 90
+        launch.run(x, x, 8)
+        with pytest.raises(RuntimeError, match="nest"), capture_launches(80):
+            pass
+    assert found == [(launch, (x, x, 8))]
+    assert device_capability(x) == 80  # a CPU-side tensor outside a capture: the A100 table
+
+
+def test_captured_launches_are_the_models():
+    """A tiny VORT config's forward and backward on meta: the scan's launches read the model's tokens
+    (1 x 65,536 at the "fill" shape), in the dtype its scan is handed under bf16, and the entering read
+    is there too."""
+    cfg = shipped_configs()["vort-tiny"]
+    caps = capture_config("vort-tiny", cfg, (80,))
+    assert {c.shape for c in caps} == set(SHAPES)
+    fill = [c for c in caps if c.shape == "fill"]
+    tensors = [a for c in fill for a in c.args if isinstance(a, torch.Tensor)]
+    assert any(a.shape[:2] == SHAPES["fill"] for a in tensors)
+    layers = cfg.n_layers
+    assert len(fill) >= 2 * layers  # forward and backward launches in every layer
+    assert {c.run_dtype() for c in fill} <= {"fp32", "bf16"}

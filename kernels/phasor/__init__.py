@@ -50,7 +50,7 @@ def phasor_scan(
         raise ValueError(f"reset must be bool [B, T] = {(batch, seq_len)}, got {reset.dtype} {tuple(reset.shape)}")
     if initial_state is not None and initial_state.shape != (batch, n_slots, width):
         raise ValueError(f"initial_state must be [B, n_slots, M] = {(batch, n_slots, width)}")
-    if not slots.is_cuda:  # a host-side check would stall a GPU stream
+    if slots.device.type == "cpu":  # a host-side check would stall a GPU stream (and meta has no values)
         check_slots(slots, n_slots)
     which = resolve_backend(backend, delta, PHASOR_BACKENDS)
     if which == "reference":
