@@ -89,33 +89,46 @@ def test_soe_grad_precision_script_measures_fp32_against_float64():
     assert row["log_lam_worst"] >= row["log_lam"]
 
 
-def test_roofline_model_scales_with_the_terms_and_prints_every_kernel(capsys):
+def test_roofline_models_today_and_the_chunk_form(capsys, tmp_path):
     from benchmarks import roofline
+    from benchmarks.kernel_compile import shipped_configs
 
-    rows = {(r["config"], r["kernel"]): r for r in roofline.roofline(["vort-125m", "pl-125m", "pmnet-119m"])}
-    soe = [f"soe_{k}" for k in ("fwd_spans", "fwd_pass", "fwd", "bwd_spans", "bwd_pass", "bwd_forward_order")]
-    soe.append("soe_bwd_reverse_order")
-    phasor = [f"phasor_{k}" for k in ("fwd_spans", "fwd_pass", "fwd", "bwd_spans", "bwd_pass", "bwd")]
-    assert set(k for _, k in rows) == {*soe, *phasor}
-    # same heads, blocks and spans, 18 vs 16 SOE terms: the per-term programs and per-term states make
-    # work and traffic scale with S
-    for kernel in (k for k in soe if not k.endswith("_pass")):
-        vort, pl = rows[("vort-125m", kernel)], rows[("pl-125m", kernel)]
-        assert vort["flops_per_token"] / pl["flops_per_token"] == pytest.approx(18 / 16)
-        assert vort["bytes_per_token"] / pl["bytes_per_token"] == pytest.approx(18 / 16)
-    for kernel in ("soe_fwd_pass", "soe_bwd_pass"):
-        vort, pl = rows[("vort-125m", kernel)], rows[("pl-125m", kernel)]
-        assert vort["flops_per_token"] == 0 and vort["bytes_per_token"] / pl["bytes_per_token"] == pytest.approx(
-            18 / 16
-        )
-    for r in rows.values():
-        compute, memory = r["flops_per_token"] / roofline.PEAK_FLOPS, r["bytes_per_token"] / roofline.PEAK_BYTES
-        assert r["h100_ms_per_64k_tokens_per_layer"] == pytest.approx(max(compute, memory) * 65536 * 1e3)
-        assert r["bound"] == ("compute" if compute >= memory else "memory")
-    assert roofline.main(["--config", "exp-tiny"]) == 0
-    assert capsys.readouterr().out.count("| exp-tiny |") == 7
+    configs = shipped_configs()
+    steps = {(c, d): roofline.step_model(c, configs[c], d) for c in ("vort-125m", "pl-125m") for d in roofline.DESIGNS}
+    # same heads and blocks, 18 vs 16 SOE terms: today's per-term programs and the chunk form's folded
+    # [S*F, D+1] state both make the products scale with S
+    for design, kernels in (("today", ("soe_fwd_spans", "soe_fwd", "soe_bwd_reverse_order")),
+                            ("chunk", ("chunk_fwd_states", "chunk_bwd_states"))):
+        vort = {k["kernel"]: k for k in steps[("vort-125m", design)]["kernels"]}
+        pl = {k["kernel"]: k for k in steps[("pl-125m", design)]["kernels"]}
+        for kernel in kernels:
+            assert vort[kernel]["flops_per_token_layer"] / pl[kernel]["flops_per_token_layer"] == pytest.approx(18 / 16)
+    # the chunk form reads k, v, coef once per chunk and writes one fp32 [S*F, D+1] state per 64 tokens
+    heads, terms, feat, width, _ = (12, 18, 64, 64, 64)
+    (chunk_states,) = [k for k in steps[("vort-125m", "chunk")]["kernels"] if k["kernel"] == "chunk_fwd_states"]
+    expected = heads * (2 * (feat + width + terms) + 4 * terms * feat * (width + 1) / 64)
+    assert chunk_states["bytes_per_token_layer"] == pytest.approx(expected)
+    for s in steps.values():
+        rate = roofline.PEAK[s["rate"]]
+        for k in s["kernels"]:
+            seconds = max(k["flops_per_token_layer"] / rate, k["bytes_per_token_layer"] / roofline.PEAK_BYTES)
+            assert k["step_ms"] == pytest.approx(seconds * roofline.SEQ_LEN * s["scan_layers"] * 1e3)
+        assert s["step_ms"] == pytest.approx(s["scan_ms"] + s["other_ms"])
+        assert s["scan_share"] == pytest.approx(s["scan_ms"] / s["step_ms"]) and 0 < s["mfu"] < 1
+    assert steps[("vort-125m", "today")]["scan_share"] > steps[("vort-125m", "chunk")]["scan_share"]
+    out = tmp_path / "roofline.json"
+    assert roofline.main(["--config", "exp-tiny,pmnet-tiny", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("| exp-tiny | chunk |") == 5 and text.count("| pmnet-tiny | today |") == 7
+    assert [(r["config"], r["design"]) for r in json.loads(out.read_text())] == [
+        (c, d) for c in ("exp-tiny", "pmnet-tiny") for d in roofline.DESIGNS
+    ]
     with pytest.raises(ValueError, match="no scan"):
-        roofline.roofline(["transformer-tiny"])
+        roofline.step_model("transformer-tiny", configs["transformer-tiny"], "chunk")
+    with pytest.raises(ValueError, match="design must be one of"):
+        roofline.kernel_costs(configs["vort-tiny"], "fused")
+    with pytest.raises(SystemExit):
+        roofline.main(["--config", "vort-9b"])
 
 
 def test_doc_boundaries_benchmark_reports_both_rates(capsys):
