@@ -219,15 +219,20 @@ def phasor_launches(
     def sums(values: str, reverse: bool) -> Launch:
         """The per-span sums of increments (forward) or of read gradients (reverse)."""
         pointers = {"values": values, "slots": "i32", "docs": "i32", "states": "fp32"}
-        return Launch(_phasor_span_kernel, pointers, scalars, constexprs | {"REVERSE": reverse}, grid, warps, stages)
+        return Launch(_phasor_span_kernel, pointers, scalars, constexprs | {"REVERSE": reverse}, grid, warps, stages,
+                      wide=frozenset({"values", "slots"}))
 
+    # the per-entry rows are indexed with int64 offsets (_level_rows' entry ids); documents and states are
+    # [B, T] and [n_spans + 1, B, NS, M], with 64-bit slot offsets (_slot)
     return span, {
         "fwd_spans": sums(fwd["delta"], False),
         "fwd_pass": span_pass_launch(n_state, reverse=False, decay=False, wrap=True),
-        "fwd": Launch(_phasor_fwd_kernel, fwd, scalars, constexprs, grid, warps, stages),
+        "fwd": Launch(_phasor_fwd_kernel, fwd, scalars, constexprs, grid, warps, stages,
+                      wide=frozenset({"delta", "slots", "read"})),
         "bwd_spans": sums("fp32", True),
         "bwd_pass": span_pass_launch(n_state, reverse=True, decay=False, wrap=False),
-        "bwd": Launch(_phasor_bwd_kernel, bwd, scalars, constexprs, grid, warps, stages),
+        "bwd": Launch(_phasor_bwd_kernel, bwd, scalars, constexprs, grid, warps, stages,
+                      wide=frozenset({"d_read", "slots", "d_delta"})),
     }
 
 
