@@ -1,16 +1,27 @@
-"""GPU check of the Triton scans: correctness against the reference, then bf16 timings against SDPA.
+"""The first command on a GPU: the Triton scans checked, timed and profiled on the device.
 
-    python -m benchmarks.gpu_kernels [--T 4096,16384,65536,131072] [--B 1 --H 8 --F 64 --D 64 --S 32]
+    python -m benchmarks.gpu_kernels [--T 16384,65536] [--B 1 --H 8 --F 64 --D 64 --S 32]
                                      [--train vort-125m,pmnet-119m --train-T 16384] [--json gpu.json]
 
-Step 1 runs each Triton kernel at a small shape in fp32 and in bf16 and compares outputs and gradients
-with the float64 sequential reference. Step 2 times forward and forward+backward in bf16 for every T,
-next to torch's causal scaled_dot_product_attention (FlashAttention on recent GPUs) with the same
-B, H and head dimension F, and flash-linear-attention's chunk_simple_gla when fla is installed. Step 3
-times a few training steps (bf16 weights, AdamW, batch 1) of each --train config at --train-T tokens:
-tokens/s, MFU against --peak-tflops, and peak memory next to pretrain.plan's prediction for one rank
-without activation checkpointing. Prints the tables and writes everything to --json; exits with
-status 1 if a check fails. Without a GPU it says so and exits 0.
+1. Correctness at the production tiles (12 heads, 18 terms, 64-wide features and values; PMNet's
+   4-level tree, 64 wide) with document starts and initial states, the SOE scan, the phasor scan and
+   the sequence-parallel entering-state read, fp32 and bf16, against the float64 reference on the same
+   rounded inputs (benchmarks/gpu_checks.py).
+2. Per Triton kernel, device milliseconds of one layer's scan (forward + backward, batch 1,
+   --kernel-T tokens) of each --train config with fp32 and with bf16 inputs (torch profiler), beside
+   the roofline's modelled milliseconds per layer for today's kernels and the chunk form
+   (benchmarks/roofline.py).
+3. Forward and forward+backward in bf16 for every --T next to torch's causal SDPA and, when
+   installed, flash-linear-attention's chunk_simple_gla.
+4. Per --train config, at --train-T tokens in bf16: timed training steps (tokens/s, MFU against
+   --peak-tflops, peak memory beside pretrain.plan's prediction), and one profiled forward and
+   backward: the scans' share of its kernel time, its host syncs (torch.cuda.set_sync_debug_mode), and
+   whether two runs from the same weights and tokens give bitwise-equal loss and gradients.
+5. With two GPUs or more, one NCCL sequence-parallel step of the first --train config over 2 GPUs,
+   its loss beside the one-GPU loss.
+
+Prints the tables and writes everything to --json. Exit status: 0 when every check passes, 1 when a
+correctness check fails or two runs differ bitwise, 2 when there is no CUDA device (nothing is run).
 """
 
 from __future__ import annotations
@@ -26,38 +37,13 @@ from pathlib import Path
 import torch
 
 from kernels import phasor_scan, soe_scan
-from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, soe_inputs, soe_run
+from model import family
+from model.config import ModelConfig
 
 COLUMNS = ("soe_fwd", "soe_fwdbwd", "phasor_fwd", "phasor_fwdbwd", "sdpa_fwd", "sdpa_fwdbwd", "fla_fwd", "fla_fwdbwd")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-TOLERANCES = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (3e-2, 6e-2)}
-
-
-def check_correctness(
-    device: str = "cuda",
-    dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
-    seq_len: int = 300,
-    width: int = 32,
-    n_terms: int = 8,
-) -> list[tuple[str, float, float, bool]]:
-    """(case, worst forward error, worst gradient error, passed) for each scan and dtype."""
-    results = []
-    soe = soe_inputs(2, seq_len, 2, width, width, n_terms, True, seed=0)
-    soe_ref, soe_ref_grads = soe_run(soe, "reference", dtype=torch.float64)
-    ph, n_slots = phasor_inputs(2, seq_len, 3, 2 * width, 4, True, seed=0)
-    (ph_read, ph_final), ph_ref_grads = phasor_run(ph, n_slots, "reference", dtype=torch.float64)
-    for dtype in dtypes:
-        fwd_tol, grad_tol = TOLERANCES[dtype]
-        outs, grads = soe_run(soe, "triton", dtype=dtype, device=device)
-        fwd = max(rel_err(a, b) for a, b in zip(outs, soe_ref))
-        bwd = max(rel_err(grads[n], soe_ref_grads[n]) for n in grads)
-        results.append((f"soe {str(dtype)[6:]}", fwd, bwd, fwd <= fwd_tol and bwd <= grad_tol))
-        (read, final), grads = phasor_run(ph, n_slots, "triton", dtype=dtype, device=device)
-        # bf16 inputs round the increments themselves; compare phases in radians against 2*pi.
-        fwd = max(angle_err(read, ph_read), angle_err(final, ph_final)) / (2 * torch.pi)
-        bwd = max(rel_err(grads[n], ph_ref_grads[n]) for n in grads)
-        results.append((f"phasor {str(dtype)[6:]}", fwd, bwd, fwd <= fwd_tol and bwd <= grad_tol))
-    return results
+MODEL_DIR = CONFIG_DIR / "model"
+NO_GPU = 2  # exit status without a CUDA device
 
 
 def cuda_ms(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -200,56 +186,109 @@ def train_steps(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--T", default="4096,16384,65536,131072", help="comma-separated sequence lengths")
+    p.add_argument("--T", default="16384,65536", help="comma-separated sequence lengths of the SDPA comparison")
     p.add_argument("--B", type=int, default=1)
     p.add_argument("--H", type=int, default=8)
     p.add_argument("--F", type=int, default=64, help="feature dim of the SOE scan and SDPA head dim")
     p.add_argument("--D", type=int, default=64)
     p.add_argument("--S", type=int, default=32)
-    p.add_argument("--skip-check", action="store_true", help="time only")
+    p.add_argument("--skip-check", action="store_true", help="skip the correctness checks (step 1)")
+    p.add_argument("--check-T", type=int, default=2048, help="tokens of the correctness checks")
+    p.add_argument("--kernel-T", type=int, default=65536, help="tokens of the per-kernel timings (step 2)")
     p.add_argument("--train", default="vort-125m,pmnet-119m", help="configs/<name>.yaml to time training steps of")
     p.add_argument("--train-T", type=int, default=16384, help="tokens per training sequence (batch 1)")
     p.add_argument("--steps", type=int, default=3, help="timed training steps per config")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's dense bf16 peak")
     p.add_argument("--json", type=Path, default=Path("gpu_kernels.json"), help="where to write all results")
     args = p.parse_args(argv)
-    args.T = [int(t) for t in args.T.split(",") if t]
+    try:
+        args.T = [int(t) for t in args.T.split(",") if t]
+    except ValueError:
+        p.error(f"--T must be comma-separated integers, got {args.T!r}")
     args.train = [c for c in args.train.split(",") if c]
+    missing = [c for c in args.train if not (CONFIG_DIR / f"{c}.yaml").exists()]
+    if missing:
+        p.error(f"--train: no configs/{missing[0]}.yaml")
     if args.train_T < 2 or args.steps < 1:
         p.error("--train-T must be >= 2 and --steps >= 1")
+    if args.check_T < 2 or args.kernel_T < 1 or any(t < 1 for t in args.T):
+        p.error("--check-T must be >= 2, --kernel-T and every --T >= 1")
     return args
+
+
+def _model_config(config: str) -> ModelConfig:
+    from pretrain.config import load_config
+
+    return load_config(CONFIG_DIR / f"{config}.yaml", []).model
+
+
+def kernel_rows(config: str, seq_len: int) -> list[dict]:
+    """Step 2 for one config: per kernel, fp32 and bf16 milliseconds, and the roofline per layer."""
+    from benchmarks import roofline
+    from benchmarks.gpu_checks import scan_kernel_times
+
+    cfg = _model_config(config)
+    if family(cfg.kind).scan_shape(cfg) is None:
+        return []
+    fp32, bf16 = (scan_kernel_times(cfg, seq_len, dt) for dt in (torch.float32, torch.bfloat16))
+    rows = [{"config": config, "kernel": k, "fp32_ms": fp32.get(k, math.nan), "bf16_ms": bf16.get(k, math.nan)}
+            for k in sorted(fp32.keys() | bf16.keys())]
+    model = {d: roofline.step_model(config, cfg, d, seq_len) for d in ("today", "chunk")}
+    per_layer = {d: m["scan_ms"] / m["scan_layers"] for d, m in model.items()}
+    rows.append({"config": config, "kernel": "total", "fp32_ms": sum(fp32.values()), "bf16_ms": sum(bf16.values()),
+                 "roofline_today_ms": per_layer["today"], "roofline_chunk_ms": per_layer["chunk"]})
+    return rows
+
+
+def _print_checks(rows: list[dict]) -> bool:
+    for r in rows:
+        print(f"check {r['case']:13} {r['dtype']:9} fwd rel err {r['fwd_err']:.1e}  grad rel err {r['grad_err']:.1e}  "
+              f"{'ok' if r['passed'] else 'FAIL'}")
+    return all(r["passed"] for r in rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check (this script is for a GPU machine)")
-        return 0
+        print(f"no CUDA device: nothing checked (this script is for a GPU machine); exit status {NO_GPU}")
+        return NO_GPU
+    from benchmarks.gpu_checks import check_production, nccl_sequence_parallel, step_report
+
     shape = f"B={args.B} H={args.H} F={args.F} D={args.D} S={args.S}"
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}")
-    ok = True
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {shape}", flush=True)
     report: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": shape}
-    checks = [] if args.skip_check else check_correctness()
-    for case, fwd, bwd, passed in checks:
-        ok &= passed
-        print(f"check {case:16} fwd rel err {fwd:.1e}  grad rel err {bwd:.1e}  {'ok' if passed else 'FAIL'}")
-    report["checks"] = [{"case": c, "fwd_err": f, "grad_err": g, "passed": p} for c, f, g, p in checks]
-    print(f"{'T':>7} " + " ".join(f"{c + '_ms':>16}" for c in COLUMNS))
+    report["checks"] = [] if args.skip_check else check_production(seq_len=args.check_T)
+    ok = _print_checks(report["checks"])
+    print(f"\nper kernel, one layer's scan forward+backward, batch 1, {args.kernel_T} tokens (ms; roofline per layer)")
+    report["kernels"] = [r for c in args.train for r in kernel_rows(c, args.kernel_T)]
+    for r in report["kernels"]:
+        model = (f"  roofline today {r['roofline_today_ms']:.2f}  chunk {r['roofline_chunk_ms']:.2f}"
+                 if "roofline_today_ms" in r else "")
+        times = f"fp32 {r['fp32_ms']:9.3f}  bf16 {r['bf16_ms']:9.3f}"
+        print(f"{r['config']:>12} {r['kernel']:32} {times}{model}", flush=True)
+    print(f"\n{'T':>7} " + " ".join(f"{c + '_ms':>16}" for c in COLUMNS))
     report["timings"] = []
     for seq_len in args.T:
         row = time_row(args, seq_len)
         report["timings"].append(row)
         print(f"{seq_len:7d} " + " ".join(f"{row[c]:16.2f}" for c in COLUMNS), flush=True)
-    print(f"{'config':>12} {'T':>7} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9}")
+    print(f"\n{'config':>12} {'T':>7} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9} {'scan share':>10} "
+          f"{'syncs':>6} {'bitwise':>8}")
     report["training"] = []
     for config in args.train:
         row = train_steps(config, args.train_T, args.steps, "cuda", args.peak_tflops)
+        row |= step_report(config, _model_config(config), args.train_T)
         report["training"].append(row)
-        print(
-            f"{config:>12} {args.train_T:7d} {row['tokens_per_s']:10.0f} {row['mfu']:6.1%} "
-            f"{row['peak_gib']:9.2f} {row['plan_gib']:9.2f}",
-            flush=True,
-        )
+        same = row["loss_bitwise_equal"] and not row["grads_differing"]
+        ok &= same
+        print(f"{config:>12} {args.train_T:7d} {row['tokens_per_s']:10.0f} {row['mfu']:6.1%} {row['peak_gib']:9.2f} "
+              f"{row['plan_gib']:9.2f} {row['scan_share']:10.1%} {row['host_syncs']:6d} {'yes' if same else 'NO':>8}",
+              flush=True)
+        for site, n in sorted(row["sync_sites"].items(), key=lambda x: -x[1])[:5]:
+            print(f"{'':>12} sync x{n} at {site}")
+    if args.train:
+        report["sequence_parallel"] = nccl_sequence_parallel(_model_config(args.train[0]), args.train_T)
+        print(f"\nNCCL sequence-parallel step ({args.train[0]}, 2 GPUs): {report['sequence_parallel']}")
     args.json.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.json}")
     return 0 if ok else 1

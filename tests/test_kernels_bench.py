@@ -46,18 +46,39 @@ def test_gpu_script_parses_arguments():
     args = gpu_kernels.parse_args(["--T", "4096,131072", "--H", "2", "--skip-check"])
     assert args.T == [4096, 131072] and args.H == 2 and args.skip_check
     assert args.train == ["vort-125m", "pmnet-119m"] and args.train_T == 16384 and args.steps == 3
-    args = gpu_kernels.parse_args(["--train", "tiny-vort,", "--train-T", "64", "--json", "x.json"])
-    assert args.train == ["tiny-vort"] and args.train_T == 64 and str(args.json) == "x.json"
-    with pytest.raises(SystemExit):
-        gpu_kernels.parse_args(["--steps", "0"])
+    assert args.check_T == 2048 and args.kernel_T == 65536
+    args = gpu_kernels.parse_args(["--train", "tiny-vort,", "--train-T", "64", "--json", "x.json", "--kernel-T", "128"])
+    assert args.train == ["tiny-vort"] and args.train_T == 64 and str(args.json) == "x.json" and args.kernel_T == 128
+    for bad in (["--steps", "0"], ["--T", "4k"], ["--train", "vort-9b"], ["--check-T", "1"], ["--T", "0"]):
+        with pytest.raises(SystemExit):
+            gpu_kernels.parse_args(bad)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_gpu_script_without_gpu_exits_cleanly(capsys, tmp_path):
+def test_gpu_script_without_gpu_exits_with_its_status(capsys, tmp_path):
     out = tmp_path / "gpu.json"
-    assert gpu_kernels.main(["--T", "4096", "--json", str(out)]) == 0
-    assert "no CUDA device" in capsys.readouterr().out
+    assert gpu_kernels.main(["--T", "4096", "--json", str(out)]) == gpu_kernels.NO_GPU == 2
+    assert "no CUDA device: nothing checked" in capsys.readouterr().out
     assert not out.exists()
+    with pytest.raises(SystemExit):  # bad arguments are refused before the device is looked for
+        gpu_kernels.main(["--steps", "0"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_checks_host_side_parts_run_on_cpu():
+    """What the GPU checks do before they touch a device: the kernels a scan call launches (captured on
+    meta), the rounding the reference sees, and the NCCL step's skip with fewer than 2 GPUs."""
+    from benchmarks import gpu_checks
+    from benchmarks.kernel_compile import shipped_configs
+
+    configs = shipped_configs()
+    soe = gpu_checks._kernel_names(gpu_checks._scan_call(configs["vort-tiny"], 256, torch.bfloat16, "meta"))
+    phasor = gpu_checks._kernel_names(gpu_checks._scan_call(configs["pmnet-tiny"], 256, torch.float32, "meta"))
+    assert len(soe) >= 4 and len(phasor) >= 3 and not soe & phasor - {"_span_pass_kernel"}
+    x = {"a": torch.tensor([1 + 2**-10], dtype=torch.float64), "i": torch.tensor([3])}
+    rounded = gpu_checks._rounded(x, torch.bfloat16)
+    assert rounded["a"].item() == 1.0 and rounded["a"].dtype == torch.float64 and rounded["i"] is x["i"]
+    assert "skipped" in gpu_checks.nccl_sequence_parallel(configs["vort-tiny"], 64)
 
 
 @pytest.mark.parametrize("config", ["tiny-vort", "tiny-pmnet"])
