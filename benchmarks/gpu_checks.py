@@ -53,7 +53,7 @@ def check_production(device: str = "cuda", seq_len: int = 2048) -> list[dict]:
     from kernels.soe.triton import SoeEnteringTriton
 
     h, s, f, d = (PRODUCTION[k] for k in ("heads", "terms", "feat", "width"))
-    reset = resets(seq_len, [[0, seq_len // 3, seq_len - 100], [777]])
+    reset = resets(seq_len, [[0, seq_len // 3, seq_len * 3 // 4], [seq_len // 2 + 1]])
     soe = soe_inputs(2, seq_len, h, f, d, s, True, seed=1) | {"reset": reset}
     ph, n_slots = phasor_inputs(2, seq_len, 4, 64, 4, True, seed=1)
     ph["reset"] = reset
