@@ -44,24 +44,29 @@ def _entering(inputs: dict[str, torch.Tensor], fn: Callable, dtype: torch.dtype,
     return [o.detach().cpu() for o in outs], {k: v.grad.cpu() for k, v in leaves.items() if v.grad is not None}
 
 
-def check_production(device: str = "cuda", seq_len: int = 2048) -> list[dict]:
+def check_production(
+    device: str = "cuda",
+    seq_len: int = 2048,
+    tiles: dict[str, int] = PRODUCTION,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+) -> list[dict]:
     """Each scan and the entering-state read at the production tiles (12 heads, 18 terms, 64-wide
     features and values; PMNet's 4 levels of a 4-ary tree, 64 wide), with document starts and initial
     states, in fp32 and bf16, against float64 on the same rounded inputs (the SOE scan's chunked float64
     path, which the tests hold to the sequential reference; the phasor scan's sequential reference; the
-    entering read's float64 torch form)."""
+    entering read's float64 torch form). ``tiles`` and ``dtypes`` shrink it for the interpreter tests."""
     from kernels.soe.triton import SoeEnteringTriton
 
-    h, s, f, d = (PRODUCTION[k] for k in ("heads", "terms", "feat", "width"))
+    h, s, f, d = (tiles[k] for k in ("heads", "terms", "feat", "width"))
     reset = resets(seq_len, [[0, seq_len // 3, seq_len * 3 // 4], [seq_len // 2 + 1]])
     soe = soe_inputs(2, seq_len, h, f, d, s, True, seed=1) | {"reset": reset}
-    ph, n_slots = phasor_inputs(2, seq_len, 4, 64, 4, True, seed=1)
+    ph, n_slots = phasor_inputs(2, seq_len, 4, d, 4, True, seed=1)
     ph["reset"] = reset
     gen = torch.Generator().manual_seed(2)
     entering = {"q": soe["q"], "log_lam": soe["log_lam"], "g_in": torch.randn(2, h, s, f, d, generator=gen,
                 dtype=torch.float64), "b_in": torch.randn(2, h, s, f, generator=gen, dtype=torch.float64)}
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         fwd_tol, grad_tol = TOLERANCES[dtype]
         ref_in = _rounded(soe, dtype)
         outs, grads = soe_run(soe, "triton", dtype=dtype, device=device)

@@ -251,12 +251,15 @@ def test_triton_rejects_float64():
 
 
 def test_gpu_script_check_runs_under_the_interpreter():
-    """The GPU script's correctness step, at a small fp32 shape, on whatever device is here."""
-    from benchmarks.gpu_kernels import check_correctness
+    """The GPU script's correctness step (resets, initial states, the entering read), at small fp32 tiles,
+    on whatever device is here."""
+    from benchmarks.gpu_checks import check_production
 
-    results = check_correctness(DEVICE, (torch.float32,), seq_len=40, width=16, n_terms=2)
-    assert [case for case, *_ in results] == ["soe float32", "phasor float32"]
-    assert all(passed for *_, passed in results), results
+    tiles = {"heads": 1, "terms": 2, "feat": 16, "width": 16}
+    results = check_production(DEVICE, seq_len=40, tiles=tiles, dtypes=(torch.float32,))
+    assert [(r["case"], r["dtype"]) for r in results] == [("soe", "float32"), ("phasor", "float32"),
+                                                          ("soe_entering", "float32")]
+    assert all(r["passed"] for r in results), results
 
 
 def test_gpu_script_timing_row_runs_under_the_interpreter():
