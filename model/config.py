@@ -84,6 +84,16 @@ class PMNetConfig:
     and of the collision statistic (routing does not depend on it). `memory_horizon` H > 0 sends
     every slot back to its initial phase at each position of a document that is a multiple of H, so
     the phases at any position are sums of at most H writes, as in training at H tokens (0: never).
+
+    Routing (docs/pmnet.md, "Routing options"): `routing` "learned" compares a learned query with
+    learned anchors, "hash" with a fixed random projection and fixed anchors (nothing of it learns,
+    so it cannot collapse). `write_address` "current" writes each token on its own read path,
+    "previous" on the read path of the token before it (a pair [key][value] then writes the value
+    where the key's query reads). `memory_input` "residual" feeds the memory the residual stream
+    after attention, "conv" the block's normed (and short-convolved) input that attention sees.
+    `balance_loss` > 0 adds that weight times a Switch-style load-balancing loss per tree level to
+    the training loss; `decay_routing` false exempts the anchors and the write projection from weight
+    decay.
     """
 
     window: int = 64
@@ -98,10 +108,19 @@ class PMNetConfig:
     collision_scope: Literal["sequence", "segment", "none"] = "sequence"
     scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
     memory_horizon: int = 0
+    routing: Literal["learned", "hash"] = "learned"
+    write_address: Literal["current", "previous"] = "current"
+    memory_input: Literal["residual", "conv"] = "residual"
+    balance_loss: float = 0.0
+    decay_routing: bool = True
 
     def __post_init__(self) -> None:
         for key in ("window", "depth", "memory_dim", "segment_len"):
             check_range(key, getattr(self, key), low=1)
+        check_range("balance_loss", self.balance_loss, low=0, note=" (0 disables it)")
+        if self.routing == "hash" and self.balance_loss > 0:
+            raise ValueError(f"balance_loss: fixed-hash routing has nothing to balance (routing: hash), got "
+                             f"{self.balance_loss}; set it to 0")
         check_range("memory_horizon", self.memory_horizon, low=0, note=" (0: the phases are never reset)")
         check_range("memory_every", self.memory_every, low=0, note=" (0 disables the memory)")
         check_range("branching", self.branching, low=2)

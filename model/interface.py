@@ -284,6 +284,11 @@ class CausalLM(nn.Module):
         """Model-specific statistics for the trainer's logger (scalars or 1-D tensors as histograms)."""
         return {}
 
+    def no_weight_decay(self) -> set[str]:
+        """Names (as in `named_parameters`) of matrices the optimizer must not decay; the optimizer
+        already spares vectors, norms and embeddings."""
+        return set()
+
     def memory_parameters(self) -> int:
         """Parameters of a separate memory module (PMNet's phasor memories), reported by
         `python -m model.summary`; 0 for a family whose state lives inside its mixing layers."""

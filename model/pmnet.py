@@ -21,6 +21,12 @@ from model.interface import ScanShape, SequenceParallel
 from model.pmnet_memory import MemoryState, PhasorMemory
 
 
+def usage_entropy(counts: torch.Tensor) -> float:
+    """Entropy of the distribution counts / sum over its maximum log(len): 1 uniform, 0 one slot."""
+    p = counts / counts.sum()
+    return float(-(p * p.clamp_min(1e-12).log()).sum() / math.log(len(counts)))
+
+
 class PMNetBlockState(NamedTuple):
     """What one block carries between calls (keys/values None before the first token; conv, the
     short convolution's last inputs, None without one). position: the next token's, within its
@@ -48,7 +54,8 @@ class PMNetBlock(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.short_conv = short_convolution(config)
         self.attn = SlidingWindowAttention(config.d_model, config.n_heads, pm.window, config.rope_base)
-        self.memory_norm = RMSNorm(config.d_model, config.norm_eps) if with_memory else None
+        own_norm = with_memory and pm.memory_input == "residual"
+        self.memory_norm = RMSNorm(config.d_model, config.norm_eps) if own_norm else None
         self.memory = PhasorMemory(config.d_model, pm) if with_memory else None
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
@@ -76,7 +83,8 @@ class PMNetBlock(nn.Module):
         x = x + attended
         memory = state.memory
         if self.memory is not None:
-            read, memory = self.memory(self.memory_norm(x), memory, offset, sp, doc_start)
+            memory_in = self.memory_norm(x) if self.memory_norm is not None else h  # h: what attention saw
+            read, memory = self.memory(memory_in, memory, offset, sp, doc_start)
             x = x + read
         x = x + self.mlp(self.mlp_norm(x))
         return x, PMNetBlockState(next_offset(offset, x.shape[1], doc_start), keys, values, memory, conv)
@@ -96,6 +104,9 @@ class PMNet(StackedLM):
         if pm.memory_every and piece % pm.segment_len:
             return (f"a piece of data.seq_len/sequence_parallel={piece} tokens must be whole memory segments of "
                     f"model.pmnet.segment_len={pm.segment_len}")
+        if pm.memory_every and pm.balance_loss > 0:
+            return (f"model.pmnet.balance_loss={pm.balance_loss} is not supported with sequence parallelism (the "
+                    "balance is counted over a whole sequence); set it to 0 or use sequence_parallel: 1")
         return None
 
     @classmethod
@@ -128,6 +139,24 @@ class PMNet(StackedLM):
         super().__init__(config, lambda i: PMNetBlock(config, has_memory(i, config.pmnet)))
         for memory in self.memories():  # after StackedLM's generic init: the memory starts as a no-op
             memory.init_weights()
+
+    def loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None, doc_start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """The LM loss; in training with `pmnet.balance_loss` > 0, plus that weight times the memory
+        blocks' mean load-balancing loss (PhasorMemory.balance_loss)."""
+        loss, state = super().loss(input_ids, labels, state, doc_start)
+        weight = self.config.pmnet.balance_loss
+        if self.training and weight > 0 and self.memories():
+            loss = loss + weight * torch.stack([m.balance for m in self.memories()]).mean()
+        return loss, state
+
+    def no_weight_decay(self) -> set[str]:
+        """With `pmnet.decay_routing` false: the anchors and write projections of every memory."""
+        if self.config.pmnet.decay_routing:
+            return set()
+        return {f"{prefix}.{name}" for prefix, module in self.named_modules() if isinstance(module, PhasorMemory)
+                for name in module.routing_parameters()}
 
     def memories(self) -> list[PhasorMemory]:
         return [b.memory for b in self.blocks if b.memory is not None]
@@ -166,9 +195,13 @@ class PMNet(StackedLM):
         mean_keys = (W * (W + 1) / 2 + (seq_len - W) * W) / seq_len
         attention = 3 * 2 * 2 * c.n_layers * c.d_model * mean_keys
         memories = self.memories()
-        anchors = sum(m.anchors.numel() for m in memories)
+        anchors = sum(m.anchors.numel() for m in memories if isinstance(m.anchors, nn.Parameter))
         M, L = pm.memory_dim, pm.depth + 1
         per_memory = 2 * pm.depth * pm.branching * 2 * M + L * (4 * M) + L * M
+        if pm.routing == "hash":  # the fixed routing projection, a matmul without parameters (forward only)
+            per_memory += 2 * c.d_model * M / 3
+        if pm.write_address == "previous":  # the write path's own routing scores
+            per_memory += 2 * pm.depth * pm.branching * 2 * M / 3
         return 6.0 * (self.matmul_params() - anchors) + attention + 3 * len(memories) * per_memory
 
     def stats(self) -> dict[str, Any]:
@@ -177,6 +210,9 @@ class PMNet(StackedLM):
         slot_usage: per slot, the share of tokens whose path visits it (the root is 1, each level
         sums to 1); collisions: per slot, the mean number of writers in a segment that wrote it;
         leaf_entropy: entropy of leaf usage over its maximum (1 = uniform, near 0 = collapse);
+        level<l>/entropy and level<l>/slots_used: per routed level l, the entropy of the use of its
+        slots over its maximum and the share of its slots written at all, each per memory block and
+        averaged over the blocks (a block that collapses shows even when others do not);
         memory_write_grad_norm: the norm of the gradient that reached the memory writes
         (recorded by a hook on the write increments during backward — the paper's "memory wakes
         up" spike shows here).
@@ -192,8 +228,14 @@ class PMNet(StackedLM):
         }
         leaves = writes[-memories[0].branching ** memories[0].depth :]
         if leaves.sum() > 0:
-            p = leaves / leaves.sum()
-            out["pmnet/leaf_entropy"] = float(-(p * p.clamp_min(1e-12).log()).sum() / math.log(len(leaves)))
+            out["pmnet/leaf_entropy"] = usage_entropy(leaves)
+        for level in range(1, memories[0].n_levels):
+            start, width = int(memories[0].level_offsets[level]), memories[0].branching**level
+            used = [m.slot_writes[start : start + width].cpu() for m in memories]
+            used = [u for u in used if u.sum() > 0]
+            if used:
+                out[f"pmnet/level{level}/entropy"] = sum(usage_entropy(u) for u in used) / len(used)
+                out[f"pmnet/level{level}/slots_used"] = sum(float((u > 0).float().mean()) for u in used) / len(used)
         grads = [m.last_write_grad_sq for m in memories if m.last_write_grad_sq is not None]
         if grads:
             out["pmnet/memory_write_grad_norm"] = float(torch.stack(grads).sum().sqrt())

@@ -20,16 +20,18 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
-from kernels.parallel import phasor_scan_sequence_parallel
+from kernels.parallel import exchange_with_neighbours, phasor_scan_sequence_parallel
 from model.blocks import Offset, document_ids, token_positions
 from model.config import PMNetConfig
 from model.interface import SequenceParallel
 
 
 class MemoryState(NamedTuple):
-    """Phases [B, n_slots, memory_dim] after the last token."""
+    """Phases [B, n_slots, memory_dim] after the last token; with `write_address: previous`, also the
+    last token's routing phases [B, memory_dim] (the next token writes on their path)."""
 
     memory: torch.Tensor
+    previous: torch.Tensor | None = None
 
 
 def scale_gradient(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -150,6 +152,11 @@ def writers_in_other_pieces(
     return (before.gather(1, flat) * in_first + after.gather(1, flat) * in_last).view(slots.shape)
 
 
+def interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] and [B, T, ...] -> [B, 2T, ...]: first[:, t] at 2t, second[:, t] at 2t + 1."""
+    return torch.stack((first, second), dim=2).flatten(1, 2)
+
+
 def straight_through_mixture(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
     """hard in value (bit for bit: soft - soft is exactly 0), with the gradients of hard plus soft."""
     return hard + (soft - soft.detach())
@@ -171,9 +178,12 @@ class PhasorMemory(nn.Module):
         self.horizon = config.memory_horizon
         self.update_train, self.update_eval = config.update_memory_train, config.update_memory_eval
         self.collision_scope, self.scan_backend = config.collision_scope, config.scan_backend
+        self.routing, self.write_address = config.routing, config.write_address
+        self.balance_weight = config.balance_loss
         self.reference = False
         offsets = [(branching**h - 1) // (branching - 1) for h in range(depth + 1)]
         self.register_buffer("level_offsets", torch.tensor(offsets), persistent=False)
+        self.level_starts = tuple(offsets)  # the same on the host: the balance loss reads no tensor
         self.query = nn.Linear(d_model, memory_dim, bias=False)
         self.write = nn.Linear(d_model, memory_dim, bias=False)
         # Per-component gain of the writes, inside the squash; zero at first, so the memory starts
@@ -182,7 +192,14 @@ class PhasorMemory(nn.Module):
         self.out = nn.Linear(self.n_levels * 2 * memory_dim, d_model, bias=False)
         # A learned routing key per slot in the space of the query phasor [cos, sin]: routing compares
         # queries with these alone (docs/pmnet.md, "routing on the anchors").
-        self.anchors = nn.Parameter(torch.randn(self.n_slots, 2 * memory_dim))
+        anchors = torch.randn(self.n_slots, 2 * memory_dim)
+        if config.routing == "hash":  # fixed: a random projection of the input against fixed keys
+            self.register_buffer("anchors", anchors)
+            self.register_buffer("hash_projection", torch.randn(d_model, memory_dim))
+        else:
+            self.anchors = nn.Parameter(anchors)
+        # The Switch-style balance loss of the last training forward (a scalar with its graph).
+        self.balance: torch.Tensor | None = None
         self.last_write_grad_sq: torch.Tensor | None = None
         self.slot_writes = torch.zeros(self.n_slots)
         self.slot_segments = torch.zeros(self.n_slots)
@@ -205,8 +222,59 @@ class PhasorMemory(nn.Module):
         nn.init.normal_(self.query.weight, std=self.d_model**-0.5)
         nn.init.zeros_(self.out.weight)
 
+    def routing_parameters(self) -> list[str]:
+        """Names of the learned anchors and the write projection (those `decay_routing` exempts)."""
+        return [name for name in ("anchors", "write.weight") if name in dict(self.named_parameters())]
+
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> MemoryState:
-        return MemoryState(torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32))
+        memory = torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32)
+        previous = None
+        if self.write_address == "previous":
+            previous = torch.zeros(batch_size, self.memory_dim, device=device, dtype=torch.float32)
+        return MemoryState(memory, previous)
+
+    def routing_phases(self, h: torch.Tensor, phase_q: torch.Tensor) -> torch.Tensor:
+        """The phases [B, T, M] (fp32) that route each token: its query's, or a fixed random
+        projection of h under `routing: hash`."""
+        if self.routing == "hash":
+            return h.float() @ (self.hash_projection.float() * self.d_model**-0.5)
+        return phase_q
+
+    def previous_phases(
+        self, phase_r: torch.Tensor, carried: torch.Tensor | None, sp: SequenceParallel | None,
+        doc_start: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's predecessor's routing phases [B, T, M] (zeros before a document's first token
+        and before the first token of all), and the last token's, to carry. A sequence-parallel piece
+        gets its first predecessor from the previous rank. No gradient: a write's path is discrete."""
+        phase_r = phase_r.detach()
+        last = phase_r[:, -1]
+        if sp is not None:
+            _, carried = exchange_with_neighbours(last[:, None].contiguous(), sp.group)
+            carried = None if carried is None else carried[:, 0]
+        if carried is None:
+            carried = torch.zeros_like(last)
+        shifted = torch.cat((carried[:, None].to(phase_r.dtype), phase_r[:, :-1]), dim=1)
+        if doc_start is not None:
+            shifted = torch.where(doc_start[..., None], 0.0, shifted)
+        return shifted, last
+
+    def balance_loss(self, path: torch.Tensor, children: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Switch-style load balance, averaged over the routed levels: n_l * sum_i f_i * P_i over the
+        n_l slots of level l, with f_i the share of tokens whose path takes slot i and P_i the mean
+        softmax weight slot i gets among its siblings (1 when every slot of a level is used alike)."""
+        B, T, _ = path.shape
+        tokens = float(B * T)
+        losses = []
+        for level in range(1, self.n_levels):
+            start, width = self.level_starts[level], self.branching**level
+            chosen = (path[:, :, level] - start).reshape(-1)
+            ones = torch.ones_like(chosen, dtype=torch.float32)
+            f = torch.zeros(width, device=path.device).index_add_(0, chosen, ones)
+            slots = (children[:, :, level - 1] - start).reshape(-1)
+            p = torch.zeros(width, device=path.device).index_add_(0, slots, weights[:, :, level - 1].reshape(-1))
+            losses.append(width * (f / tokens * p / tokens).sum())
+        return torch.stack(losses).mean()
 
     def write_increments(self, h: torch.Tensor) -> torch.Tensor:
         """Phase increments pi * tanh(g * W_w h), fp32 [B, T, M]: every component in (-pi, pi).
@@ -272,6 +340,10 @@ class PhasorMemory(nn.Module):
         L, M = self.n_levels, self.memory_dim
         sp = sequence_parallel
         phase_q = self.query(h).float()
+        phase_r = self.routing_phases(h, phase_q)
+        phase_w, previous = None, None
+        if self.write_address == "previous":
+            phase_w, previous = self.previous_phases(phase_r, state.previous, sp, doc_start)
         if self.update_train if self.training else self.update_eval:
             increment = self.write_increments(h)
             if increment.requires_grad:
@@ -286,14 +358,17 @@ class PhasorMemory(nn.Module):
             if self.collision_scope == "segment" and (position % self.segment_len or T % self.segment_len):
                 raise ValueError(f"sequence-parallel pieces must be whole segments of {self.segment_len} tokens")
         with torch.autocast(h.device.type, enabled=False):  # phases, routing scores and reads stay fp32
-            features, memory, sequence = self._read_write(phase_q, increment, memory, position, doc_start, sp)
+            features, memory, sequence = self._read_write(phase_q, phase_r, phase_w, increment, memory, position,
+                                                          doc_start, sp)
         if sequence is not None:
             sequence.finish(None if sp is None else sp.group, sp is not None)
-        return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), MemoryState(memory)
+        return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), MemoryState(memory, previous)
 
     def _read_write(
         self,
         phase_q: torch.Tensor,
+        phase_r: torch.Tensor,
+        phase_w: torch.Tensor | None,
         increment: torch.Tensor,
         memory: torch.Tensor,
         position: Offset,
@@ -302,6 +377,7 @@ class PhasorMemory(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, SequenceCollisions | None]:
         """Route every token, write and read through one scan: features [B, T, L, 2M], the phases after
         the call, and the sequence-scope collision counts still to be attached (None otherwise).
+        phase_q demodulates the reads, phase_r routes them, and phase_w (None: phase_r) routes the writes.
 
         Routing compares queries with the anchors only, never with the phases, so a document start
         needs nothing but the scan's reset: the phases go back to the initial ones there. Segments are
@@ -313,39 +389,45 @@ class PhasorMemory(nn.Module):
         feature is the chosen child's demodulated read in value, and the backward also sees the
         softmax-weighted mixture of all the children's reads, so routing learns what the children it
         did not pick would have returned. Without gradients only the path is scanned; the value is the
-        same bit for bit.
+        same bit for bit. With a write path of its own a token reads, then writes, as two steps of
+        the scan (`interleave`).
         """
         B, T, M = phase_q.shape
         L, N = self.n_levels, self.branching
-        query_phasor = torch.cat((phase_q.cos(), phase_q.sin()), dim=-1) / math.sqrt(M)
         keys = self.slot_keys()
-        if self.reference:
-            routed = [self.route(query_phasor[:, t : t + 1], keys) for t in range(T)]
-            path, children, weights = (torch.cat(parts, dim=1) for parts in zip(*routed))
-        else:
-            path, children, weights = self.route(query_phasor, keys)
+        path, children, weights = self._routes(phase_r, keys)
+        if self.training and self.balance_weight > 0:
+            self.balance = self.balance_loss(path, children, weights)
+        write_path, write_children = path, children
+        if phase_w is not None:
+            with torch.no_grad():
+                write_path, write_children, _ = self._routes(phase_w, keys, writes=True)
         delta = increment[:, :, None, :].expand(B, T, L, M)
         positions = token_positions(position, T, doc_start, path.device)  # [T], or [B, T] per row
         starts = (positions % self.segment_len == 0) | (torch.arange(T, device=path.device) == 0)
         if doc_start is not None:
             starts = starts | doc_start
         segment = document_ids(starts.expand(B, T)) - 1  # the call's segments, numbered from 0 in each row
-        by_segment = path + (segment * self.n_slots)[..., None]  # one slot id per (segment, slot)
+        by_segment = write_path + (segment * self.n_slots)[..., None]  # one slot id per (segment, slot)
         sequence = None
         if self.collision_scope == "sequence":
             sequence = SequenceCollisions(self.n_slots)
-            sequence.add(delta, path, None if doc_start is None else document_ids(doc_start))
+            sequence.add(delta, write_path, None if doc_start is None else document_ids(doc_start))
         elif self.collision_scope == "segment":
             delta = normalise_collisions(delta, by_segment)
-        mixture = torch.is_grad_enabled()
-        if mixture:  # entries: the root, then every child of each node on the path (the chosen one writes)
-            chosen = children == path[:, :, 1:, None]
-            sibling_delta = torch.where(chosen[..., None], delta[:, :, 1:, None, :], 0.0).reshape(B, T, (L - 1) * N, M)
-            entries = torch.cat((path[:, :, :1], children.reshape(B, T, (L - 1) * N)), dim=2)
-            entry_delta = torch.cat((delta[:, :, :1], sibling_delta), dim=2)
+        mixture = torch.is_grad_enabled() and self.routing == "learned"
+        chosen = children == path[:, :, 1:, None]
+        reset = self._resets(positions, doc_start, B)
+        if phase_w is None:
+            entries, entry_delta = self._entries(path, children, delta, mixture)
+            read, memory = self._scan(entry_delta, entries, memory, reset, sp)
         else:
-            entries, entry_delta = path, delta
-        read, memory = self._scan(entry_delta, entries, memory, self._resets(positions, doc_start, B), sp)
+            read_entries, read_delta = self._entries(path, children, torch.zeros_like(delta), mixture)
+            write_entries, write_delta = self._entries(write_path, write_children, delta, mixture)
+            entries, entry_delta = interleave(read_entries, write_entries), interleave(read_delta, write_delta)
+            reset = None if reset is None else interleave(reset, torch.zeros_like(reset))
+            read, memory = self._scan(entry_delta, entries, memory, reset, sp)
+            read = read[:, 0::2]
         if mixture:  # the chosen child's read, picked by index (a boolean mask's size is read on the host)
             picked = chosen.long().argmax(-1)[..., None, None].expand(B, T, L - 1, 1, M)
             hard_read = torch.cat((read[:, :, :1], read[:, :, 1:].reshape(B, T, L - 1, N, M).gather(3, picked)
@@ -358,11 +440,41 @@ class PhasorMemory(nn.Module):
             soft = torch.einsum("btln,btlnd->btld", weights, every_child)
             features = torch.cat((features[:, :, :1], straight_through_mixture(features[:, :, 1:], soft)), dim=2)
         with torch.no_grad():  # writes per slot, and the (row, segment) pairs in which each slot is written
-            self.slot_writes = collision_counts(path, self.n_slots)[0].sum(0)
+            self.slot_writes = collision_counts(write_path, self.n_slots)[0].sum(0)
             _, first = key_counts(by_segment.reshape(B, -1))
             self.slot_segments = torch.zeros(self.n_slots, device=path.device).scatter_add_(
-                0, path.reshape(-1), first.reshape(-1).float())
+                0, write_path.reshape(-1), first.reshape(-1).float())
         return features, memory, sequence
+
+    def _routes(
+        self, phase: torch.Tensor, keys: torch.Tensor, writes: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`route` of the phasors of phase [B, T, M]: token by token for the reference, else at once;
+        `writes` marks a write path of its own (`write_address: previous`), kept out of the diagnostics."""
+        phasor = torch.cat((phase.cos(), phase.sin()), dim=-1) / math.sqrt(phase.shape[-1])
+        recording, self.record_routes = self.record_routes, self.record_routes and not writes
+        try:
+            if self.reference:
+                routed = [self.route(phasor[:, t : t + 1], keys) for t in range(phase.shape[1])]
+                return tuple(torch.cat(parts, dim=1) for parts in zip(*routed))
+            return self.route(phasor, keys)
+        finally:
+            self.record_routes = recording
+
+    def _entries(
+        self, path: torch.Tensor, children: torch.Tensor, delta: torch.Tensor, mixture: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scan's entries of each token [B, T, E] and their increments [B, T, E, M]: the path
+        (E = L), or with the mixture the root, then every child of each node on the path, the chosen
+        one carrying the write (E = 1 + (L-1) * N)."""
+        if not mixture:
+            return path, delta
+        B, T, L, M = delta.shape
+        N = self.branching
+        chosen = children == path[:, :, 1:, None]
+        sibling_delta = torch.where(chosen[..., None], delta[:, :, 1:, None, :], 0.0).reshape(B, T, (L - 1) * N, M)
+        entries = torch.cat((path[:, :, :1], children.reshape(B, T, (L - 1) * N)), dim=2)
+        return entries, torch.cat((delta[:, :, :1], sibling_delta), dim=2)
 
     def _resets(self, positions: torch.Tensor, doc_start: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """Where the phases go back to their initial values (bool [B, T], or None for nowhere): document

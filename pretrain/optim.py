@@ -6,19 +6,25 @@ import math
 
 from torch import nn
 
+from model.interface import CausalLM
 from pretrain.config import TrainSection
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: matrices decay; norms, biases and embeddings do not.
+    """Two AdamW groups: matrices decay; norms, biases, embeddings and what a model names in its
+    `no_weight_decay` (found at any depth of `model`, e.g. inside the trainer's wrapper) do not.
 
     Tied weights appear once (named_parameters de-duplicates them), under the embedding's name.
     """
+    spared = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, CausalLM):
+            spared |= {f"{prefix}.{name}" if prefix else name for name in module.no_weight_decay()}
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.ndim < 2 or "embed" in name or "norm" in name:
+        if param.ndim < 2 or "embed" in name or "norm" in name or name in spared:
             no_decay.append(param)
         else:
             decay.append(param)

@@ -385,11 +385,11 @@ def test_state_is_unit_phasor_at_any_length(seq_len: int) -> None:
     with torch.no_grad():
         for start in range(0, seq_len, 4096):
             _, state = memory(torch.randn(1, min(4096, seq_len - start), 16), state, start)
-    for phases in state:
-        assert phases.dtype == torch.float32 and torch.isfinite(phases).all()
-        assert phases.min() >= 0 and phases.max() < 2 * math.pi
-        modulus = torch.complex(phases.cos(), phases.sin()).abs()
-        torch.testing.assert_close(modulus, torch.ones_like(modulus), rtol=0, atol=2e-7)
+    phases = state.memory
+    assert phases.dtype == torch.float32 and torch.isfinite(phases).all()
+    assert phases.min() >= 0 and phases.max() < 2 * math.pi
+    modulus = torch.complex(phases.cos(), phases.sin()).abs()
+    torch.testing.assert_close(modulus, torch.ones_like(modulus), rtol=0, atol=2e-7)
 
 
 def test_memory_update_switches_and_swa_only() -> None:
