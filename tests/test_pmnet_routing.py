@@ -1,0 +1,155 @@
+"""PMNet's routing options (docs/pmnet.md, "Routing options"): each switch changes what the model
+computes, streams exactly, keeps documents apart, and round-trips through the config; the
+statistics; and the acceptance test of the memory alone (experiments/pmnet_recall.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from model import build_model
+from model.config import ModelConfig, PMNetConfig, model_config_from_dict
+from model.pmnet import PMNet
+from pretrain.optim import param_groups
+
+OPTIONS = [
+    {"routing": "hash"},
+    {"write_address": "previous"},
+    {"memory_input": "conv"},
+    {"balance_loss": 0.1},
+    {"routing": "hash", "write_address": "previous"},
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(seed: int = 0, **pmnet: object) -> PMNet:
+    """A tiny PMNet with its memories awake (random read-out, write gain 1), short convolution 3."""
+    torch.manual_seed(seed)
+    fields = {"window": 4, "segment_len": 8, "memory_dim": 8, "scan_backend": "torch", **pmnet}
+    config = ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, mlp_ratio=2.0, short_conv=3,
+                         pmnet=PMNetConfig(**fields))
+    model = build_model(config)
+    for memory in model.memories():
+        torch.nn.init.normal_(memory.out.weight, std=0.1)
+        torch.nn.init.ones_(memory.write_gain)
+    return model
+
+
+def ids(batch: int = 2, length: int = 40, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, 258, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_option_changes_behaviour(options: dict) -> None:
+    tokens = ids()
+    base, changed = make_model(), make_model(**options)
+    if "balance_loss" in options:  # same forward; the training loss gains the balance term
+        base.train(), changed.train()
+        changed.load_state_dict(base.state_dict())
+        plain, _ = base.loss(tokens[:, :-1], tokens[:, 1:])
+        balanced, _ = changed.loss(tokens[:, :-1], tokens[:, 1:])
+        assert balanced > plain
+        balanced.backward()
+        assert changed.memories()[0].anchors.grad.abs().sum() > 0
+        return
+    with torch.no_grad():
+        a, b = base(tokens).logits, changed(tokens).logits
+    assert (a - b).abs().max() > 1e-4
+
+
+def test_balance_loss_is_one_for_uniform_use_and_larger_when_collapsed() -> None:
+    memory = make_model(balance_loss=0.1).memories()[0]
+    N, L = memory.branching, memory.n_levels
+    leaves = torch.arange(N ** (L - 1))[None]  # every leaf once
+    path = torch.stack([memory.level_offsets[level] + leaves // N ** (L - 1 - level) for level in range(L)], -1)
+    parents = [leaves // N ** (L - level) for level in range(1, L)]  # node above each level's choice
+    children = torch.stack([memory.level_offsets[level] + parent[..., None] * N + torch.arange(N)
+                            for level, parent in zip(range(1, L), parents)], 2)
+    uniform = torch.full(children.shape, 1.0 / N)
+    torch.testing.assert_close(memory.balance_loss(path, children, uniform), torch.tensor(1.0))
+    one = torch.zeros_like(path) + path[:, :1]  # every token on the first path, with all the weight on it
+    collapsed = memory.balance_loss(one, children[:, :1].expand_as(children),
+                                    (children[:, :1] == one[:, :1, 1:, None]).float().expand_as(children))
+    assert collapsed > 10
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_pieces_equal_whole(options: dict) -> None:
+    model = make_model(**options).eval()
+    tokens = ids(length=45)
+    with torch.no_grad():
+        whole, _ = model(tokens)
+        outs, state, start = [], model.init_state(2), 0
+        for n in (1, 10, 7, 27):
+            out, state = model(tokens[:, start : start + n], state)
+            outs.append(out)
+            start += n
+    torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_documents_are_kept_apart(options: dict) -> None:
+    model = make_model(**options).eval()
+    first, second = ids(1, 13, seed=3), ids(1, 20, seed=4)
+    doc_start = torch.zeros(1, 33, dtype=torch.bool)
+    doc_start[0, 0] = doc_start[0, 13] = True
+    with torch.no_grad():
+        packed, _ = model(torch.cat((first, second), dim=1), doc_start=doc_start)
+        alone, _ = model(second)
+    torch.testing.assert_close(packed[:, 13:], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [*OPTIONS, {"decay_routing": False}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_config_round_trips(options: dict) -> None:
+    config = make_model(**options).config
+    assert model_config_from_dict(dataclasses.asdict(config)) == config
+
+
+def test_hash_routing_has_no_learned_routing() -> None:
+    model = make_model(routing="hash")
+    names = {n for n, _ in model.named_parameters()}
+    assert not any(n.endswith("anchors") for n in names)
+    rebuilt = make_model(seed=9, routing="hash")
+    rebuilt.load_state_dict(model.state_dict())  # the fixed projection and keys travel with the weights
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids()).logits, model(ids()).logits)
+
+
+def test_decay_routing_false_spares_anchors_and_write_projection() -> None:
+    for decay_routing in (True, False):
+        model = make_model(decay_routing=decay_routing)
+        spared = {id(p) for p in param_groups(model, 0.1)[1]["params"]}
+        memory = model.memories()[0]
+        assert (id(memory.anchors) in spared) == (not decay_routing)
+        assert (id(memory.write.weight) in spared) == (not decay_routing)
+        assert id(memory.query.weight) not in spared
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ValueError, match="balance_loss"):
+        PMNetConfig(routing="hash", balance_loss=0.1)
+    with pytest.raises(ValueError, match="balance_loss"):
+        PMNetConfig(balance_loss=-1.0)
+    config = make_model(balance_loss=0.1).config
+    assert "balance_loss" in PMNet.sequence_parallel_problem(config, 64)
+
+
+def test_per_level_statistics() -> None:
+    model = make_model()
+    loss, _ = model.loss(ids()[:, :-1], ids()[:, 1:])
+    loss.backward()
+    stats = model.stats()
+    for level in (1, 2, 3):
+        assert 0 < stats[f"pmnet/level{level}/entropy"] <= 1
+        assert 0 < stats[f"pmnet/level{level}/slots_used"] <= 1
+    assert stats["pmnet/level1/slots_used"] >= stats["pmnet/level3/slots_used"]
