@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from model.blocks import RMSNorm, SwiGLU
-from model.config import PMNetConfig
+from model.config import PMNetConfig, load_model_config
 from model.pmnet import usage_entropy
 from model.pmnet_memory import PhasorMemory
 
@@ -226,9 +226,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+ROUTING_KEYS = ("routing", "write_address", "balance_loss", "decay_routing", "route_temperature")
+"""The model.pmnet fields that decide routing: the harness takes them from the shipped config."""
+
+SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "model" / "pmnet-tiny.yaml"
+
+
 def memory_config(overrides: list[str]) -> PMNetConfig:
-    """The harness's memory: 4-ary depth 3 (64 leaves), memory_dim 16, plus `overrides` (key=value)."""
-    fields: dict[str, Any] = {"memory_dim": 16, "segment_len": 4096, "scan_backend": "torch"}
+    """The harness's memory: 4-ary depth 3 (64 leaves), memory_dim 16, the routing of the shipped
+    configs/model/pmnet-tiny.yaml, then `overrides` (key=value)."""
+    shipped = load_model_config(SHIPPED).pmnet
+    fields: dict[str, Any] = {"memory_dim": 16, "segment_len": 4096, "scan_backend": "torch",
+                              **{key: getattr(shipped, key) for key in ROUTING_KEYS}}
     types = {f.name: f.type for f in dataclasses.fields(PMNetConfig)}
     for item in overrides:
         key, _, value = item.partition("=")
