@@ -12,7 +12,7 @@ Besides the accuracy, a run reports per level the entropy of the slots' use and 
 used, and for the queries how often their leaf is the one their pair's value was written to (`hit`)
 and how often no other token of the sequence wrote there before the query (`clean`).
 
-    python -m experiments.pmnet_recall --steps 400 --routing learned --oracle --json out.json
+    python -m experiments.pmnet_recall --steps 500 --seeds 3 --oracle --json docs/results/pmnet_recall.json
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def optimizer(model: RecallModel, lr: float, weight_decay: float, decay_routing:
 
 def routing_report(memory: PhasorMemory, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     """Per level entropy and share of slots used by the writes, and the queries' hit and clean rates
-    (from the routes recorded in the last forward)."""
+    (from the routes recorded in the last forward; under `write_address: previous` the first
+    token's write, on the path of zero phases, is not among the writers counted)."""
     out: dict[str, float] = {}
     writes = memory.slot_writes.cpu()
     for level in range(1, memory.n_levels):
@@ -211,7 +212,7 @@ def train(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--keys", type=int, default=32)
