@@ -18,7 +18,8 @@ from model.attention_window import SlidingWindowAttention
 from model.blocks import apply_rotary, rotary_tables
 from model.config import ModelConfig, PMNetConfig, load_model_config
 from model.pmnet import PMNet
-from model.pmnet_memory import MemoryState, PhasorMemory, SequenceCollisions, collision_counts, normalise_collisions
+from model.pmnet_collisions import SequenceCollisions, collision_counts, normalise_collisions
+from model.pmnet_memory import MemoryState, PhasorMemory
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
 
