@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import Launch
+from kernels._common import INT32_ELEMENTS, Launch
 
 MIN_PROGRAMS = 132  # one per H100 SM: every kernel of a training step launches at least this many
 TARGET_PROGRAMS = 2 * MIN_PROGRAMS  # what the per-span kernels aim for: two programs per SM
@@ -138,7 +138,11 @@ def _span_pass_kernel(
 def span_pass_launch(n_elements: int, reverse: bool, decay: bool, wrap: bool) -> Launch:
     """The span pass over a state of ``n_elements`` fp32 values (the grid does not depend on the length:
     the pass loops over the spans). Blocks of up to MAX_PASS_BLOCK elements, smaller for small states so
-    that the pass still launches MIN_PROGRAMS programs (a power of two, at least 2)."""
+    that the pass still launches MIN_PROGRAMS programs (a power of two, at least 2). Slots are addressed
+    with 64-bit offsets, so ``states`` may hold any number of slots; offsets inside a slot are int32."""
+    if n_elements > INT32_ELEMENTS:
+        raise ValueError(f"span pass: one state slot of {n_elements:,} elements is over the {INT32_ELEMENTS:,} "
+                         "that its int32 offsets reach; use a smaller batch per rank")
     block = max(2, min(MAX_PASS_BLOCK, 1 << max(0, (n_elements // MIN_PROGRAMS).bit_length() - 1)))
     return Launch(
         _span_pass_kernel,
@@ -148,4 +152,5 @@ def span_pass_launch(n_elements: int, reverse: bool, decay: bool, wrap: bool) ->
         (triton.cdiv(n_elements, block),),
         max(1, min(4, block // 256)),
         1,
+        wide=frozenset({"states"}),
     )

@@ -48,8 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # phasor kernels' one-hot products are fp32 IEEE dots (phases keep full fp32 precision); a tensor-core
 # form (an exact bf16x3 split of the fp32 operand) deletes the "phasor" entry.
 KNOWN_FAILURES = {
-    "soe": {"*": "the chunk-form backward kernels spill (sm_80; sm_90 intra) and the SOE launches "
-            "do not yet declare their 64-bit-indexed arguments wide"},
+    "soe": {"*": "the chunk-form backward gradient kernels spill (sm_80 cross and intra, sm_90 intra)"},
     "phasor": {"tl.dot without tensor-core instructions": "the one-hot products are fp32 IEEE dots"},
 }
 

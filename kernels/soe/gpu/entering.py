@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
 from kernels.soe.gpu.function import pack, pass_sizes, slots, unpack
-from kernels.soe.gpu.launches import INTS, chunk_block, precision, value_block
+from kernels.soe.gpu.launches import INTS, chunk_block, precision, value_block, wide_rows
 from kernels.soe.gpu.states import chunk_state_kernel
 from kernels.soe.gpu.tiles import (
     chunk_program,
@@ -111,7 +111,9 @@ def entering_launches(
         bd = value_block(width, largest)
         constexprs = {"BT": bt, "BF": bf, "BD": bd} | extra | {"PRECISION": precision(dtype)}
         grid = (triton.cdiv(seq_len, bt) * batch * heads, triton.cdiv(width, bd), 1)
-        launches[name] = Launch(kernel, pointers, dict.fromkeys(INTS, "i32"), constexprs, grid, warps, stages)
+        launches[name] = Launch(
+            kernel, pointers, dict.fromkeys(INTS, "i32"), constexprs, grid, warps, stages, wide=wide_rows(pointers)
+        )
     n_state = batch * heads * n_terms * feat * (width + 1)
     launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
     return {name: launches[name] for name in ("fwd", "bwd_states", "bwd_pass", "bwd")}

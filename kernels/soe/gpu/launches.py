@@ -33,6 +33,13 @@ _TABLE: dict[bool, dict[str, tuple[int, int, int]]] = {
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W")
 
 
+def wide_rows(pointers: dict[str, str]) -> frozenset[str]:
+    """The arguments a chunk kernel indexes with 64-bit offsets: every token row (``tiles.token_rows``),
+    state slot (``tiles.state_row``) and partial buffer; only the [B, T] document numbers and the
+    [H, S] decays keep int32 offsets, and they stay far below 2^31 elements at every supported shape."""
+    return frozenset(pointers) - {"docs", "log_lam"}
+
+
 def chunk_block(chunk_size: int, capability: int) -> int:
     """The chunk the kernels use for a requested ``chunk_size``: a power of two, at least 16 (tl.dot's
     minimum), at most the target's CHUNK_MAX. It changes how work is split, not the result."""
@@ -90,7 +97,7 @@ def soe_launches(
         scalars = dict.fromkeys(ints, "i32") | ({"centre": "fp32"} if name == "bwd_cross" else {})
         constexprs = {"BT": bt, "BF": bf, "BD": bd} | extra | {"PRECISION": precision(dtype)}
         grid = (n_chunks * batch * heads, triton.cdiv(width, bd), 1)
-        launches[name] = Launch(kernel, pointers, scalars, constexprs, grid, warps, stages)
+        launches[name] = Launch(kernel, pointers, scalars, constexprs, grid, warps, stages, wide=wide_rows(pointers))
     n_state = batch * heads * n_terms * feat * (width + 1)
     launches["fwd_pass"] = span_pass_launch(n_state, reverse=False, decay=True, wrap=False)
     launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
