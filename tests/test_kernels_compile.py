@@ -4,16 +4,22 @@ The gate over the shipped configs runs as `python -m benchmarks.kernel_compile` 
 test modules set TRITON_INTERPRET=1 at collection, which turns the kernels into interpreted functions
 that triton cannot compile, and a fresh process imports them as real JIT functions. One run serves the
 tests of the shipped configs. The tests of the checks themselves compile small kernels made here as
-JITFunctions directly (so the interpreter setting does not reach them), each built to fail one check.
+JITFunctions directly (so the interpreter setting does not reach them), each built to fail one check,
+in one spawned worker process: once an interpreted kernel has called a jit helper, triton's interpreter
+leaves triton.language patched for the rest of the process (runtime/interpreter.py patches device
+calls without restoring them), so compiling in the test process fails after any interpreter test.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -123,9 +129,25 @@ def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def _case(launch: Launch, args: tuple, shape: str = "fill", target: int = 90) -> Row:
+@functools.cache
+def _worker() -> ProcessPoolExecutor:
+    """One spawned process, kept for the module, where no interpreted kernel ever runs."""
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _gate_in_worker(launch: Launch, args: tuple, shape: str, target: int) -> Row:
+    """The worker's side of :func:`_case`: the kernel (sent by name) and meta tensors (sent as shapes) rebuilt."""
+    launch = dataclasses.replace(launch, kernel=_jit(globals()[launch.kernel]))
+    args = tuple(_meta(*a[1], dtype=a[2]) if isinstance(a, tuple) else a for a in args)
     (row,) = gate([Captured("case", "test", shape, target, launch, args)])
     return row
+
+
+def _case(launch: Launch, args: tuple, shape: str = "fill", target: int = 90) -> Row:
+    """The gate's row for one launch of a kernel defined in this module, compiled in the worker."""
+    sent = dataclasses.replace(launch, kernel=launch.kernel.fn.__name__)
+    shapes = tuple(("meta", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+    return _worker().submit(_gate_in_worker, sent, shapes, shape, target).result()
 
 
 def test_atomics_fail():
