@@ -12,14 +12,25 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from data_pipeline.build import build_shards
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo"
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for a test: results compared with runs pinned to one core, or made there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -41,12 +41,7 @@ class Sleeper(Experiment):
 SLEEPER = Sleeper(name="sleeper", title="", config="copy.yaml", families=(Family("a"), Family("b")))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,7 @@ PMNET = ModelConfig(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spied(monkeypatch: pytest.MonkeyPatch, name: str) -> list[dict[str, torch.dtype]]:
