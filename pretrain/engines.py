@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -114,6 +115,19 @@ def eval_loss(
     return loss, new_state
 
 
+@dataclass(frozen=True)
+class ParameterBytes:
+    """Bytes an engine keeps per parameter, before sharding: weights (with any fp32 master copy),
+    gradients (with any fp32 master gradient) and optimizer state (with a master copy counted there)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+
+FP32_ADAMW = ParameterBytes(weights=4, grads=4, optimizer=8)
+
+
 class _TorchOptimizerEngine:
     """Shared by the single-process and FSDP2 engines: a torch AdamW stepped by us.
 
@@ -138,6 +152,11 @@ class _TorchOptimizerEngine:
     def comm_buffer_bytes(cls, cfg: RunConfig, n_params: int, weight_bytes: int) -> float:
         """Bytes per rank of the gradient buckets the engine keeps in flight."""
         return 0.0
+
+    @classmethod
+    def parameter_bytes(cls, cfg: RunConfig) -> ParameterBytes:
+        """What the engine holds per parameter in the run's precision (the memory plan's figures)."""
+        return FP32_ADAMW
 
     @staticmethod
     def joined(backend: str, timeout: datetime.timedelta) -> None:
@@ -206,6 +225,13 @@ class SingleEngine(_TorchOptimizerEngine):
 
     one_process = True
 
+    @classmethod
+    def parameter_bytes(cls, cfg: RunConfig) -> ParameterBytes:
+        """bf16: the bf16 model and its gradients beside the fp32 master and its gradients."""
+        if cfg.engine.precision == "bf16":
+            return ParameterBytes(weights=2 + 4, grads=2 + 4, optimizer=8)
+        return FP32_ADAMW
+
     def __init__(self, cfg: RunConfig, module: TrainModule, gas: int):
         self.master: CausalLM | None = None
         if cfg.engine.precision == "bf16":
@@ -246,7 +272,10 @@ class SingleEngine(_TorchOptimizerEngine):
 
 
 class FSDPEngine(_TorchOptimizerEngine):
-    """FSDP2: every block and the root sharded with `fully_shard`; checkpoints through DCP."""
+    """FSDP2: every block and the root sharded with `fully_shard`; checkpoints through DCP.
+
+    Under bf16 the shards and their gradients stay fp32 (they are the master weights); only the block
+    gathered for compute is bf16, so it keeps the fp32 figures of `parameter_bytes`."""
 
     @classmethod
     def sharding_stage(cls, cfg: RunConfig) -> int:
@@ -295,6 +324,13 @@ class DeepSpeedEngine:
     def comm_buffer_bytes(cls, cfg: RunConfig, n_params: int, weight_bytes: int) -> float:
         """overlap_comm at stages 1-3: two reduction buckets in flight."""
         return 2 * deepspeed_bucket_elements(n_params) * weight_bytes if cfg.engine.zero_stage >= 1 else 0.0
+
+    @classmethod
+    def parameter_bytes(cls, cfg: RunConfig) -> ParameterBytes:
+        """bf16: bf16 weights and gradients; the fp32 master sits with the optimizer's partition."""
+        if cfg.engine.precision == "bf16":
+            return ParameterBytes(weights=2, grads=2, optimizer=8 + 4)
+        return FP32_ADAMW
 
     @staticmethod
     def joined(backend: str, timeout: datetime.timedelta) -> None:

@@ -14,12 +14,13 @@ import torch
 
 from model import build_model
 from pretrain.config import ConfigError, load_config
-from pretrain.engines import deepspeed_bucket_elements
+from pretrain.engines import SingleEngine, build_engine, deepspeed_bucket_elements
 from pretrain.plan import memory as plan
 from pretrain.preflight import check_start
 
 REPO = Path(__file__).resolve().parents[1]
 SP_VORT = str(REPO / "configs" / "sp-cpu-vort.yaml")
+TINY = str(REPO / "configs" / "tiny.yaml")
 
 
 def per_token(cfg, checkpointing: bool, tokens: int) -> float:
@@ -132,3 +133,33 @@ def test_evaluation_prediction_matches_a_long_context_evaluation() -> None:
     whole = plan.measure(cfg, False, 16384, 1, "eval", context=16384)
     assert plain.eval_activations == pytest.approx(streamed, rel=0.25), (plain.eval_activations, streamed)
     assert streamed < whole / 3, (streamed, whole)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plan_counts_what_the_single_engine_holds(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights, gradients and AdamW state as the single engine holds them at the end of the second
+    micro-batch's backward (the model's fresh gradients beside the master's summed ones, under bf16)."""
+    torch.manual_seed(0)
+    cfg = load_config(TINY, [f"engine.precision={precision}"])
+    model = build_model(cfg.model)
+    engine = build_engine(cfg, model, gas=2)
+    held: dict[str, int] = {}
+    original = SingleEngine._backward_done
+
+    def counted(self: SingleEngine) -> None:
+        masters = list(self.master.parameters()) if self.master is not None else []
+        grads = _bytes(p.grad for p in [*self.model.parameters(), *masters])
+        held["weights"] = _bytes([*self.model.parameters(), *masters])
+        held["grads"] = max(held.get("grads", 0), grads)
+        original(self)
+
+    monkeypatch.setattr(SingleEngine, "_backward_done", counted)
+    ids = torch.randint(0, 258, (4, 33), generator=torch.Generator().manual_seed(0))
+    engine.train_step([(ids[:2, :-1], ids[:2, 1:]), (ids[2:, :-1], ids[2:, 1:])], 3e-3)
+    held["optimizer"] = _bytes(t for state in engine.optimizer.state.values() for t in state.values() if t.ndim)
+    weights, grads, optimizer = plan.parameter_plan(cfg, 1, model)
+    assert (weights, grads, optimizer) == (held["weights"], held["grads"], held["optimizer"])

@@ -72,22 +72,27 @@ def extrapolate(short: float, long: float, probe: int, tokens: int) -> float:
     return max(short + per_token * (tokens - probe), 0.0)
 
 
+def parameter_plan(cfg: RunConfig, world: int, model: CausalLM) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) in bytes per rank, as the engine holds and shards them."""
+    n_params = sum(p.numel() for p in model.parameters())
+    engine = engine_class(cfg)
+    held = engine.parameter_bytes(cfg)
+    stage = engine.sharding_stage(cfg)
+    params = n_params * held.weights / (world if stage >= 3 else 1)
+    if stage >= 3:  # one block gathered at a time, in the compute dtype
+        params += sum(p.numel() for p in model.blocks[0].parameters()) * (2 if cfg.engine.precision == "bf16" else 4)
+    grads = n_params * held.grads / (world if stage >= 2 else 1)
+    optimizer = n_params * held.optimizer / (world if stage >= 1 else 1)
+    return params, grads, optimizer
+
+
 def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int = PROBE_TOKENS) -> tuple[Plan, Plan]:
     """(without, with) activation checkpointing, per rank, at `world` ranks."""
     model = model if model is not None else build_model(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
-    bf16 = cfg.engine.precision == "bf16"
-    weight_bytes = 2 if bf16 else 4
-    master = 4 if bf16 else 0
-    engine = engine_class(cfg)
-    stage = engine.sharding_stage(cfg)
-    shard = world if stage >= 1 else 1
-    params = n_params * weight_bytes / (world if stage >= 3 else 1)
-    if stage >= 3:  # one block gathered at a time
-        params += sum(p.numel() for p in model.blocks[0].parameters()) * weight_bytes
-    grads = n_params * weight_bytes / (world if stage >= 2 else 1)
-    optimizer = n_params * (8 + master) / shard
-    bucket = engine.comm_buffer_bytes(cfg, n_params, weight_bytes)
+    weight_bytes = 2 if cfg.engine.precision == "bf16" else 4  # the dtype the model computes in
+    params, grads, optimizer = parameter_plan(cfg, world, model)
+    bucket = engine_class(cfg).comm_buffer_bytes(cfg, n_params, weight_bytes)
     tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.engine.sequence_parallel
     piece = max(eval_piece_tokens(cfg, model, context) for context in cfg.eval.contexts) if cfg.eval.every else 0
     evaluation = 0.0
