@@ -49,12 +49,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Checks known to fail, per scan, with the reason: "*" for every check. The gate test of a scan skips
 # only these, and fails as soon as a listed failure is gone, so that the entry is deleted with the fix.
-# Today's SOE kernels spread the terms over programs (S-fold reads of q/k/v), add atomically and run
-# fp32 IEEE dots on CUDA cores; their chunk-form rewrite (#32 point 2) deletes the "soe" entry. The
-# phasor kernels' one-hot products are fp32 IEEE dots (phases keep full fp32 precision); a tensor-core
-# form (an exact bf16x3 split of the fp32 operand) deletes the "phasor" entry.
+# The SOE chunk kernels pass every check. The phasor kernels' one-hot products are fp32 IEEE dots
+# (phases keep full fp32 precision); a tensor-core form (an exact bf16x3 split of the fp32 operand)
+# deletes the "phasor" entry.
 KNOWN_FAILURES = {
-    "soe": {"*": "the chunk-form backward gradient kernels spill (sm_80 cross and intra, sm_90 intra)"},
     "phasor": {"tl.dot without tensor-core instructions": "the one-hot products are fp32 IEEE dots"},
 }
 
@@ -236,9 +234,11 @@ def test_ptxas_log_and_ptx_are_parsed():
     assert _parse_ptxas(LOG, "_k") == (255, 24)
     with pytest.raises(ValueError):
         _parse_ptxas(LOG, "_other")
-    ptx = "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f1};\n" \
-          "\t@%p1 atom.global.gpu.acq_rel.add.f32 %f2, [%rd1], %f3;\n\tred.global.add.f32 [%rd2], %f4;\n" \
-          "\tredux.sync.add.s32 %r3, %r4, -1;\n\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f5};\n"
+    ptx = (
+        "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f1};\n"
+        "\t@%p1 atom.global.gpu.acq_rel.add.f32 %f2, [%rd1], %f3;\n\tred.global.add.f32 [%rd2], %f4;\n"
+        "\tredux.sync.add.s32 %r3, %r4, -1;\n\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f5};\n"
+    )
     assert count_instructions(ptx, 80) == (1, 2)
     assert count_instructions(ptx, 90) == (2, 2)
 

@@ -106,16 +106,16 @@ class SoeScanTriton(torch.autograd.Function):
         launches["bwd_states"].run(q, d_out, coef, d_zz, ll, docs, d_states, *sizes)
         pass_args = (n_chunks, seq_len, chunk, *pass_sizes(states, heads * n_terms))
         launches["bwd_pass"].run(d_states, ll, carry, *pass_args)
-        parts = 2 * launches["bwd_cross"].grid[1]  # (cross, intra) x value block
-        dq = torch.empty(parts, *q.shape, dtype=f32, device=dev)
+        blocks = launches["bwd_intra"].grid[1]  # value blocks
+        dq = torch.empty(2 * blocks, *q.shape, dtype=f32, device=dev)  # (cross, intra) x value block
         dk = torch.empty_like(dq)
         dv = torch.empty(2, *v.shape, dtype=f32, device=dev)  # value blocks are disjoint
-        dcoef = torch.empty(parts, *coef.shape, dtype=f32, device=dev)
-        dll = torch.empty(parts * n_chunks * batch, heads, n_terms, dtype=f32, device=dev)
+        dcoef = torch.empty(2 * blocks, *coef.shape, dtype=f32, device=dev)
+        dll = torch.empty(3 * blocks * n_chunks * batch, heads, n_terms, dtype=f32, device=dev)  # reads, writes, intra
         centre = (seq_len - 1) / 2.0
-        grads = (dq, dk, dv, dcoef, dll)
-        launches["bwd_cross"].run(q, k, v, coef, ll, docs, states, d_out, d_zz, d_states, *grads, *sizes, centre)
-        launches["bwd_intra"].run(q, k, v, coef, ll, docs, d_out, d_zz, *grads, *sizes[:-1])
+        launches["bwd_reads"].run(q, ll, docs, states, d_out, d_zz, dq, dll, *sizes, centre)
+        launches["bwd_writes"].run(k, v, coef, ll, docs, d_states, dk, dv, dcoef, dll, *sizes, centre)
+        launches["bwd_intra"].run(q, k, v, coef, ll, docs, d_out, d_zz, dq, dk, dv, dcoef, dll, *sizes[:-1])
         # The decay gradient's boundary terms: the final state is read at position T - 1 and the initial
         # state written at -1, each (position - centre) times <state, its gradient>.
         boundary = (states[-1] * d_states[-1] * centre + states[0] * d_states[0] * (centre + 1)).view(

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from kernels._common import Launch, triton_type
-from kernels.soe.gpu.grads import cross_grads_kernel, intra_grads_kernel
+from kernels.soe.gpu.grads import intra_grads_kernel, read_grads_kernel, write_grads_kernel
 from kernels.soe.gpu.output import output_kernel
 from kernels.soe.gpu.states import chunk_state_kernel
 from kernels.span import span_pass_launch
@@ -67,9 +67,10 @@ def soe_launches(
     state contribution, chunk parallel), "fwd_pass" (the states entering the chunks, one step per chunk),
     "fwd" (the outputs, chunk parallel). Backward: "fwd_states" and "fwd_pass" again (the entering states
     are recomputed, not saved), then "bwd_states" (each chunk's contribution to the state gradients),
-    "bwd_pass" (the gradients of the states entering the chunks, in reverse), "bwd_cross" and
-    "bwd_intra" (the cross-chunk and intra-chunk parts of every input gradient, chunk parallel). Chunk
-    kernels run one program per (chunk x batch x head, value block)."""
+    "bwd_pass" (the gradients of the states entering the chunks, in reverse), "bwd_reads", "bwd_writes"
+    and "bwd_intra" (the input gradients of the reads of the entering states, of the writes to the
+    leaving ones and of the pairs inside a chunk, chunk parallel). Chunk kernels run one program per
+    (chunk x batch x head, value block)."""
     cap = capability >= 90
     bt = chunk_block(chunk_size, capability)
     bf = max(16, triton.next_power_of_2(feat))
@@ -83,8 +84,10 @@ def soe_launches(
         "fwd": (output_kernel, forward_in | {"out": "fp32", "z": "fp32"}, "fwd", {}),
         "bwd_states": (chunk_state_kernel, {"x": operand, "y": operand, "coef": operand, "y_norm": "fp32"}
                        | {"log_lam": "fp32", "docs": "i32", "states": "fp32"}, "states", {"REVERSE": True}),
-        "bwd_cross": (cross_grads_kernel, forward_in | {"d_out": operand}
-                      | dict.fromkeys(("d_z", "d_states", "dq", "dk", "dv", "dcoef", "dll"), "fp32"), "bwd", {}),
+        "bwd_reads": (read_grads_kernel, {"q": operand, "log_lam": "fp32", "docs": "i32", "states": "fp32",
+                      "d_out": operand} | dict.fromkeys(("d_z", "dq", "dll"), "fp32"), "bwd", {}),
+        "bwd_writes": (write_grads_kernel, dict.fromkeys(("k", "v", "coef"), operand) | {"log_lam": "fp32"}
+                       | {"docs": "i32"} | dict.fromkeys(("d_states", "dk", "dv", "dcoef", "dll"), "fp32"), "bwd", {}),
         "bwd_intra": (intra_grads_kernel, dict.fromkeys(("q", "k", "v", "coef"), operand)
                       | {"log_lam": "fp32", "docs": "i32", "d_out": operand}
                       | dict.fromkeys(("d_z", "dq", "dk", "dv", "dcoef", "dll"), "fp32"), "bwd", {}),
@@ -94,12 +97,12 @@ def soe_launches(
         largest, warps, stages = _TABLE[cap][kind]
         bd = value_block(width, largest)
         ints = INTS[:-1] if name == "bwd_intra" else INTS
-        scalars = dict.fromkeys(ints, "i32") | ({"centre": "fp32"} if name == "bwd_cross" else {})
+        scalars = dict.fromkeys(ints, "i32") | ({"centre": "fp32"} if name in ("bwd_reads", "bwd_writes") else {})
         constexprs = {"BT": bt, "BF": bf, "BD": bd} | extra | {"PRECISION": precision(dtype)}
         grid = (n_chunks * batch * heads, triton.cdiv(width, bd), 1)
         launches[name] = Launch(kernel, pointers, scalars, constexprs, grid, warps, stages, wide=wide_rows(pointers))
     n_state = batch * heads * n_terms * feat * (width + 1)
     launches["fwd_pass"] = span_pass_launch(n_state, reverse=False, decay=True, wrap=False)
     launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
-    order = ("fwd_states", "fwd_pass", "fwd", "bwd_states", "bwd_pass", "bwd_cross", "bwd_intra")
+    order = ("fwd_states", "fwd_pass", "fwd", "bwd_states", "bwd_pass", "bwd_reads", "bwd_writes", "bwd_intra")
     return bt, {name: launches[name] for name in order}

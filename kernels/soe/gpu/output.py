@@ -6,8 +6,7 @@ import triton
 import triton.language as tl
 
 from kernels.soe.gpu.tiles import (
-    chunk_program,
-    document_masks,
+    chunk_setup,
     first_block,
     intra_decay,
     load_rows,
@@ -15,7 +14,6 @@ from kernels.soe.gpu.tiles import (
     state_row,
     store_rows,
     term_decays,
-    token_rows,
 )
 
 
@@ -46,13 +44,12 @@ def output_kernel(
     (Q K^T * Wc) V with Wc[i, j] = sum_s coef_js lam_s^(i-j) (causal, same document), z likewise with
     b_s and a column of ones; G_s, b_s from slot ``chunk`` (the states entering the chunks). q, k, v are
     read once; plain stores (z by the first value block)."""
-    c, bh, b, h, start = chunk_program(BH, H, BT)
-    base, loc, mask_t = token_rows(b, h, start, seq_len, H, BT)
+    c, bh, h, _start, base, loc, mask_t, masks = chunk_setup(docs, seq_len, BH, H, BT)
+    pos, n, reads, writes, linked, diff = masks
     offs_f, offs_d, tile, tile_mask, norm_off, norm_mask = state_offsets(F, DV, BF, BD)
     qc = load_rows(q, base, loc, F, offs_f, mask_t)
     kc = load_rows(k, base, loc, F, offs_f, mask_t)
     vc = load_rows(v, base, loc, DV, offs_d, mask_t)
-    pos, n, reads, writes, linked, diff = document_masks(docs, b, start, seq_len, BT)
     scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
     qf = qc.to(tl.float32)
     weights = tl.zeros([BT, BT], dtype=tl.float32)

@@ -8,13 +8,11 @@ import triton
 import triton.language as tl
 
 from kernels.soe.gpu.tiles import (
-    chunk_program,
-    document_masks,
+    chunk_setup,
     load_rows,
     state_offsets,
     state_row,
     term_decays,
-    token_rows,
 )
 
 
@@ -45,12 +43,11 @@ def chunk_state_kernel(
     k_j alone. REVERSE (x = q, y = dO, y_norm = dz): into slot ``chunk``, the gradient its reads give
     the state entering it, sum_i lam_s^(i+1) q_i do_i^T, and b_s's with dz. Plain stores: each program
     owns its slots' tiles."""
-    c, bh, b, h, start = chunk_program(BH, H, BT)
-    base, loc, mask_t = token_rows(b, h, start, seq_len, H, BT)
+    c, bh, h, _start, base, loc, mask_t, masks = chunk_setup(docs, seq_len, BH, H, BT)
+    pos, n, reads, writes, _linked, _diff = masks
     offs_f, offs_d, tile, tile_mask, norm_off, norm_mask = state_offsets(F, DV, BF, BD)
     xf = load_rows(x, base, loc, F, offs_f, mask_t).to(tl.float32)
     yc = load_rows(y, base, loc, DV, offs_d, mask_t)
-    pos, n, reads, writes, _linked, _diff = document_masks(docs, b, start, seq_len, BT)
     if REVERSE:
         weight = tl.load(y_norm + base + loc, mask=mask_t, other=0.0).to(tl.float32)
         slot = c

@@ -33,6 +33,15 @@ def token_rows(b, h, start, seq_len, H, BT: tl.constexpr):
 
 
 @triton.jit
+def chunk_setup(docs, seq_len, BH, H, BT: tl.constexpr):
+    """What every chunk kernel starts from: (chunk index, batch x head, head, first token, the token rows
+    ``base``, ``loc`` and mask of token_rows, the document masks of document_masks)."""
+    c, bh, b, h, start = chunk_program(BH, H, BT)
+    base, loc, mask_t = token_rows(b, h, start, seq_len, H, BT)
+    return c, bh, h, start, base, loc, mask_t, document_masks(docs, b, start, seq_len, BT)
+
+
+@triton.jit
 def load_rows(ptr, base, loc, width, offs, mask_t):
     """The [BT, len(offs)] tile at columns ``offs`` (< width) of the chunk's rows, zero where masked."""
     mask = mask_t[:, None] & (offs < width)[None, :]
