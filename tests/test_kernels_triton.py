@@ -17,6 +17,12 @@ from kernels import phasor_scan, soe_scan
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, resets, soe_inputs, soe_run
 
 pytest.importorskip("triton")
+
+import triton
+import triton.language as tl
+
+from kernels.phasor.triton import _tf32_pieces
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FWD_TOL, GRAD_TOL = 1e-4, 1e-3
 
@@ -236,6 +242,30 @@ def test_phasor_triton_matches_reference(batch, seq_len, levels, width, branchin
         assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
 
 
+@triton.jit
+def _split_tf32(x, out, N: tl.constexpr):
+    """Stores the three tf32 pieces of N fp32 values."""
+    offs = tl.arange(0, N)
+    hi, mid, lo = _tf32_pieces(tl.load(x + offs))
+    tl.store(out + offs, hi)
+    tl.store(out + N + offs, mid)
+    tl.store(out + 2 * N + offs, lo)
+
+
+def test_phasor_tf32_pieces_are_exact():
+    """The phasor kernels' tensor-core split of fp32 values (kernels.phasor.triton._tf32_pieces), run by
+    the interpreter: three pieces whose low 13 mantissa bits are zero (so a tf32 tensor core reads them
+    unrounded) and whose sum is the value exactly, over signs, zero and a wide range of exponents."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=gen) * torch.logspace(-20, 20, 1024)
+    x[:3] = torch.tensor([0.0, 2 * math.pi, -math.pi])
+    pieces = torch.empty(3, x.numel())
+    _split_tf32[(1,)](x, pieces, x.numel())
+    assert torch.all(pieces.view(torch.int32) & 0x1FFF == 0)
+    assert torch.equal(pieces.double().sum(0), x.double())
+    assert torch.all(pieces[1].abs() <= x.abs() * 2.0**-10) and torch.all(pieces[2].abs() <= x.abs() * 2.0**-21)
+
+
 def test_phasor_triton_final_state_gradient_only():
     inputs, n_slots = phasor_inputs(1, 30, 2, 3, 2, True, seed=0)
     delta = inputs["delta"].float().to(DEVICE).requires_grad_()
@@ -257,8 +287,11 @@ def test_gpu_script_check_runs_under_the_interpreter():
 
     tiles = {"heads": 1, "terms": 2, "feat": 16, "width": 16}
     results = check_production(DEVICE, seq_len=40, tiles=tiles, dtypes=(torch.float32,))
-    assert [(r["case"], r["dtype"]) for r in results] == [("soe", "float32"), ("phasor", "float32"),
-                                                          ("soe_entering", "float32")]
+    assert [(r["case"], r["dtype"]) for r in results] == [
+        ("soe", "float32"),
+        ("phasor", "float32"),
+        ("soe_entering", "float32"),
+    ]
     assert all(r["passed"] for r in results), results
 
 

@@ -8,7 +8,9 @@ kernels/span.py, give those first). Per chunk and level, with onehot[t, n] = (sl
   state += onehot^T @ delta
 Levels never share a slot, so updating the state level by level does not change the next level's reads.
 The backward is the same in reverse with the read gradients: d delta = onehot @ g + same_slot_after @ d_read.
-All products use IEEE fp32 (no TF32) so phases keep full fp32 precision.
+The products run on tensor cores without giving up fp32: the 0/1 operand is exact in tf32 and the fp32
+one is split into three tf32 pieces that sum to it exactly (_select_dot), so each product is exact and
+only the fp32 accumulation rounds (benchmarks/scan_precision.py measures the phase error by length).
 
 Resets (bool [B, T]) zero every slot's phases before a document's first token reads: with the tokens'
 document numbers (kernels.span.chunk_documents) a token reads the entering phases only before the chunk's
@@ -54,6 +56,27 @@ def _slot_tile(M, NS, SPAN, seq_len, BT: tl.constexpr, BM: tl.constexpr, BN: tl.
 def _slot(states, i, M, NS):
     """Slot ``i`` of the [n_spans + 1, B, NS, M] span states (64-bit offset)."""
     return states + i.to(tl.int64) * tl.num_programs(0) * NS * M
+
+
+@triton.jit
+def _tf32_pieces(x):
+    """fp32 ``x`` as hi + mid + lo, each exact in tf32 (hi and mid keep the top 11 significant bits of
+    x and of x - hi; lo, the last <= 2 bits, fits too): the tensor cores read every piece unrounded."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # clear the low 13 bits
+    rest = x - hi
+    mid = (rest.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, mid, rest - mid
+
+
+@triton.jit
+def _select_dot(select, x, acc):
+    """``acc + select @ x`` for a 0/1 matrix ``select`` and fp32 ``x`` on tensor cores at (near) fp32
+    precision: select is exact in tf32 and x is split into three tf32 pieces (:func:`_tf32_pieces`),
+    so every product is exact and only the fp32 sums round; the smallest pieces are summed first."""
+    hi, mid, lo = _tf32_pieces(x)
+    acc = tl.dot(select, lo, acc, input_precision="tf32")
+    acc = tl.dot(select, mid, acc, input_precision="tf32")
+    return tl.dot(select, hi, acc, input_precision="tf32")
 
 
 @triton.jit
@@ -104,7 +127,7 @@ def _phasor_span_kernel(
             _entry, _mask, _sl, onehot, rows = _level_rows(
                 values, slots, b, start + offs_t, lvl, seq_len, L, M, offs_m, offs_n, mask_m
             )
-            acc += tl.dot(tl.trans(onehot), tl.where(counted[:, None], rows, 0.0), input_precision="ieee")
+            acc = _select_dot(tl.trans(onehot), tl.where(counted[:, None], rows, 0.0), acc)
         if not REVERSE:
             acc = wrap_phase(acc)
     if REVERSE:
@@ -143,9 +166,9 @@ def _phasor_fwd_kernel(
             entry, mask, sl, onehot, d = _level_rows(delta, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
             same = ((sl[:, None] == sl[None, :]) & earlier).to(tl.float32)
             reads = onehot * (doc == entering).to(tl.float32)[:, None]
-            r = tl.dot(reads, state, input_precision="ieee") + tl.dot(same, d, input_precision="ieee")
+            r = _select_dot(reads, state, _select_dot(same, d, tl.zeros([BT, BM], dtype=tl.float32)))
             tl.store(read + entry[:, None] * M + offs_m[None, :], wrap_phase(r), mask=mask)
-            added += tl.dot(tl.trans(onehot * (doc == last).to(tl.float32)[:, None]), d, input_precision="ieee")
+            added = _select_dot(tl.trans(onehot * (doc == last).to(tl.float32)[:, None]), d, added)
         state = wrap_phase(tl.where(last == entering, state, 0.0) + added)
 
 
@@ -181,9 +204,9 @@ def _phasor_bwd_kernel(
             entry, mask, sl, onehot, g = _level_rows(d_read, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
             same = ((sl[:, None] == sl[None, :]) & later).to(tl.float32)
             writes = onehot * (doc == last).to(tl.float32)[:, None]
-            gd = tl.dot(writes, g_state, input_precision="ieee") + tl.dot(same, g, input_precision="ieee")
+            gd = _select_dot(writes, g_state, _select_dot(same, g, tl.zeros([BT, BM], dtype=tl.float32)))
             tl.store(d_delta + entry[:, None] * M + offs_m[None, :], gd, mask=mask)
-            added += tl.dot(tl.trans(onehot * (doc == entering).to(tl.float32)[:, None]), g, input_precision="ieee")
+            added = _select_dot(tl.trans(onehot * (doc == entering).to(tl.float32)[:, None]), g, added)
         g_state = tl.where(last == entering, g_state, 0.0) + added
 
 
@@ -219,20 +242,44 @@ def phasor_launches(
     def sums(values: str, reverse: bool) -> Launch:
         """The per-span sums of increments (forward) or of read gradients (reverse)."""
         pointers = {"values": values, "slots": "i32", "docs": "i32", "states": "fp32"}
-        return Launch(_phasor_span_kernel, pointers, scalars, constexprs | {"REVERSE": reverse}, grid, warps, stages,
-                      wide=frozenset({"values", "slots"}))
+        return Launch(
+            _phasor_span_kernel,
+            pointers,
+            scalars,
+            constexprs | {"REVERSE": reverse},
+            grid,
+            warps,
+            stages,
+            wide=frozenset({"values", "slots"}),
+        )
 
     # the per-entry rows are indexed with int64 offsets (_level_rows' entry ids); documents and states are
     # [B, T] and [n_spans + 1, B, NS, M], with 64-bit slot offsets (_slot)
     return span, {
         "fwd_spans": sums(fwd["delta"], False),
         "fwd_pass": span_pass_launch(n_state, reverse=False, decay=False, wrap=True),
-        "fwd": Launch(_phasor_fwd_kernel, fwd, scalars, constexprs, grid, warps, stages,
-                      wide=frozenset({"delta", "slots", "read"})),
+        "fwd": Launch(
+            _phasor_fwd_kernel,
+            fwd,
+            scalars,
+            constexprs,
+            grid,
+            warps,
+            stages,
+            wide=frozenset({"delta", "slots", "read"}),
+        ),
         "bwd_spans": sums("fp32", True),
         "bwd_pass": span_pass_launch(n_state, reverse=True, decay=False, wrap=False),
-        "bwd": Launch(_phasor_bwd_kernel, bwd, scalars, constexprs, grid, warps, stages,
-                      wide=frozenset({"d_read", "slots", "d_delta"})),
+        "bwd": Launch(
+            _phasor_bwd_kernel,
+            bwd,
+            scalars,
+            constexprs,
+            grid,
+            warps,
+            stages,
+            wide=frozenset({"d_read", "slots", "d_delta"}),
+        ),
     }
 
 
