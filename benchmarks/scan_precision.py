@@ -12,9 +12,15 @@ F=D=64 and S=18 terms (the shipped VORT's tiles), decays exp(-1/tau) with tau ge
 tokens and coefficients tau^-0.5 (a power law) times uniform(0.5, 1.5) per token.
 
 ``table``, the phasor scan: every token writes one slot (as the root level does in PMNet) M=16 phase
-increments pi*tanh(x), x ~ N(0, 1), drawn in float64; the scan runs on them rounded to fp32 and to bf16,
-and the read phases are compared with the exact float64 sums: the largest circular error (radians) at
-each length. bf16 increments drift by a large part of a radian, so PMNet keeps them fp32.
+increments pi*tanh(x), x ~ N(0, 1), drawn in float64; the CPU path runs on them rounded to fp32 and to
+bf16, and the read phases are compared with the exact float64 sums: the largest circular error
+(radians) at each length. bf16 increments drift by a large part of a radian, so PMNet keeps them fp32.
+The Triton kernels' forward is emulated on CPU in their order of fp32 operations (the interpreter runs
+tl.dot as a plain fp32 matmul, so it cannot show tensor-core rounding), with the spans the launch table
+gives at batch 1: once with fp32 IEEE dots (FMA chains, rounding to nearest) and once with the tensor-
+core form (three tf32 pieces of the fp32 operand, each piece's sum under a pessimistic model of the
+tensor cores' fp32 accumulation, :func:`tensor_core_sum`); both against exact sums of the same fp32
+increments, for these increments and for rotating ones, pi*tanh(1 + x) (~1.9 rad per token).
 
 ``training``: configs/tiny-vort.yaml on two demo plays (byte shards built in a scratch directory), once
 as it is and once with the SOE scan's operands q, k, v, coef and its outputs o, z rounded to bf16 (the
@@ -92,21 +98,122 @@ def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
     return rows
 
 
+TWO_PI_F32 = 6.2831855  # 2*pi as the kernels' fp32 constants hold it
+INV_TWO_PI_F32 = 0.15915494
+CHUNK = 16  # tokens per chunk of the phasor kernels (kernels/phasor/triton.py's table)
+
+
+def _wrap(x: torch.Tensor) -> torch.Tensor:
+    """kernels.span.wrap_phase in fp32: the product and floor in fp32, the subtraction fused (an FMA)."""
+    k = torch.floor(x * INV_TWO_PI_F32)
+    y = (x.double() - TWO_PI_F32 * k.double()).float()
+    return torch.where(y >= TWO_PI_F32, y - TWO_PI_F32, y)
+
+
+def _toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> fp32, rounded toward zero."""
+    f = x.float()
+    return torch.where(f.double().abs() > x.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+
+
+def tf32_pieces(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """kernels.phasor.triton._tf32_pieces in torch: fp32 x as hi + mid + lo, each exact in tf32."""
+    hi = (x.view(torch.int32) & -8192).view(torch.float32)
+    mid = ((x - hi).view(torch.int32) & -8192).view(torch.float32)
+    return hi, mid, x - hi - mid
+
+
+def tensor_core_sum(acc: torch.Tensor, rows: torch.Tensor, k: int = 8) -> torch.Tensor:
+    """acc [..., M] plus the rows [..., K, M] (tf32-exact, selected by a 0/1 matrix, so every product is
+    exact) as a model of a tensor core's fp32 accumulation, one mma of ``k`` rows at a time: the
+    accumulator and the products aligned to the largest of them, each truncated to fp32's 24 bits at
+    that exponent, summed, and the sum rounded toward zero (no guard bits: the pessimistic reading of
+    Fasi et al. 2021, "Numerical behaviour of NVIDIA tensor cores", for the A100)."""
+    for first in range(0, rows.shape[-2], k):
+        terms = torch.cat([acc[..., None, :], rows[..., first : first + k, :]], -2).double()
+        _, exponent = torch.frexp(terms.abs().amax(-2, keepdim=True))
+        unit = torch.ldexp(torch.ones_like(terms[..., :1, :]), exponent - 24)
+        acc = _toward_zero((torch.trunc(terms / unit) * unit).sum(-2))
+    return acc
+
+
+def select_sum(acc: torch.Tensor, rows: torch.Tensor, split: bool) -> torch.Tensor:
+    """One product of the phasor kernels, ``acc + select @ x`` where ``rows`` holds the rows of x that
+    the 0/1 matrix selects (zeros elsewhere): split, the kernels' three tf32 pieces on tensor cores
+    (smallest first); otherwise the fp32 IEEE dot's FMA chain, rounding to nearest after each row."""
+    if split:
+        hi, mid, lo = (tensor_core_sum(torch.zeros_like(acc), piece) for piece in tf32_pieces(rows))
+        return acc + (hi + (lo + mid))
+    for j in range(rows.shape[-2]):
+        acc = acc + rows[..., j, :]
+    return acc
+
+
+def kernel_reads(delta: torch.Tensor, span: int, split: bool) -> torch.Tensor:
+    """The reads of the Triton phasor kernels' forward for one slot written by every token, emulated on
+    CPU in their order of fp32 operations: fp32 ``delta`` [T, M] cut into spans of ``span`` tokens and
+    chunks of CHUNK; per span the wrapped sum of its chunks' increments, the span pass (a wrapped prefix
+    sum), then per chunk read = wrap(state + earlier increments of the chunk), state = wrap(state + chunk
+    sum). All spans run at once, the chunks of a span in turn."""
+    seq_len, width = delta.shape
+    n_spans = -(-seq_len // span)
+    x = torch.zeros(n_spans * span, width)
+    x[:seq_len] = delta
+    x = x.view(n_spans, span // CHUNK, CHUNK, width)
+    zero = torch.zeros(n_spans, width)
+    sums = zero
+    for c in range(x.shape[1]):
+        sums = _wrap(select_sum(sums, x[:, c], split))
+    state = torch.zeros(n_spans, width)
+    for i in range(1, n_spans):
+        state[i] = _wrap(state[i - 1] + sums[i - 1])
+    earlier = torch.tril(torch.ones(CHUNK, CHUNK), -1)[:, :, None]  # [t, j, 1]: j < t
+    reads = torch.empty_like(x)
+    for c in range(x.shape[1]):
+        inner = select_sum(torch.zeros(n_spans, CHUNK, width), x[:, c, None] * earlier, split)
+        slot_rows = torch.zeros(n_spans, CHUNK, CHUNK, width)  # the one-hot read of slot 0 of 16
+        slot_rows[:, :, 0] = state[:, None]
+        reads[:, c] = _wrap(select_sum(inner, slot_rows, split))
+        state = _wrap(state + select_sum(zero, x[:, c], split))
+    return reads.view(-1, width)[:seq_len]
+
+
+def _circular(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest circular distance (radians) between phases a and b."""
+    return (torch.remainder(a.double() - b.double() + torch.pi, 2 * torch.pi) - torch.pi).abs().max().item()
+
+
 def phase_rows(lengths: Sequence[int], width: int = 16) -> list[dict[str, Any]]:
-    """Largest circular error (radians) of the phases read after T tokens of fp32 and bf16 increments."""
+    """Largest circular error (radians) of the phases read after T tokens: the CPU path on fp32 and on
+    bf16 increments against exact sums of the float64 ones; the Triton kernels (emulated, fp32 IEEE
+    dots and the tf32 split on tensor cores) against exact sums of the same fp32 increments, for the
+    zero-mean increments and for rotating ones (pi*tanh(1 + x), ~1.9 rad per token on average)."""
+    from kernels.phasor.triton import phasor_launches
+
     rows = []
     gen = torch.Generator().manual_seed(0)
     longest = max(lengths)
-    increments = torch.pi * torch.tanh(torch.randn(1, longest, 1, width, generator=gen, dtype=torch.float64))
+    noise = torch.randn(1, longest, 1, width, generator=gen, dtype=torch.float64)
+    increments = torch.pi * torch.tanh(noise)
     exact = torch.remainder(increments.cumsum(1) - increments, 2 * torch.pi)  # what each token reads
     slots = torch.zeros(1, longest, 1, dtype=torch.int32)
-    reads = {dtype: kernels.phasor_scan(increments.to(dtype), slots, 1, backend="torch")[0].double()
-             for dtype in (torch.float32, torch.bfloat16)}
+    reads = {
+        dtype: kernels.phasor_scan(increments.to(dtype), slots, 1, backend="torch")[0].double()
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    kinds = {"": increments[0, :, 0].float(), "rotating_": (torch.pi * torch.tanh(1 + noise[0, :, 0])).float()}
     for seq_len in lengths:
+        started = time.perf_counter()
         row: dict[str, Any] = {"T": seq_len}
         for dtype, read in reads.items():
-            diff = torch.remainder(read[:, :seq_len] - exact[:, :seq_len] + torch.pi, 2 * torch.pi) - torch.pi
-            row[f"{str(dtype).removeprefix('torch.')}_max_rad"] = diff.abs().max().item()
+            row[f"{str(dtype).removeprefix('torch.')}_max_rad"] = _circular(read[:, :seq_len], exact[:, :seq_len])
+        span, _ = phasor_launches(1, seq_len, 1, width, 1, torch.float32, 90)
+        for kind, fp32 in kinds.items():
+            delta = fp32[:seq_len]
+            exact32 = torch.remainder(delta.double().cumsum(0) - delta.double(), 2 * torch.pi)
+            for name, split in (("ieee", False), ("tf32_split", True)):
+                row[f"{kind}triton_{name}_max_rad"] = _circular(kernel_reads(delta, span, split), exact32)
+        row["span"], row["seconds"] = span, time.perf_counter() - started
         rows.append(row)
         print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     return rows
@@ -136,9 +243,18 @@ def train_losses(shards: str, run_dir: Path, seed: int, steps: int, overrides: S
     from pretrain.config import load_config
     from pretrain.trainer import train
 
-    cfg = load_config(REPO / "configs" / "tiny-vort.yaml", [
-        f"data.train=[{{path: {shards}}}]", "data.valid=[]", f"run.dir={run_dir}", f"run.seed={seed}",
-        f"train.steps={steps}", "train.log_every=1", *overrides])
+    cfg = load_config(
+        REPO / "configs" / "tiny-vort.yaml",
+        [
+            f"data.train=[{{path: {shards}}}]",
+            "data.valid=[]",
+            f"run.dir={run_dir}",
+            f"run.seed={seed}",
+            f"train.steps={steps}",
+            "train.log_every=1",
+            *overrides,
+        ],
+    )
     if train(cfg) != 0:
         raise RuntimeError(f"training run {run_dir} failed")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -157,12 +273,21 @@ def training(seeds: Sequence[int], steps: int, overrides: Sequence[str]) -> dict
             for mode in curves:
                 started = time.perf_counter()
                 with bf16_scan_operands() if mode != "fp32" else contextlib.nullcontext():
-                    curves[mode][str(seed)] = train_losses(f"{scratch}/train", Path(scratch) / f"{mode}-{seed}",
-                                                           seed, steps, overrides)
-                print(f"seed {seed} {mode}: {time.perf_counter() - started:.0f} s, "
-                      f"final loss {curves[mode][str(seed)][-1]:.4f}", flush=True)
-    return {"seeds": list(seeds), "steps": steps, "overrides": list(overrides), "curves": curves,
-            "summary": summarise(curves, steps)}
+                    curves[mode][str(seed)] = train_losses(
+                        f"{scratch}/train", Path(scratch) / f"{mode}-{seed}", seed, steps, overrides
+                    )
+                print(
+                    f"seed {seed} {mode}: {time.perf_counter() - started:.0f} s, "
+                    f"final loss {curves[mode][str(seed)][-1]:.4f}",
+                    flush=True,
+                )
+    return {
+        "seeds": list(seeds),
+        "steps": steps,
+        "overrides": list(overrides),
+        "curves": curves,
+        "summary": summarise(curves, steps),
+    }
 
 
 def summarise(curves: dict[str, dict[str, list[float]]], steps: int) -> dict[str, Any]:
@@ -174,7 +299,9 @@ def summarise(curves: dict[str, dict[str, list[float]]], steps: int) -> dict[str
     paired = {s: bf16[s] - fp32[s] for s in fp32}
     worst_step = {s: max(abs(a - b) for a, b in zip(curves["fp32"][s], curves["bf16_scan_operands"][s])) for s in fp32}
     return {
-        "tail_steps": tail, "tail_mean_loss": means, "paired_difference": paired,
+        "tail_steps": tail,
+        "tail_mean_loss": means,
+        "paired_difference": paired,
         "seed_std_fp32": statistics.stdev(fp32.values()) if len(fp32) > 1 else None,
         "largest_stepwise_difference": worst_step,
     }

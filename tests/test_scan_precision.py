@@ -84,6 +84,22 @@ def test_the_precision_table_shows_bf16_rounding_and_fp32_accumulation() -> None
     assert rows["bfloat16"]["dlog_lam"] < 1e-5  # fp32, as the decays are passed
     (phase,) = result["phasor"]
     assert phase["float32_max_rad"] < 1e-5 < 1e-2 < phase["bfloat16_max_rad"]
+    for kind in ("", "rotating_"):  # the kernels' tf32 split keeps fp32-level phases, as their IEEE dots do
+        assert 0 < phase[f"{kind}triton_tf32_split_max_rad"] < 1e-4 and phase[f"{kind}triton_ieee_max_rad"] < 1e-4
+
+
+def test_the_tf32_split_is_exact_and_the_tensor_core_model_rounds_toward_zero() -> None:
+    """benchmarks.scan_precision's emulation of the phasor kernels' products: the three pieces of fp32
+    values are tf32 (low 13 bits zero) and sum to them exactly; the modelled tensor core truncates where
+    the FMA chain rounds to nearest."""
+    from benchmarks.scan_precision import select_sum, tensor_core_sum, tf32_pieces
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 10
+    pieces = tf32_pieces(x)
+    assert all(torch.all(p.view(torch.int32) & 0x1FFF == 0) for p in pieces)
+    assert torch.equal(sum(p.double() for p in pieces), x.double())
+    acc, rows = torch.ones(1), torch.full((1, 1), 0.75 * 2.0**-23)  # 1 + 3/4 ulp
+    assert tensor_core_sum(acc, rows).item() == 1.0 and select_sum(acc, rows, split=False).item() == 1 + 2.0**-23
 
 
 def test_rounded_scan_operands_are_what_a_bf16_model_hands_the_scan() -> None:

@@ -70,13 +70,15 @@ def _tf32_pieces(x):
 
 @triton.jit
 def _select_dot(select, x, acc):
-    """``acc + select @ x`` for a 0/1 matrix ``select`` and fp32 ``x`` on tensor cores at (near) fp32
-    precision: select is exact in tf32 and x is split into three tf32 pieces (:func:`_tf32_pieces`),
-    so every product is exact and only the fp32 sums round; the smallest pieces are summed first."""
+    """``acc + select @ x`` for a 0/1 matrix ``select`` and fp32 ``x`` on tensor cores at fp32 precision:
+    select is exact in tf32 and x is split into three tf32 pieces (:func:`_tf32_pieces`), so every
+    product is exact. Each piece's dot starts from zero (a sum of up to 16 pieces of 11 bits is exact
+    in fp32 while they lie within a factor 2^9 of each other) and the three are added to ``acc`` in
+    IEEE fp32: chaining ``acc`` through the dots would round every running sum toward zero, as tensor
+    cores do, and bias a phase by up to an ulp per chunk (benchmarks/scan_precision.py measures it)."""
     hi, mid, lo = _tf32_pieces(x)
-    acc = tl.dot(select, lo, acc, input_precision="tf32")
-    acc = tl.dot(select, mid, acc, input_precision="tf32")
-    return tl.dot(select, hi, acc, input_precision="tf32")
+    small = tl.dot(select, lo, input_precision="tf32") + tl.dot(select, mid, input_precision="tf32")
+    return acc + (tl.dot(select, hi, input_precision="tf32") + small)
 
 
 @triton.jit
