@@ -1,6 +1,6 @@
 """What bf16 scan operands cost in precision: error tables by length, and a training comparison.
 
-    python -m benchmarks.scan_precision table --T 4096,32768,131072,524288
+    python -m benchmarks.scan_precision table --T 4096,32768,131072,524288 --decay-T 4096,32768
     python -m benchmarks.scan_precision training --steps 300 --seeds 1,2,3 --out docs/results/scan_bf16_training.json
 
 ``table``, the SOE scan: inputs drawn in float64 and rounded to bf16, then run through the chunked CPU
@@ -21,6 +21,12 @@ gives at batch 1: once with fp32 IEEE dots (FMA chains, rounding to nearest) and
 core form (three tf32 pieces of the fp32 operand, each piece's sum under a pessimistic model of the
 tensor cores' fp32 accumulation, :func:`tensor_core_sum`); both against exact sums of the same fp32
 increments, for these increments and for rotating ones, pi*tanh(1 + x) (~1.9 rad per token).
+
+``table``, the decay gradient: the SOE scan's fp32 gradients against its own float64 run, at B=1,
+H=4, F=D=64, S=32 with coefficients of both signs and decays log_lam ~ -uniform(0, 3) (what a trainable
+log_lam sees; lengths from ``--decay-T``, 4096 and 32768 by default): norm-wise relative errors of the
+gradients of q, k, v, coef and log_lam, and the worst single entry of log_lam's. The decay gradient
+sums reader and writer positions apart across chunks, which is where fp32 loses precision at long T.
 
 ``training``: configs/tiny-vort.yaml on two demo plays (byte shards built in a scratch directory), once
 as it is and once with the SOE scan's operands q, k, v, coef and its outputs o, z rounded to bf16 (the
@@ -95,6 +101,40 @@ def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
             rows.append(row)
             print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         del exact
+    return rows
+
+
+def decay_inputs(seq_len: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """float64 (q, k, v, coef, log_lam) and output gradients for the decay-gradient rows: B=1, H=4,
+    F=D=64, S=32, coefficients of both signs and trainable-looking decays log_lam ~ -uniform(0, 3)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, feat, dim, terms = 4, 64, 64, 32
+    f64 = {"generator": gen, "dtype": torch.float64}
+    inputs = [
+        torch.rand(1, seq_len, heads, feat, **f64) / feat,
+        torch.rand(1, seq_len, heads, feat, **f64) / feat,
+        torch.randn(1, seq_len, heads, dim, **f64),
+        torch.randn(1, seq_len, heads, terms, **f64),
+        -torch.rand(heads, terms, **f64) * 3,
+    ]
+    return inputs, [torch.randn(1, seq_len, heads, dim, **f64), torch.randn(1, seq_len, heads, **f64)]
+
+
+def decay_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
+    """Per length, the fp32 gradients of the SOE scan against its float64 run on decay_inputs: norm-wise
+    relative errors, and the worst single entry of the log_lam gradient (where fp32 loses most: the
+    reader and writer position sums of d log_lam are taken apart across chunks)."""
+    rows = []
+    for seq_len in lengths:
+        started = time.perf_counter()
+        inputs, seeds = decay_inputs(seq_len)
+        exact, got = (soe_run(inputs, seeds, dtype)[2:] for dtype in (torch.float64, torch.float32))
+        row: dict[str, Any] = {"T": seq_len}
+        row.update({n: ((a - e).norm() / e.norm()).item() for n, a, e in zip(SOE_NAMES[2:], got, exact)})
+        row["dlog_lam_worst"] = ((got[4] - exact[4]).abs() / exact[4].abs()).max().item()
+        row["seconds"] = time.perf_counter() - started
+        rows.append(row)
+        print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     return rows
 
 
@@ -314,8 +354,9 @@ def _ints(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> Any:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    table = commands.add_parser("table", help="SOE output and gradient errors, phasor phase drift, by length")
+    table = commands.add_parser("table", help="SOE output and gradient errors, decay gradients, phase drift by length")
     table.add_argument("--T", default="4096,32768,131072,524288", type=_ints, help="comma-separated lengths")
+    table.add_argument("--decay-T", default="4096,32768", type=_ints, help="lengths of the decay-gradient rows")
     table.add_argument("--out", default=None, help="also write the rows as JSON here")
     run = commands.add_parser("training", help="tiny-vort loss curves, fp32 against bf16-rounded scan operands")
     run.add_argument("--seeds", default="1,2,3", type=_ints)
@@ -324,9 +365,9 @@ def main(argv: Sequence[str] | None = None) -> Any:
     run.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=128")
     args = parser.parse_args(argv)
     if args.command == "table":
-        if not args.T or min(args.T) < 1:
-            parser.error(f"--T needs positive lengths, got {args.T}")
-        result: Any = {"soe": soe_rows(args.T), "phasor": phase_rows(args.T)}
+        if not args.T or min(args.T) < 1 or not args.decay_T or min(args.decay_T) < 1:
+            parser.error(f"--T and --decay-T need positive lengths, got {args.T} and {args.decay_T}")
+        result: Any = {"soe": soe_rows(args.T), "soe_decay": decay_rows(args.decay_T), "phasor": phase_rows(args.T)}
     else:
         if not args.seeds or args.steps < 4:
             parser.error("training needs at least one seed and 4 steps")

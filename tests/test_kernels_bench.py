@@ -101,15 +101,6 @@ def test_pmnet_scan_share_reports_the_scan_inside_a_block(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
-def test_soe_grad_precision_script_measures_fp32_against_float64():
-    from benchmarks import soe_grad_precision
-
-    (row,) = soe_grad_precision.main(["--T", "96"])
-    assert row["T"] == 96
-    assert all(0 < row[name] < 1e-4 for name in soe_grad_precision.NAMES)
-    assert row["log_lam_worst"] >= row["log_lam"]
-
-
 def test_roofline_models_today_and_the_chunk_form(capsys, tmp_path):
     from benchmarks import roofline
     from benchmarks.kernel_compile import shipped_configs
@@ -118,8 +109,10 @@ def test_roofline_models_today_and_the_chunk_form(capsys, tmp_path):
     steps = {(c, d): roofline.step_model(c, configs[c], d) for c in ("vort-125m", "pl-125m") for d in roofline.DESIGNS}
     # same heads and blocks, 18 vs 16 SOE terms: today's per-term programs and the chunk form's folded
     # [S*F, D+1] state both make the products scale with S
-    for design, kernels in (("today", ("soe_fwd_spans", "soe_fwd", "soe_bwd_reverse_order")),
-                            ("chunk", ("chunk_fwd_states", "chunk_bwd_states"))):
+    for design, kernels in (
+        ("today", ("soe_fwd_spans", "soe_fwd", "soe_bwd_reverse_order")),
+        ("chunk", ("chunk_fwd_states", "chunk_bwd_states")),
+    ):
         vort = {k["kernel"]: k for k in steps[("vort-125m", design)]["kernels"]}
         pl = {k["kernel"]: k for k in steps[("pl-125m", design)]["kernels"]}
         for kernel in kernels:

@@ -11,12 +11,15 @@ import kernels
 from model import build_model
 from model.config import ModelConfig, PMNetConfig, VortConfig
 
+SIZES = {"vocab_size": 32, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 256}
 VORT = ModelConfig(
-    kind="vort", vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq_len=256,
+    kind="vort",
+    **SIZES,
     vort=VortConfig(n_features=8, n_banks=4, soe_horizon=256, chunk_size=8, probe_rank=4, probe_classes=16),
 )
 PMNET = ModelConfig(
-    kind="pmnet", vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq_len=256,
+    kind="pmnet",
+    **SIZES,
     pmnet=PMNetConfig(window=4, memory_every=1, branching=2, depth=2, memory_dim=4, segment_len=8),
 )
 
@@ -31,9 +34,10 @@ def spied(monkeypatch: pytest.MonkeyPatch, name: str) -> list[dict[str, torch.dt
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         seen = dict(zip(names, args)) | kwargs
-        calls.append({k: t.dtype for k, t in seen.items() if isinstance(t, torch.Tensor)}
-                     | {f"{k}.{i}": t.dtype for k, v in seen.items() if isinstance(v, tuple)
-                        for i, t in enumerate(v)})
+        calls.append(
+            {k: t.dtype for k, t in seen.items() if isinstance(t, torch.Tensor)}
+            | {f"{k}.{i}": t.dtype for k, v in seen.items() if isinstance(v, tuple) for i, t in enumerate(v)}
+        )
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kernels, name, wrapper)
@@ -75,13 +79,16 @@ def test_a_pmnet_model_hands_the_phasor_scan_fp32_increments_under_bf16(monkeypa
 def test_the_precision_table_shows_bf16_rounding_and_fp32_accumulation() -> None:
     from benchmarks import scan_precision
 
-    result = scan_precision.main(["table", "--T", "200"])
+    result = scan_precision.main(["table", "--T", "200", "--decay-T", "96"])
     rows = {r["operands"]: r for r in result["soe"]}
     for name in scan_precision.SOE_NAMES:
         assert rows["float32"][name] < 1e-5, name
     for name in ("o", "z", "dq", "dk", "dv", "dcoef"):  # returned in bf16: its rounding, 2^-9 relative at most
         assert 1e-4 < rows["bfloat16"][name] < 2e-3, name
     assert rows["bfloat16"]["dlog_lam"] < 1e-5  # fp32, as the decays are passed
+    (decay,) = result["soe_decay"]  # fp32 gradients against float64, fast trainable decays
+    assert decay["T"] == 96 and all(0 < decay[n] < 1e-4 for n in scan_precision.SOE_NAMES[2:])
+    assert decay["dlog_lam_worst"] >= decay["dlog_lam"]
     (phase,) = result["phasor"]
     assert phase["float32_max_rad"] < 1e-5 < 1e-2 < phase["bfloat16_max_rad"]
     for kind in ("", "rotating_"):  # the kernels' tf32 split keeps fp32-level phases, as their IEEE dots do
@@ -120,8 +127,10 @@ def test_rounded_scan_operands_are_what_a_bf16_model_hands_the_scan() -> None:
 def test_the_training_summary_pairs_modes_by_seed() -> None:
     from benchmarks.scan_precision import summarise
 
-    curves = {"fp32": {"1": [4.0, 3.0, 2.0, 1.0], "2": [4.0, 3.0, 2.0, 1.2]},
-              "bf16_scan_operands": {"1": [4.0, 3.1, 2.0, 1.1], "2": [4.0, 3.0, 2.0, 1.2]}}
+    curves = {
+        "fp32": {"1": [4.0, 3.0, 2.0, 1.0], "2": [4.0, 3.0, 2.0, 1.2]},
+        "bf16_scan_operands": {"1": [4.0, 3.1, 2.0, 1.1], "2": [4.0, 3.0, 2.0, 1.2]},
+    }
     summary = summarise(curves, 4)
     assert summary["tail_steps"] == 1
     assert summary["paired_difference"] == pytest.approx({"1": 0.1, "2": 0.0})
