@@ -44,6 +44,31 @@ class _GatherStates(torch.autograd.Function):
         return None, mine
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce (sum) whose backward is the same sum of the gradients: each rank's x enters every
+    rank's result, so its gradient is the sum of what every rank's result received."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        total = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=ctx.group)
+        return None, total
+
+
+def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of x over the ranks of ``group``, on every rank, differentiable: a loss computed from it
+    on each rank sends back to every rank's x the gradients of all of them (N x the gradient of the one
+    whole-sequence loss, the convention of the sequence-parallel LM loss: docs/kernels.md)."""
+    return _SumOverRanks.apply(group, x)
+
+
 def _piece_lengths(piece_lengths: Sequence[int] | None, seq_len: int, rank: int, size: int) -> list[int]:
     """Every piece's length, known without communication: ``piece_lengths`` when given (checked against
     this rank's piece), else equal pieces as long as this one (how the trainer splits a sequence)."""

@@ -256,9 +256,18 @@ class CausalLM(nn.Module):
     def loss(
         self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None, doc_start: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Any]:
-        """Mean next-token cross-entropy in nats over labels != IGNORE_INDEX, and the new state."""
+        """Mean next-token cross-entropy in nats over labels != IGNORE_INDEX, plus the family's
+        `auxiliary_loss` of this forward in training, and the new state."""
         total, count, new_state = self.summed_loss(input_ids, labels, state, doc_start=doc_start)
-        return total / count.clamp_min(1), new_state
+        loss, auxiliary = total / count.clamp_min(1), self.auxiliary_loss()
+        return (loss if auxiliary is None else loss + auxiliary), new_state
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The family's own training loss of the last forward in training mode, weighted, to add to
+        the cross-entropy (None: it has none). Under sequence parallelism each rank's value is the
+        whole sequence's and its gradients follow the sequence-parallel loss's N x convention
+        (`kernels.parallel.sum_over_ranks` gives both), so `sequence_parallel_loss` adds it as is."""
+        return None
 
     def summed_loss(
         self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None,

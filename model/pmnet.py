@@ -104,9 +104,6 @@ class PMNet(StackedLM):
         if pm.memory_every and piece % pm.segment_len:
             return (f"a piece of data.seq_len/sequence_parallel={piece} tokens must be whole memory segments of "
                     f"model.pmnet.segment_len={pm.segment_len}")
-        if pm.memory_every and pm.balance_loss > 0:
-            return (f"model.pmnet.balance_loss={pm.balance_loss} is not supported with sequence parallelism (the "
-                    "balance is counted over a whole sequence); set it to 0 or use sequence_parallel: 1")
         return None
 
     @classmethod
@@ -140,16 +137,14 @@ class PMNet(StackedLM):
         for memory in self.memories():  # after StackedLM's generic init: the memory starts as a no-op
             memory.init_weights()
 
-    def loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, state: Any = None, doc_start: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, Any]:
-        """The LM loss; in training with `pmnet.balance_loss` > 0, plus that weight times the memory
-        blocks' mean load-balancing loss (PhasorMemory.balance_loss)."""
-        loss, state = super().loss(input_ids, labels, state, doc_start)
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """In training with `pmnet.balance_loss` > 0: that weight times the memory blocks' mean
+        load-balancing loss of the last forward (PhasorMemory.balance_loss; under sequence
+        parallelism each block's is the whole sequence's)."""
         weight = self.config.pmnet.balance_loss
-        if self.training and weight > 0 and self.memories():
-            loss = loss + weight * torch.stack([m.balance for m in self.memories()]).mean()
-        return loss, state
+        if not (self.training and weight > 0 and self.memories()):
+            return None
+        return weight * torch.stack([m.balance for m in self.memories()]).mean()
 
     def no_weight_decay(self) -> set[str]:
         """With `pmnet.decay_routing` false: the anchors and write projections of every memory."""

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import kernels
-from kernels.parallel import exchange_with_neighbours, phasor_scan_sequence_parallel
+from kernels.parallel import exchange_with_neighbours, phasor_scan_sequence_parallel, sum_over_ranks
 from model.blocks import Offset, document_ids, token_positions
 from model.config import PMNetConfig
 from model.interface import SequenceParallel
@@ -146,21 +146,36 @@ class PhasorMemory(nn.Module):
             shifted = torch.where(doc_start[..., None], 0.0, shifted)
         return shifted, last
 
-    def balance_loss(self, path: torch.Tensor, children: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def balance_loss(
+        self, path: torch.Tensor, children: torch.Tensor, weights: torch.Tensor, sp: SequenceParallel | None = None
+    ) -> torch.Tensor:
         """Switch-style load balance, averaged over the routed levels: n_l * sum_i f_i * P_i over the
         n_l slots of level l, with f_i the share of tokens whose path takes slot i and P_i the mean
-        softmax weight slot i gets among its siblings (1 when every slot of a level is used alike)."""
+        softmax weight slot i gets among its siblings (1 when every slot of a level is used alike).
+
+        Only P carries a gradient (f counts argmax choices). A sequence-parallel piece sums both over
+        the group in one differentiable all-reduce (`sum_over_ranks`), so every rank gets the whole
+        sequence's loss and its P the whole loss's gradient (in the N x convention of the pieces' LM loss).
+        """
         B, T, _ = path.shape
-        tokens = float(B * T)
-        losses = []
+        used, weight = [], []
         for level in range(1, self.n_levels):
             start, width = self.level_starts[level], self.branching**level
             chosen = (path[:, :, level] - start).reshape(-1)
             ones = torch.ones_like(chosen, dtype=torch.float32)
-            f = torch.zeros(width, device=path.device).index_add_(0, chosen, ones)
-            slots = (children[:, :, level - 1] - start).reshape(-1)
-            p = torch.zeros(width, device=path.device).index_add_(0, slots, weights[:, :, level - 1].reshape(-1))
-            losses.append(width * (f / tokens * p / tokens).sum())
+            used.append(torch.zeros(width, device=path.device).index_add_(0, chosen, ones))
+            slots, soft = (children[:, :, level - 1] - start).reshape(-1), weights[:, :, level - 1].reshape(-1)
+            weight.append(torch.zeros(width, device=path.device).index_add_(0, slots, soft))
+        f, p = torch.cat(used), torch.cat(weight)
+        tokens = float(B * T)
+        if sp is not None:  # equal pieces (SequenceParallel): the whole sequence has N x the tokens
+            f, p = sum_over_ranks(torch.stack((f, p)), sp.group).unbind(0)
+            tokens *= sp.size
+        losses = []
+        for level in range(1, self.n_levels):
+            start, width = self.level_starts[level] - 1, self.branching**level
+            share, mean = f[start : start + width] / tokens, p[start : start + width] / tokens
+            losses.append(width * (share * mean).sum())
         return torch.stack(losses).mean()
 
     def write_increments(self, h: torch.Tensor) -> torch.Tensor:
@@ -284,7 +299,7 @@ class PhasorMemory(nn.Module):
         keys = self.slot_keys()
         path, children, weights = self._routes(phase_r, keys)
         if self.training and self.balance_weight > 0:
-            self.balance = self.balance_loss(path, children, weights)
+            self.balance = self.balance_loss(path, children, weights, sp)
         write_path, write_children = path, children
         if phase_w is not None:
             with torch.no_grad():

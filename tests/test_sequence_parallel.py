@@ -40,11 +40,13 @@ MODELS["pmnet-conv"] = dataclasses.replace(MODELS["pmnet"], short_conv=4)
 # and a memory horizon of 24 tokens: the phases restart at 24 and 48, so rank 1 must count from its global offset
 MODELS["pmnet-conv-horizon"] = dataclasses.replace(
     MODELS["pmnet-conv"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, memory_horizon=24))
-# PMNet's routing options (docs/pmnet.md): writes on the previous token's path (its routing phases come
-# from the previous rank for a piece's first token), no decay on the routing, and fixed-hash routing
+# PMNet's routing options (docs/pmnet.md): the shipped routing, writes on the previous token's path (its
+# routing phases come from the previous rank for a piece's first token), the balance loss (its usage counts
+# and weights summed over the pieces) and no decay on the routing; and fixed-hash routing
 MODELS["pmnet-routing"] = dataclasses.replace(
     MODELS["pmnet-conv"],
-    pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", decay_routing=False))
+    pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", balance_loss=0.3,
+                              decay_routing=False))
 MODELS["pmnet-hash"] = dataclasses.replace(
     MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", routing="hash"))
 # VORT's options for long contexts (docs/vort.md): learned per-head temperatures and the gated read
@@ -132,7 +134,8 @@ def _check_pieces(tmp_path: Path, world: int, loss_rel: float) -> None:
 @pytest.mark.parametrize(("kind", "checkpointing"), [("vort", False), ("exp", True), ("pmnet", False),
                                                      ("pmnet-segment", True), ("vort-conv", False),
                                                      ("pmnet-conv-horizon", True), ("vort-long", False),
-                                                     ("pmnet-routing", False), ("pmnet-hash", True)])
+                                                     ("pmnet-routing", False), ("pmnet-routing", True),
+                                                     ("pmnet-hash", True)])
 def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
     mp.spawn(_model_worker, args=(WORLD, free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
     _check_pieces(tmp_path, WORLD, 1e-5)

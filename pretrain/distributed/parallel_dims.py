@@ -82,9 +82,11 @@ def sequence_parallel_loss(
     model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, sp: SequenceParallel,
     doc_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """N x (this piece's summed cross-entropy) / (non-ignored tokens of the whole micro-batch); ``doc_start``
+    """N x (this piece's summed cross-entropy) / (non-ignored tokens of the whole micro-batch), plus the
+    model's auxiliary loss (the whole sequence's on every rank, CausalLM.auxiliary_loss); ``doc_start``
     is this piece's slice of the document starts (data.doc_boundaries)."""
     total, count, _ = model.summed_loss(input_ids, labels, sequence_parallel=sp, doc_start=doc_start)
     count = count.to(total.dtype)
     dist.all_reduce(count, group=sp.group)
-    return total * sp.size / count.clamp_min(1.0)
+    loss, auxiliary = total * sp.size / count.clamp_min(1.0), model.auxiliary_loss()
+    return loss if auxiliary is None else loss + auxiliary
