@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.blocks import RMSNorm, SwiGLU
+from model.blocks import RMSNorm, ShortConvolution, SwiGLU
 from model.config import PMNetConfig, load_model_config
 from model.pmnet import usage_entropy
 from model.pmnet_memory import PhasorMemory
@@ -87,12 +87,15 @@ class OracleMemory(PhasorMemory):
 
 
 class RecallModel(nn.Module):
-    """Embedding, RMSNorm, the phasor memory (residual), then an RMS-normed SwiGLU MLP and the head."""
+    """Embedding, RMSNorm, the phasor memory (residual), then an RMS-normed SwiGLU MLP and the head.
+    With `short_conv` K the normed input also passes a causal convolution over K tokens, whose output
+    routes the writes under `write_address: conv` (the memory itself reads the normed input)."""
 
-    def __init__(self, task: Task, d_model: int, memory: PMNetConfig, oracle: bool):
+    def __init__(self, task: Task, d_model: int, memory: PMNetConfig, oracle: bool, short_conv: int = 0):
         super().__init__()
         self.embed = nn.Embedding(task.vocab, d_model)
         self.norm = RMSNorm(d_model)
+        self.conv = ShortConvolution(d_model, short_conv) if short_conv else None
         self.memory = (OracleMemory if oracle else PhasorMemory)(d_model, memory)
         self.mlp_norm = RMSNorm(d_model)
         self.mlp = SwiGLU(d_model, 2.0)
@@ -105,7 +108,9 @@ class RecallModel(nn.Module):
         if isinstance(self.memory, OracleMemory):
             self.memory.leaves = tokens
         x = self.embed(tokens)
-        read, _ = self.memory(self.norm(x), self.memory.init_state(tokens.shape[0], tokens.device), 0)
+        h = self.norm(x)
+        address = None if self.conv is None else self.conv(h, None)[0]
+        read, _ = self.memory(h, self.memory.init_state(tokens.shape[0], tokens.device), 0, address_input=address)
         x = x + read
         x = x + self.mlp(self.mlp_norm(x))
         return self.head(self.head_norm(x))
@@ -132,7 +137,7 @@ def routing_report(memory: PhasorMemory, tokens: torch.Tensor, labels: torch.Ten
         out[f"level{level}/entropy"] = usage_entropy(used)
         out[f"level{level}/slots_used"] = float((used > 0).float().mean())
     path = memory.recorded[-1][0] if memory.recorded else None
-    if path is not None:
+    if path is not None and memory.write_address != "conv":  # a conv address's write leaves are not recorded
         leaf = path[..., -1]  # read leaf per token [B, T]
         write_leaf = leaf if memory.write_address == "current" else torch.cat((leaf[:, :1] * 0 - 1, leaf[:, :-1]), 1)
         P = tokens.shape[1] // 4
@@ -182,13 +187,13 @@ def evaluate(model: RecallModel, task: Task, generator: torch.Generator, batches
 
 def train(
     task: Task, memory: PMNetConfig, oracle: bool = False, steps: int = 400, batch: int = 64, d_model: int = 64,
-    lr: float = 3e-3, weight_decay: float = 0.1, seed: int = 0, eval_every: int = 0,
+    lr: float = 3e-3, weight_decay: float = 0.1, seed: int = 0, eval_every: int = 0, short_conv: int = 0,
 ) -> Result:
     """Train the recall model for `steps` AdamW steps (warm-up 10%, then constant) and score it."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed + 1)
     held_out = torch.Generator().manual_seed(10_000 + seed)
-    model = RecallModel(task, d_model, memory, oracle)
+    model = RecallModel(task, d_model, memory, oracle, short_conv)
     opt = optimizer(model, lr, weight_decay, memory.decay_routing)
     warmup = max(1, steps // 10)
     start, curve = time.time(), []
@@ -220,6 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=0)
+    parser.add_argument("--short-conv", type=int, default=0,
+                        help="a causal convolution over K tokens whose output routes writes under write_address=conv")
     parser.add_argument("--oracle", action="store_true", help="also train with oracle routing")
     parser.add_argument("--memory", nargs="*", default=[], metavar="KEY=VALUE",
                         help="model.pmnet fields, e.g. routing=hash write_address=previous balance_loss=0.01")
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     for seed in range(args.seeds):
         for name in runs:
             result = train(task, memory, oracle=name == "oracle", steps=args.steps, d_model=args.d_model,
-                           lr=args.lr, seed=seed, eval_every=args.eval_every)
+                           lr=args.lr, seed=seed, eval_every=args.eval_every, short_conv=args.short_conv)
             runs[name].append(dataclasses.asdict(result))
             print(f"{name} seed {seed}: accuracy {result.accuracy:.3f} ({result.seconds:.0f} s) "
                   + " ".join(f"{k}={v:.2f}" for k, v in result.routing.items()), flush=True)
@@ -272,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {"task": dataclasses.asdict(task), "memory": dataclasses.asdict(memory), "steps": args.steps,
-                  "d_model": args.d_model, "lr": args.lr}
+                  "d_model": args.d_model, "lr": args.lr, "short_conv": args.short_conv}
         args.json.write_text(json.dumps({"config": config, "summary": summary, "runs": runs}, indent=1) + "\n")
 
 

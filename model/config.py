@@ -89,10 +89,12 @@ class PMNetConfig:
     learned anchors, "hash" with a fixed random projection and fixed anchors (nothing of it learns,
     so it cannot collapse). `write_address` "current" writes each token on its own read path,
     "previous" on the read path of the token before it (a pair [key][value] then writes the value
-    where the key's query reads). `memory_input` "residual" feeds the memory the residual stream
-    after attention, "conv" the block's normed (and short-convolved) input that attention sees.
-    `balance_loss` > 0 adds that weight times a Switch-style load-balancing loss per tree level to
-    the training loss; `decay_routing` false exempts the anchors and the write projection from weight
+    where the key's query reads), "conv" on a route of its own, from a learned projection of the
+    block's short-convolved input (at a value token it holds the key; needs `short_conv` >= 2).
+    `memory_input` "residual" feeds the memory the residual stream after attention, "conv" the
+    block's normed (and short-convolved) input that attention sees. `balance_loss` > 0 adds that
+    weight times a Switch-style load-balancing loss per tree level to the training loss;
+    `decay_routing` false exempts the anchors and the write and address projections from weight
     decay.
     """
 
@@ -109,7 +111,7 @@ class PMNetConfig:
     scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
     memory_horizon: int = 0
     routing: Literal["learned", "hash"] = "learned"
-    write_address: Literal["current", "previous"] = "current"
+    write_address: Literal["current", "previous", "conv"] = "current"
     memory_input: Literal["residual", "conv"] = "residual"
     balance_loss: float = 0.0
     decay_routing: bool = True
@@ -166,6 +168,9 @@ class ModelConfig:
         check_range("mlp_ratio", self.mlp_ratio, low=0, low_open=True)
         check_range("short_conv", self.short_conv, low=0, note=" (0 for none)")
         check_range("init_std", self.init_std, low=0, low_open=True)
+        if self.kind == "pmnet" and self.pmnet.write_address == "conv" and self.short_conv < 2:
+            raise ValueError(f"short_conv: pmnet.write_address=conv routes the writes from the short-convolved "
+                             f"input, so it needs short_conv >= 2 (the token before each one), got {self.short_conv}")
 
     @property
     def head_dim(self) -> int:

@@ -84,7 +84,7 @@ class PMNetBlock(nn.Module):
         memory = state.memory
         if self.memory is not None:
             memory_in = self.memory_norm(x) if self.memory_norm is not None else h  # h: what attention saw
-            read, memory = self.memory(memory_in, memory, offset, sp, doc_start)
+            read, memory = self.memory(memory_in, memory, offset, sp, doc_start, address_input=h)
             x = x + read
         x = x + self.mlp(self.mlp_norm(x))
         return x, PMNetBlockState(next_offset(offset, x.shape[1], doc_start), keys, values, memory, conv)
@@ -195,7 +195,7 @@ class PMNet(StackedLM):
         per_memory = 2 * pm.depth * pm.branching * 2 * M + L * (4 * M) + L * M
         if pm.routing == "hash":  # the fixed routing projection, a matmul without parameters (forward only)
             per_memory += 2 * c.d_model * M / 3
-        if pm.write_address == "previous":  # the write path's own routing scores
+        if pm.write_address != "current":  # the write path's own routing scores
             per_memory += 2 * pm.depth * pm.branching * 2 * M / 3
         return 6.0 * (self.matmul_params() - anchors) + attention + 3 * len(memories) * per_memory
 

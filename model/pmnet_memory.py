@@ -73,6 +73,9 @@ class PhasorMemory(nn.Module):
         self.level_starts = tuple(offsets)  # the same on the host: the balance loss reads no tensor
         self.query = nn.Linear(d_model, memory_dim, bias=False)
         self.write = nn.Linear(d_model, memory_dim, bias=False)
+        # `write_address: conv` (learned routing): the writes' own address, from the short-convolved input
+        learned_address = config.write_address == "conv" and config.routing == "learned"
+        self.address = nn.Linear(d_model, memory_dim, bias=False) if learned_address else None
         # Per-component gain of the writes, inside the squash; zero at first, so the memory starts
         # static (docs/pmnet.md, "writes start at zero").
         self.write_gain = nn.Parameter(torch.zeros(memory_dim))
@@ -107,11 +110,15 @@ class PhasorMemory(nn.Module):
         learn to drown). The write gain is created at zero (write_increments says why).
         """
         nn.init.normal_(self.query.weight, std=self.d_model**-0.5)
+        if self.address is not None:  # the same reason: the write addresses must spread from the start
+            nn.init.normal_(self.address.weight, std=self.d_model**-0.5)
         nn.init.zeros_(self.out.weight)
 
     def routing_parameters(self) -> list[str]:
-        """Names of the learned anchors and the write projection (those `decay_routing` exempts)."""
-        return [name for name in ("anchors", "write.weight") if name in dict(self.named_parameters())]
+        """Names of the learned anchors, the write projection and the write address projection (those
+        `decay_routing` exempts)."""
+        names = dict(self.named_parameters())
+        return [name for name in ("anchors", "write.weight", "address.weight") if name in names]
 
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> MemoryState:
         memory = torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32)
@@ -126,6 +133,12 @@ class PhasorMemory(nn.Module):
         if self.routing == "hash":
             return h.float() @ (self.hash_projection.float() * self.d_model**-0.5)
         return phase_q
+
+    def address_phases(self, a: torch.Tensor) -> torch.Tensor:
+        """The phases [B, T, M] (fp32) that route the writes under `write_address: conv`: a projection of
+        its own of the short-convolved input a, which holds the tokens before each one (a value token's
+        holds its key), or the fixed hash of a under `routing: hash`."""
+        return self.routing_phases(a, None if self.address is None else self.address(a).float())
 
     def previous_phases(
         self, phase_r: torch.Tensor, carried: torch.Tensor | None, sp: SequenceParallel | None,
@@ -233,11 +246,14 @@ class PhasorMemory(nn.Module):
         position: Offset,
         sequence_parallel: SequenceParallel | None = None,
         doc_start: torch.Tensor | None = None,
+        address_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MemoryState]:
         """Read and write the memory for h [B, T, d] at positions position.. ; a sequence-parallel piece
         adds the phases of the earlier pieces (kernels.phasor_scan_sequence_parallel). With ``doc_start``
         (bool [B, T]) each document starts from the initial phases (the carried or entering phases reach only the tokens
-        before a row's first start), and its segments and collision counts are its own."""
+        before a row's first start), and its segments and collision counts are its own. Under
+        `write_address: conv` the writes are routed from ``address_input`` [B, T, d] (the block's
+        short-convolved input; h when None)."""
         B, T, _ = h.shape
         L, M = self.n_levels, self.memory_dim
         sp = sequence_parallel
@@ -246,6 +262,8 @@ class PhasorMemory(nn.Module):
         phase_w, previous = None, None
         if self.write_address == "previous":
             phase_w, previous = self.previous_phases(phase_r, state.previous, sp, doc_start)
+        elif self.write_address == "conv":
+            phase_w = self.address_phases(h if address_input is None else address_input)
         if self.update_train if self.training else self.update_eval:
             increment = self.write_increments(h)
             if increment.requires_grad:
@@ -300,10 +318,11 @@ class PhasorMemory(nn.Module):
         path, children, weights = self._routes(phase_r, keys)
         if self.training and self.balance_weight > 0:
             self.balance = self.balance_loss(path, children, weights, sp)
-        write_path, write_children = path, children
-        if phase_w is not None:
-            with torch.no_grad():
-                write_path, write_children, _ = self._routes(phase_w, keys, writes=True)
+        write_path, write_children, write_weights = path, children, None
+        if phase_w is not None:  # a write route of its own: learned (conv address) or the previous token's
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.address is not None):
+                write_path, write_children, write_weights = self._routes(phase_w, keys, writes=True)
+            write_weights = write_weights if self.address is not None else None
         delta = increment[:, :, None, :].expand(B, T, L, M)
         positions = token_positions(position, T, doc_start, path.device)  # [T], or [B, T] per row
         starts = (positions % self.segment_len == 0) | (torch.arange(T, device=path.device) == 0)
@@ -325,7 +344,7 @@ class PhasorMemory(nn.Module):
             read, memory = self._scan(entry_delta, entries, memory, reset, sp)
         else:
             read_entries, read_delta = self._entries(path, children, torch.zeros_like(delta), mixture)
-            write_entries, write_delta = self._entries(write_path, write_children, delta, mixture)
+            write_entries, write_delta = self._entries(write_path, write_children, delta, mixture, write_weights)
             entries, entry_delta = interleave(read_entries, write_entries), interleave(read_delta, write_delta)
             reset = None if reset is None else interleave(reset, torch.zeros_like(reset))
             read, memory = self._scan(entry_delta, entries, memory, reset, sp)
@@ -364,17 +383,24 @@ class PhasorMemory(nn.Module):
             self.record_routes = recording
 
     def _entries(
-        self, path: torch.Tensor, children: torch.Tensor, delta: torch.Tensor, mixture: bool
+        self, path: torch.Tensor, children: torch.Tensor, delta: torch.Tensor, mixture: bool,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The scan's entries of each token [B, T, E] and their increments [B, T, E, M]: the path
         (E = L), or with the mixture the root, then every child of each node on the path, the chosen
-        one carrying the write (E = 1 + (L-1) * N)."""
+        one carrying the write (E = 1 + (L-1) * N). With the children's softmax `weights` (a learned
+        write address) each child's increment is the write times (chosen + w - w), exactly the write
+        or zero in value, so the backward tells the address what writing to each child would do."""
         if not mixture:
             return path, delta
         B, T, L, M = delta.shape
         N = self.branching
         chosen = children == path[:, :, 1:, None]
-        sibling_delta = torch.where(chosen[..., None], delta[:, :, 1:, None, :], 0.0).reshape(B, T, (L - 1) * N, M)
+        if weights is None:
+            sibling_delta = torch.where(chosen[..., None], delta[:, :, 1:, None, :], 0.0)
+        else:
+            sibling_delta = delta[:, :, 1:, None, :] * straight_through_mixture(chosen.float(), weights)[..., None]
+        sibling_delta = sibling_delta.reshape(B, T, (L - 1) * N, M)
         entries = torch.cat((path[:, :, :1], children.reshape(B, T, (L - 1) * N)), dim=2)
         return entries, torch.cat((delta[:, :, :1], sibling_delta), dim=2)
 

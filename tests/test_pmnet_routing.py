@@ -20,6 +20,7 @@ ACCEPTANCE_STEPS = 500
 OPTIONS = [
     {"routing": "hash"},
     {"write_address": "previous"},
+    {"write_address": "conv"},
     {"memory_input": "conv"},
     {"balance_loss": 0.1},
     {"routing": "hash", "write_address": "previous"},
@@ -133,11 +134,30 @@ def test_decay_routing_false_spares_anchors_and_write_projection() -> None:
         assert id(memory.query.weight) not in spared
 
 
+def test_conv_address_learns_and_leaves_the_value_unchanged() -> None:
+    """`write_address: conv`: the address projection gets a gradient through the straight-through
+    write mixture, whose forward value is the hard write's: training mode gives inference's logits."""
+    model = make_model(write_address="conv", decay_routing=False)
+    tokens = ids()
+    loss, _ = model.loss(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    for memory in model.memories():
+        assert memory.address.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        inference = model.eval()(tokens).logits
+    with torch.enable_grad():
+        training = model.train()(tokens).logits
+    assert torch.equal(training.detach(), inference)
+    assert {f"blocks.{i}.memory.address.weight" for i in (0, 1)} <= model.no_weight_decay()
+
+
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="balance_loss"):
         PMNetConfig(routing="hash", balance_loss=0.1)
     with pytest.raises(ValueError, match="balance_loss"):
         PMNetConfig(balance_loss=-1.0)
+    with pytest.raises(ValueError, match="short_conv >= 2"):
+        ModelConfig(kind="pmnet", short_conv=0, pmnet=PMNetConfig(write_address="conv"))
     config = make_model(balance_loss=0.1).config  # the balance loss runs sequence-parallel (summed over pieces)
     assert PMNet.sequence_parallel_problem(config, 64) is None
 

@@ -47,6 +47,9 @@ MODELS["pmnet-routing"] = dataclasses.replace(
     MODELS["pmnet-conv"],
     pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", balance_loss=0.3,
                               decay_routing=False))
+# the write address from the short-convolved input: the convolution's halo reaches the address too
+MODELS["pmnet-address"] = dataclasses.replace(
+    MODELS["pmnet-conv"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="conv", balance_loss=0.3))
 MODELS["pmnet-hash"] = dataclasses.replace(
     MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", routing="hash"))
 # VORT's options for long contexts (docs/vort.md): learned per-head temperatures and the gated read
@@ -135,6 +138,7 @@ def _check_pieces(tmp_path: Path, world: int, loss_rel: float) -> None:
                                                      ("pmnet-segment", True), ("vort-conv", False),
                                                      ("pmnet-conv-horizon", True), ("vort-long", False),
                                                      ("pmnet-routing", False), ("pmnet-routing", True),
+                                                     ("pmnet-address", False),
                                                      ("pmnet-hash", True)])
 def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
     mp.spawn(_model_worker, args=(WORLD, free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
