@@ -142,11 +142,12 @@ class PhasorMemory(nn.Module):
 
     def previous_phases(
         self, phase_r: torch.Tensor, carried: torch.Tensor | None, sp: SequenceParallel | None,
-        doc_start: torch.Tensor | None,
+        restart: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's predecessor's routing phases [B, T, M] (zeros before a document's first token
-        and before the first token of all), and the last token's, to carry. A sequence-parallel piece
-        gets its first predecessor from the previous rank. No gradient: a write's path is discrete."""
+        """Each token's predecessor's routing phases [B, T, M] (zeros where ``restart`` (bool [B, T]:
+        document starts, horizon ends) and before the first token of all), and the last token's, to
+        carry. A sequence-parallel piece gets its first predecessor from the previous rank. No
+        gradient: a write's path is discrete."""
         phase_r = phase_r.detach()
         last = phase_r[:, -1]
         if sp is not None:
@@ -155,8 +156,8 @@ class PhasorMemory(nn.Module):
         if carried is None:
             carried = torch.zeros_like(last)
         shifted = torch.cat((carried[:, None].to(phase_r.dtype), phase_r[:, :-1]), dim=1)
-        if doc_start is not None:
-            shifted = torch.where(doc_start[..., None], 0.0, shifted)
+        if restart is not None:
+            shifted = torch.where(restart[..., None], 0.0, shifted)
         return shifted, last
 
     def balance_loss(
@@ -187,8 +188,7 @@ class PhasorMemory(nn.Module):
         losses = []
         for level in range(1, self.n_levels):
             start, width = self.level_starts[level] - 1, self.branching**level
-            share, mean = f[start : start + width] / tokens, p[start : start + width] / tokens
-            losses.append(width * (share * mean).sum())
+            losses.append(width * (f[start : start + width] / tokens * p[start : start + width] / tokens).sum())
         return torch.stack(losses).mean()
 
     def write_increments(self, h: torch.Tensor) -> torch.Tensor:
@@ -260,8 +260,9 @@ class PhasorMemory(nn.Module):
         phase_q = self.query(h).float()
         phase_r = self.routing_phases(h, phase_q)
         phase_w, previous = None, None
-        if self.write_address == "previous":
-            phase_w, previous = self.previous_phases(phase_r, state.previous, sp, doc_start)
+        if self.write_address == "previous":  # restarts: document starts and horizon ends, as for the phases
+            restart = self._resets(token_positions(position, T, doc_start, h.device), doc_start, B)
+            phase_w, previous = self.previous_phases(phase_r, state.previous, sp, restart)
         elif self.write_address == "conv":
             phase_w = self.address_phases(h if address_input is None else address_input)
         if self.update_train if self.training else self.update_eval:
