@@ -95,8 +95,7 @@ class PMNetConfig:
     block's normed (and short-convolved) input that attention sees. `balance_loss` > 0 adds that
     weight times a Switch-style load-balancing loss per tree level to the training loss;
     `decay_routing` false exempts the anchors and the write and address projections from weight
-    decay. The defaults are the routing that passed the memory-alone acceptance test (previous-token
-    writes, balance loss 0.3, no decay on the routing); `routing: hash` needs `balance_loss: 0`.
+    decay.
     """
 
     window: int = 64
@@ -112,10 +111,10 @@ class PMNetConfig:
     scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
     memory_horizon: int = 0
     routing: Literal["learned", "hash"] = "learned"
-    write_address: Literal["current", "previous", "conv"] = "previous"
+    write_address: Literal["current", "previous", "conv"] = "current"
     memory_input: Literal["residual", "conv"] = "residual"
-    balance_loss: float = 0.3
-    decay_routing: bool = False
+    balance_loss: float = 0.0
+    decay_routing: bool = True
 
     def __post_init__(self) -> None:
         for key in ("window", "depth", "memory_dim", "segment_len"):

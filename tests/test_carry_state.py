@@ -25,8 +25,7 @@ TINY_VORT = ModelConfig(
 )
 TINY_PMNET = ModelConfig(
     kind="pmnet", d_model=32, n_layers=2, n_heads=2, max_seq_len=4096,
-    # no balance loss: it is a training term of each window, which the long pass's cross-entropy lacks
-    pmnet=PMNetConfig(window=8, branching=2, depth=2, memory_dim=8, segment_len=16, balance_loss=0.0),
+    pmnet=PMNetConfig(window=8, branching=2, depth=2, memory_dim=8, segment_len=16),
 )
 
 

@@ -38,10 +38,15 @@ MODELS = {
 }
 MODELS["pmnet-segment"] = dataclasses.replace(
     MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, collision_scope="segment"))
+# the shipped routing: previous-token writes and the balance loss (summed over the pieces under SP)
+MODELS["pmnet-routing"] = dataclasses.replace(
+    MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", balance_loss=0.3,
+                                               decay_routing=False))
 LENGTH = 64
 DOC_STARTS = [[10, 32, 45], [3, 33, 34, 60]]  # on a piece's edge (32 of 2 pieces) and inside pieces
 # (model, document boundaries); PMNet's segment scope does not run sequence-parallel with documents
-CASES = [("vort", False), ("vort", True), ("pmnet", False), ("pmnet", True), ("pmnet-segment", False)]
+CASES = [("vort", False), ("vort", True), ("pmnet", False), ("pmnet", True), ("pmnet-segment", False),
+         ("pmnet-routing", True)]
 ONE_PROCESS_CASES = [*CASES, ("pmnet-segment", True)]
 STEPS = 2
 

@@ -244,12 +244,14 @@ def test_pieces_equal_whole(horizon: int) -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference", "segmented"])
-def test_memory_horizon_restarts_the_phases(backend: str) -> None:
+@pytest.mark.parametrize("write_address", ["current", "previous"])
+def test_memory_horizon_restarts_the_phases(backend: str, write_address: str) -> None:
     """With memory_horizon H, the memory's read at each token equals the read of a fresh memory that
     has seen only the tokens since the last multiple of H (positions 24.., so periods end mid-call),
-    and streaming the call in pieces of other sizes gives the same reads and final phases."""
+    and streaming the call in pieces of other sizes gives the same reads and final phases. Under
+    `write_address: previous` the first token of a period writes on the zero route, as a fresh one."""
     torch.manual_seed(21)
-    memory = PhasorMemory(16, PMNetConfig(memory_dim=8, memory_horizon=10))
+    memory = PhasorMemory(16, PMNetConfig(memory_dim=8, memory_horizon=10, write_address=write_address))
     memory.reference, memory.scan_backend = backend == "reference", backend
     memory.init_weights()
     wake(memory)

@@ -17,26 +17,23 @@ from pretrain.optim import param_groups
 
 ACCEPTANCE_STEPS = 500
 
-OPTIONS = [  # each against the plain memory (PLAIN); hash routing has no balance loss
-    {"routing": "hash", "balance_loss": 0.0},
+OPTIONS = [
+    {"routing": "hash"},
     {"write_address": "previous"},
     {"write_address": "conv"},
     {"memory_input": "conv"},
     {"balance_loss": 0.1},
-    {"routing": "hash", "write_address": "previous", "balance_loss": 0.0},
+    {"routing": "hash", "write_address": "previous"},
 ]
-PLAIN = {"write_address": "current", "balance_loss": 0.0, "decay_routing": True}
-"""The memory without the routing options (the dataclass defaults are the shipped routing)."""
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(seed: int = 0, **pmnet: object) -> PMNet:
-    """A tiny PMNet with its memories awake (random read-out, write gain 1), short convolution 3, the
-    plain memory unless `pmnet` names options."""
+    """A tiny PMNet with its memories awake (random read-out, write gain 1), short convolution 3."""
     torch.manual_seed(seed)
-    fields = {"window": 4, "segment_len": 8, "memory_dim": 8, "scan_backend": "torch", **PLAIN, **pmnet}
+    fields = {"window": 4, "segment_len": 8, "memory_dim": 8, "scan_backend": "torch", **pmnet}
     config = ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, mlp_ratio=2.0, short_conv=3,
                          pmnet=PMNetConfig(**fields))
     model = build_model(config)
@@ -54,7 +51,7 @@ def ids(batch: int = 2, length: int = 40, seed: int = 2) -> torch.Tensor:
 def test_option_changes_behaviour(options: dict) -> None:
     tokens = ids()
     base, changed = make_model(), make_model(**options)
-    if options.get("balance_loss", 0) > 0:  # same forward; the training loss gains the balance term
+    if "balance_loss" in options:  # same forward; the training loss gains the balance term
         base.train(), changed.train()
         changed.load_state_dict(base.state_dict())
         plain, _ = base.loss(tokens[:, :-1], tokens[:, 1:])
@@ -118,10 +115,10 @@ def test_config_round_trips(options: dict) -> None:
 
 
 def test_hash_routing_has_no_learned_routing() -> None:
-    model = make_model(routing="hash", balance_loss=0.0)
+    model = make_model(routing="hash")
     names = {n for n, _ in model.named_parameters()}
     assert not any(n.endswith("anchors") for n in names)
-    rebuilt = make_model(seed=9, routing="hash", balance_loss=0.0)
+    rebuilt = make_model(seed=9, routing="hash")
     rebuilt.load_state_dict(model.state_dict())  # the fixed projection and keys travel with the weights
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(ids()).logits, model(ids()).logits)
@@ -156,7 +153,7 @@ def test_conv_address_learns_and_leaves_the_value_unchanged() -> None:
 
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="balance_loss"):
-        PMNetConfig(routing="hash")  # the default balance loss 0.3 has nothing to balance
+        PMNetConfig(routing="hash", balance_loss=0.1)
     with pytest.raises(ValueError, match="balance_loss"):
         PMNetConfig(balance_loss=-1.0)
     with pytest.raises(ValueError, match="short_conv >= 2"):

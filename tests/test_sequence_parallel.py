@@ -30,11 +30,9 @@ MODELS = {
                        vort=VortConfig(n_features=8, chunk_size=16)),
     "pmnet": ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, max_seq_len=256,
                          pmnet=PMNetConfig(window=8, memory_dim=8, depth=2, segment_len=16)),
-    # and the memory without the routing options (the defaults are the shipped routing)
     "pmnet-segment": ModelConfig(kind="pmnet", d_model=32, n_layers=2, n_heads=2, max_seq_len=256,
                                  pmnet=PMNetConfig(window=8, memory_dim=8, depth=2, segment_len=16,
-                                                   collision_scope="segment", write_address="current",
-                                                   balance_loss=0.0, decay_routing=True)),
+                                                   collision_scope="segment")),
 }
 # a short convolution of 4 tokens: a halo of 3 inputs from the previous rank in every block
 MODELS["vort-conv"] = dataclasses.replace(MODELS["vort"], short_conv=4)
@@ -48,13 +46,12 @@ MODELS["pmnet-conv-horizon"] = dataclasses.replace(
 MODELS["pmnet-routing"] = dataclasses.replace(
     MODELS["pmnet-conv"],
     pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", balance_loss=0.3,
-                              decay_routing=False))
+                              decay_routing=False, memory_horizon=16))  # restarts inside and on the border
 # the write address from the short-convolved input: the convolution's halo reaches the address too
 MODELS["pmnet-address"] = dataclasses.replace(
     MODELS["pmnet-conv"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="conv", balance_loss=0.3))
 MODELS["pmnet-hash"] = dataclasses.replace(
-    MODELS["pmnet"],
-    pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", routing="hash", balance_loss=0.0))
+    MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", routing="hash"))
 # VORT's options for long contexts (docs/vort.md): learned per-head temperatures and the gated read
 MODELS["vort-long"] = dataclasses.replace(
     MODELS["vort"], vort=dataclasses.replace(MODELS["vort"].vort, learn_temperature=True, readout="norm_gate")
