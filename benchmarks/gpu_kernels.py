@@ -9,8 +9,8 @@
    rounded inputs (benchmarks/gpu_checks.py).
 2. Per Triton kernel, device milliseconds of one layer's scan (forward + backward, batch 1,
    --kernel-T tokens) of each --train config with fp32 and with bf16 inputs (torch profiler), beside
-   the roofline's modelled milliseconds per layer for today's kernels and the chunk form
-   (benchmarks/roofline.py).
+   the roofline's modelled milliseconds per layer for the replaced span kernels and the chunk kernels
+   as built (benchmarks/roofline.py).
 3. Forward and forward+backward in bf16 for every --T next to torch's causal SDPA and, when
    installed, flash-linear-attention's chunk_simple_gla.
 4. Per --train config, at --train-T tokens in bf16: timed training steps (tokens/s, MFU against
@@ -233,10 +233,10 @@ def kernel_rows(config: str, seq_len: int) -> list[dict]:
     fp32, bf16 = (scan_kernel_times(cfg, seq_len, dt) for dt in (torch.float32, torch.bfloat16))
     rows = [{"config": config, "kernel": k, "fp32_ms": fp32.get(k, math.nan), "bf16_ms": bf16.get(k, math.nan)}
             for k in sorted(fp32.keys() | bf16.keys())]
-    model = {d: roofline.step_model(config, cfg, d, seq_len) for d in ("today", "chunk")}
+    model = {d: roofline.step_model(config, cfg, d, seq_len) for d in (roofline.SPAN, roofline.BUILT)}
     per_layer = {d: m["scan_ms"] / m["scan_layers"] for d, m in model.items()}
     rows.append({"config": config, "kernel": "total", "fp32_ms": sum(fp32.values()), "bf16_ms": sum(bf16.values()),
-                 "roofline_today_ms": per_layer["today"], "roofline_chunk_ms": per_layer["chunk"]})
+                 "roofline_span_ms": per_layer[roofline.SPAN], "roofline_built_ms": per_layer[roofline.BUILT]})
     return rows
 
 
@@ -262,8 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nper kernel, one layer's scan forward+backward, batch 1, {args.kernel_T} tokens (ms; roofline per layer)")
     report["kernels"] = [r for c in args.train for r in kernel_rows(c, args.kernel_T)]
     for r in report["kernels"]:
-        model = (f"  roofline today {r['roofline_today_ms']:.2f}  chunk {r['roofline_chunk_ms']:.2f}"
-                 if "roofline_today_ms" in r else "")
+        model = (f"  roofline span {r['roofline_span_ms']:.2f}  built {r['roofline_built_ms']:.2f}"
+                 if "roofline_span_ms" in r else "")
         times = f"fp32 {r['fp32_ms']:9.3f}  bf16 {r['bf16_ms']:9.3f}"
         print(f"{r['config']:>12} {r['kernel']:32} {times}{model}", flush=True)
     print(f"\n{'T':>7} " + " ".join(f"{c + '_ms':>16}" for c in COLUMNS))

@@ -1,67 +1,83 @@
-"""Roofline model of the scans, today's kernels beside the chunk form, and their share of a training step.
+"""Roofline model of the scans: the replaced span kernels, the chunk kernels as built and a not-built
+chunk-span16 design, and their share of a training step.
 
     python -m benchmarks.roofline [--config vort-125m,pmnet-119m] [--json roofline.json]
 
 A model, not a measurement. Per config it counts, per token and layer, the FLOPs and the global-memory
-bytes of each scan kernel in two designs, converts them to H100 SXM time (time = max(FLOPs / rate,
-bytes / 3.35 TB/s) per kernel), and puts the scans of every layer beside the rest of a training step
-at 65,536 tokens per rank:
+bytes of each scan kernel, converts them to H100 SXM time (time = max(FLOPs / rate, bytes / 3.35 TB/s)
+per kernel), and puts the scans of every layer beside the rest of a training step at 65,536 tokens
+per rank:
 
-- "today": the kernels the models launch now. The models hand the scans fp32 under bf16 precision
-  (kernels.work_dtype), so every tl.dot is an fp32 IEEE product on CUDA cores (67 TFLOP/s). SOE: one
-  program per (head, term, value block) reads q, k, v once per term (S-fold), and adds its outputs
-  and gradients atomically (read + write, 8 bytes per fp32 element); the blocks are the sm_90 launch
-  table's (TODAY_SOE_BLOCKS). Phasor: kernels.phasor.triton.phasor_launches for fp32 increments.
-- "chunk": chunks of 64 tokens with the S terms folded into the contraction ([c, S*F] @ [S*F, D+1],
-  b riding as column D+1), bf16 operands on tensor cores (989 TFLOP/s), fp32 accumulation. q, k, v and
-  the coefficients are read once per chunk by each kernel that needs them; each chunk's fp32 state is
-  written once and read once in the forward (chunk-state kernel with the sequential pass, output
-  kernel), and the backward writes each chunk's state gradient once and reads it and the saved state
-  once. Outputs and gradients are plain fp32 stores. The phasor kernels keep their products, run as
-  three bf16 tensor-core passes (an exact bf16x3 split of the fp32 operand: the other operand is a
-  0/1 matrix).
-- "chunk-span16": the chunk form with each program keeping a [S*F, 16] block of the state on chip
-  across 16 chunks, so an fp32 state crosses memory once per 1,024 tokens; each of the ceil((D+1)/16)
-  value-block programs reads q, k and the coefficients.
+- "span (before 2026-12-03)": the span kernels the chunk kernels replaced (they no longer exist; this
+  column is kept as the before). The models handed them fp32, so every tl.dot was an fp32 IEEE product
+  on CUDA cores (67 TFLOP/s). SOE: one program per (head, term, value block) read q, k, v once per term
+  (S-fold) and added outputs and gradients atomically (read + write, 8 bytes per fp32 element), with
+  the sm_90 blocks of SPAN_SOE_BLOCKS. Phasor: phasor_launches for fp32 increments with fp32 IEEE dots.
+- "chunk (built)": the launches a bf16 training step makes, captured from the model itself on the meta
+  device (benchmarks/launch_capture.py: the grids, blocks and tensors the model's code passes) and named
+  by soe_launches / phasor_launches. Per launch, ACCESS says how the kernel touches each pointer
+  argument and the FLOPs come from the tl.dot shapes of its body, so a launch the model makes that
+  this model does not know is an error, not a silent gap. What that counts: every value-block program
+  re-reads q, k and the coefficients; the backward recomputes the entering states (fwd_states and
+  fwd_pass run twice); the gradient kernels store fp32 partials per value block that torch sums and
+  casts afterwards (the "torch_sums" row, with the forward's output casts). SOE dots run on bf16
+  operands (989 TFLOP/s); the phasor's one-hot products run as three tf32 dots of an exact split of
+  the fp32 operand (_select_dot) at tf32's 494 TFLOP/s.
+- "chunk-span16" (not built): the built launches with every SOE value block 16 columns wide (so 4
+  value-block programs per chunk at 64 columns, each re-reading q, k, coefficients and writing its
+  partials, as built) and each program keeping its [S*F, 16] state block on chip across 16 chunks, so
+  the states and the sequence passes move 1/16 of the built bytes. Phasor kernels as built.
+- "chunk-span16-bd64" (not built): chunk-span16 with one program per chunk and head covering all 64
+  value columns (value block 64 in every kernel, the backward's included), so q, k and the
+  coefficients are read once per kernel and there is one set of partials per kernel.
 
 The rest of the step is its parameter matmuls, 6 FLOPs per matmul parameter per token, at
 MATMUL_EFFICIENCY of the bf16 peak; attention, norms and other elementwise work are not modelled (so
 the scans' share is an upper bound on that count and the step a lower bound). MFU is the model's own
 `flops_per_token` (the trainer's numerator) over the modelled step time at the bf16 peak. Not counted
-in the kernels: elementwise work, caches, launch overheads.
+in the kernels: elementwise work, caches (a program re-loading what it loaded stays one load), launch
+overheads, the sequence-parallel entering-state read (a one-piece step makes none).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import torch
 
+from benchmarks.launch_capture import capture_step, meta_model
+from kernels._common import Launch
 from kernels.span import span_chunks
-from model import build_model, family
+from model import family
 from model.config import ModelConfig, load_model_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
 SEQ_LEN = 65_536  # tokens per rank
-PEAK = {"bf16": 989e12, "fp32": 67e12}  # H100 SXM: dense bf16 tensor cores, fp32 CUDA cores
+CAPABILITY = 90  # the launches of an H100
+# H100 SXM, dense: bf16 and tf32 tensor cores, fp32 CUDA cores
+PEAK = {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}
 PEAK_BYTES = 3.35e12  # H100 SXM HBM3
 MATMUL_EFFICIENCY = 0.6  # of the bf16 peak, for the parameter matmuls of the rest of the step
-CHUNK = 64
-TODAY_SOE_BLOCKS = {"fwd": (32, 64), "bwd": (16, 64)}  # (tokens, value columns) per program, sm_90 table
+SPAN_SOE_BLOCKS = {"fwd": (32, 64), "bwd": (16, 64)}  # (tokens, value columns) per program, sm_90 table
 GOAL_SHARE, GOAL_MFU = 0.30, 0.40
+SPAN, BUILT, SPAN16, SPAN16_BD64 = "span (before 2026-12-03)", "chunk (built)", "chunk-span16", "chunk-span16-bd64"
 
 Costs = dict[str, tuple[float, float]]  # kernel: (FLOPs, bytes) per token and layer
 
 
-def soe_today(sizes: tuple[int, ...], seq_len: int) -> Costs:
-    """Today's SOE kernels: per (head, term, value block) program, times their count; a state tile
-    read or written once per span counts 1/span of its bytes per token; inputs are fp32 (4 bytes)."""
+def soe_span_before(sizes: tuple[int, ...], seq_len: int) -> Costs:
+    """The replaced span kernels (before 2026-12-03): per (head, term, value block) program, times their
+    count; a state tile read or written once per span counts 1/span of its bytes per token; inputs are
+    fp32 (4 bytes)."""
     heads, terms, F, D, _chunk = sizes
-    (bt_f, bd), (bt_b, _) = TODAY_SOE_BLOCKS["fwd"], TODAY_SOE_BLOCKS["bwd"]
+    (bt_f, bd), (bt_b, _) = SPAN_SOE_BLOCKS["fwd"], SPAN_SOE_BLOCKS["bwd"]
     blocks = -(-D // bd)
     span = bt_f * span_chunks(seq_len, bt_f, heads * terms * blocks)
     state = heads * terms * F * (D + 1) * 4  # one span slot of packed fp32 states
@@ -80,30 +96,10 @@ def soe_today(sizes: tuple[int, ...], seq_len: int) -> Costs:
     return out | {"soe_fwd_pass": (0.0, 2 * state / span), "soe_bwd_pass": (0.0, 2 * state / span)}
 
 
-def soe_chunk(sizes: tuple[int, ...], chunk: int = CHUNK, state_every: int = 1, value_block: int = 0) -> Costs:
-    """The chunk form, per head and token times the heads (see the module docstring). ``state_every``
-    > 1 keeps the state on chip across that many chunks (one fp32 state to memory per span of them);
-    ``value_block`` > 0 splits the value columns over programs, each reading q, k and the coefficients."""
-    heads, terms, F, D, _chunk = sizes
-    fold = terms * F * (D + 1)  # the folded state [S*F, D+1] of one head
-    state = 4 * fold / (chunk * state_every)  # one fp32 state per chunk (or span of chunks), per token
-    reads = -(-(D + 1) // value_block) if value_block else 1  # programs along the value columns
-    qkc = 2 * (2 * F + terms) * reads + 2 * D  # bf16 q, k, coefficients per program; v once
-    intra = 2 * chunk * (F + D + 1)  # QK^T and A @ [V, 1] over the chunk
-    per_head = {
-        "chunk_fwd_states": (2 * fold, qkc - 2 * F * reads + state),  # K~^T V per chunk; write its state
-        "chunk_fwd_output": (2 * fold + intra, qkc + state + 4 * (D + 1)),  # Q~ H + intra; write o, z
-        "chunk_bwd_states": (2 * fold, 2 * (F + terms) * reads + 2 * (D + 1) + state),  # Q~^T dO; write dH
-        # dQ, dK, dV, dcoef: inter from H and dH, intra from dA; read both states, write fp32 gradients
-        "chunk_bwd_grads": (6 * fold + 2 * intra + 2 * terms * F, qkc + 2 * (D + 1) + 2 * state
-                            + 4 * (2 * F + D + terms)),
-    }
-    return {k: (heads * f, heads * b) for k, (f, b) in per_head.items()}
-
-
-def phasor_today(sizes: tuple[int, ...], seq_len: int) -> Costs:
-    """The phasor kernels of phasor_launches for fp32 increments: one-hot products over the padded slot
-    block; the phases of all slots read or written once per span count 1/span of their bytes."""
+def phasor_span_before(sizes: tuple[int, ...], seq_len: int) -> Costs:
+    """The phasor kernels of phasor_launches for fp32 increments with fp32 IEEE dots (before
+    2026-12-03): one-hot products over the padded slot block; the phases of all slots read or written
+    once per span count 1/span of their bytes."""
     from kernels.phasor.triton import phasor_launches
 
     levels, width, n_slots = sizes
@@ -124,26 +120,231 @@ def phasor_today(sizes: tuple[int, ...], seq_len: int) -> Costs:
     return out
 
 
-DESIGNS = {"today": {}, "chunk": {}, "chunk-span16": {"state_every": 16, "value_block": 16}}
-"""The designs modelled: today's kernels; the chunk form with an fp32 state per chunk of 64; the chunk
-form keeping [S*F, 16] state blocks on chip across 16 chunks (one state per 1,024 tokens to memory)."""
+# --- the built kernels, from the launches a training step makes ---------------------------------------
+
+# How a kernel touches each pointer argument, per launch name of soe_launches / phasor_launches (the
+# kernel bodies in kernels/soe/gpu/ and kernels/phasor/triton.py say which they load and store):
+ALL = "all"  # loaded whole by every value-block (column-block) program: bytes x grid[1]
+ONCE = "once"  # each element loaded or stored once over the programs (value-block slices)
+STATE = "state"  # state slots, one per chunk (per span of chunks under state_every), read or written once
+PASS = "pass"  # the sequence pass: every state slot read and written once
+DOCS = "docs"  # each program loads the document numbers of its own chunk
+DECAYS = "decays"  # each program loads its head's S decays
+PARTIAL = "partial"  # fp32 partials: this launch's share of the buffer, then summed by torch
+OUTPUT = "output"  # an fp32 output, cast by torch to the operands' dtype when that is narrower
+UNUSED = "unused"  # passed but not loaded in this launch
+
+_SOE_BWD_IN = {"log_lam": DECAYS, "docs": DOCS}
+ACCESS: dict[str, dict[str, dict[str, str]]] = {
+    "soe": {
+        "fwd_states": {"x": ALL, "y": ONCE, "coef": ALL, "y_norm": UNUSED, "log_lam": DECAYS, "docs": DOCS,
+                       "states": STATE},
+        "fwd_pass": {"states": PASS, "log_lam": ONCE, "carry": ONCE},
+        "fwd": {"q": ALL, "k": ALL, "v": ONCE, "coef": ALL, "log_lam": DECAYS, "docs": DOCS, "states": STATE,
+                "out": OUTPUT, "z": OUTPUT},
+        "bwd_states": {"x": ALL, "y": ONCE, "coef": UNUSED, "y_norm": ALL, "log_lam": DECAYS, "docs": DOCS,
+                       "states": STATE},
+        "bwd_pass": {"states": PASS, "log_lam": ONCE, "carry": ONCE},
+        "bwd_reads": {"q": ALL, "states": STATE, "d_out": ONCE, "d_z": ONCE, "dq": PARTIAL, "dll": PARTIAL}
+        | _SOE_BWD_IN,
+        "bwd_writes": {"k": ALL, "v": ONCE, "coef": ALL, "d_states": STATE, "dk": PARTIAL, "dv": PARTIAL,
+                       "dcoef": PARTIAL, "dll": PARTIAL} | _SOE_BWD_IN,
+        "bwd_intra": {"q": ALL, "k": ALL, "v": ONCE, "coef": ALL, "d_out": ONCE, "d_z": ONCE, "dq": PARTIAL,
+                      "dk": PARTIAL, "dv": PARTIAL, "dcoef": PARTIAL, "dll": PARTIAL} | _SOE_BWD_IN,
+    },
+    "phasor": {
+        "fwd_spans": {"values": ONCE, "slots": ALL, "docs": ALL, "states": STATE},
+        "fwd_pass": {"states": PASS, "log_lam": UNUSED, "carry": ONCE},
+        "fwd": {"delta": ONCE, "slots": ALL, "docs": ALL, "states": STATE, "read": OUTPUT},
+        "bwd_spans": {"values": ONCE, "slots": ALL, "docs": ALL, "states": STATE},
+        "bwd_pass": {"states": PASS, "log_lam": UNUSED, "carry": ONCE},
+        "bwd": {"d_read": ONCE, "slots": ALL, "docs": ALL, "d_states": STATE, "d_delta": OUTPUT},
+    },
+}  # fmt: skip
 
 
-def kernel_costs(cfg: ModelConfig, design: str, seq_len: int = SEQ_LEN) -> tuple[Costs, str]:
-    """(costs per kernel, the rate they run at: a key of PEAK) of one layer's scan in ``design``."""
+def _soe_flops(name: str, c: dict, n_terms: int) -> int:
+    """tl.dot FLOPs of one SOE chunk program (the padded tiles the tensor cores run), from the kernel
+    bodies: per term a [BT, BF] x [BF, BD] product (two in bwd_writes); the output and intra kernels
+    add the chunk's [BT, BT] products."""
+    bt, bf, bd = c["BT"], c["BF"], c["BD"]
+    per_term = {"fwd_states": 1, "bwd_states": 1, "fwd": 1, "bwd_reads": 1, "bwd_writes": 2, "bwd_intra": 0}
+    intra = {"fwd": 2 * bt * bt * (bf + bd), "bwd_intra": 2 * bt * bt * (2 * bd + 3 * bf)}
+    return per_term.get(name, 0) * n_terms * 2 * bt * bf * bd + intra.get(name, 0)
+
+
+def _phasor_flops(name: str, c: dict, levels: int) -> int:
+    """tl.dot FLOPs of one phasor chunk and all its levels: each one-hot product is three tf32 dots
+    (_select_dot); the span sums do onehot^T @ rows, the reads and the backward also same-slot @ rows,
+    onehot @ state and the state update."""
+    bt, bm, bn = c["BT"], c["BM"], c["BN"]
+    per_level = {"fwd_spans": 2 * bn * bt * bm, "bwd_spans": 2 * bn * bt * bm,
+                 "fwd": 2 * bt * bt * bm + 4 * bt * bn * bm, "bwd": 2 * bt * bt * bm + 4 * bt * bn * bm}
+    return 3 * levels * per_level.get(name, 0)
+
+
+def launch_names(scan: str, captured: Sequence[tuple[Launch, tuple]]) -> list[str]:
+    """The soe_launches / phasor_launches name of each captured launch, rebuilt from its arguments'
+    sizes (a sequence pass from those of the chunk launch before it); ValueError for a launch that the
+    launch functions do not make: a kernel this model does not know."""
+    from kernels.phasor.triton import phasor_launches
+    from kernels.soe.gpu.launches import soe_launches
+
+    names, made = [], {}
+    for launch, args in captured:
+        named = dict(zip(launch.argument_names(), args))
+        if scan == "soe" and "S" in named:
+            x = next(named[n] for n in ("q", "x", "k") if n in named)
+            b, t, h, f = x.shape
+            made = soe_launches(b, t, h, named["S"], f, named["DV"], launch.constexprs["BT"], x.dtype, CAPABILITY)[1]
+        elif scan == "phasor" and "L" in named:
+            values = args[0]  # the increments or their read gradients, [B, T, levels, width]
+            b, t, levels, width = values.shape
+            made = phasor_launches(b, t, levels, width, named["NS"], values.dtype, CAPABILITY)[1]
+        found = [n for n, m in made.items() if m == launch]
+        if not found:
+            raise ValueError(f"{scan}: the step launches {launch.kernel.__name__} with {launch.constexprs}, which "
+                             "the launch functions do not make at its sizes")
+        names.append(found[0])
+    return names
+
+
+def pointer_bytes(mode: str, t: torch.Tensor, launch: Launch, sharers: Counter, state_every: int) -> float:
+    """Global-memory bytes a launch moves through the pointer argument ``t`` touched as ``mode`` (one
+    of ACCESS's modes)."""
+    nbytes = t.numel() * t.element_size()
+    if mode in (ONCE, OUTPUT):
+        return nbytes
+    if mode in (STATE, PASS):
+        return nbytes * (2 if mode == PASS else 1) / state_every
+    if mode == ALL:
+        return nbytes * launch.grid[1]
+    if mode == DOCS:
+        return launch.programs * launch.constexprs["BT"] * t.element_size()
+    if mode == DECAYS:
+        return launch.programs * t.shape[-1] * t.element_size()
+    if mode == PARTIAL:
+        return nbytes / sharers[id(t)]
+    return 0.0  # UNUSED
+
+
+def launch_cost(
+    scan: str, name: str, launch: Launch, args: tuple, sharers: Counter, state_every: int = 1
+) -> tuple[float, float, str]:
+    """(tl.dot FLOPs, global-memory bytes, rate) of one captured launch: bytes from its arguments' sizes
+    and ACCESS (ValueError where ACCESS does not name exactly the launch's pointers); ``sharers`` counts
+    the launches writing each partial buffer, ``state_every`` divides the state traffic."""
+    access = ACCESS[scan].get(name)
+    if access is None or access.keys() != launch.pointers.keys():
+        known = "nothing" if access is None else sorted(access)
+        raise ValueError(f"{scan} {name}: ACCESS names {known}, the launch takes {sorted(launch.pointers)}")
+    named, c = dict(zip(launch.argument_names(), args)), launch.constexprs
+    traffic = sum(pointer_bytes(mode, named[p], launch, sharers, state_every) for p, mode in access.items())
+    if scan == "phasor":  # programs x the chunks of a span (spans are whole chunks): every chunk once
+        if "L" not in named:  # a sequence pass: no products
+            return 0, traffic, "tf32"
+        chunks = launch.grid[0] * launch.grid[1] * -(-named["seq_len"] // c["BT"])
+        return chunks * _phasor_flops(name, c, named["L"]), traffic, "tf32"
+    flops = launch.programs * _soe_flops(name, c, named["S"]) if "S" in named else 0
+    return flops, traffic, "fp32" if c.get("PRECISION") == "ieee" else "bf16"
+
+
+def torch_sums(scan: str, captured: Sequence[tuple[Launch, tuple]], names: Sequence[str]) -> tuple[int, float]:
+    """(tensors, bytes) of the torch work on the kernels' outputs: each partial buffer summed over its
+    first axis (function.py: ``dq.sum(0)`` ...), then the sums and the fp32 outputs cast to the
+    operands' dtype where that is narrower than fp32."""
+    operand = min(a.element_size() for _, args in captured for a in args
+                  if isinstance(a, torch.Tensor) and a.is_floating_point())  # fmt: skip
+    seen, traffic = set(), 0.0
+    for (launch, args), name in zip(captured, names):
+        for pointer, t in zip(launch.argument_names(), args):
+            mode = ACCESS[scan][name].get(pointer)
+            if mode not in (PARTIAL, OUTPUT) or id(t) in seen:
+                continue
+            seen.add(id(t))
+            out = t.numel() * t.element_size()
+            if mode == PARTIAL:
+                traffic += out + out / t.shape[0]  # read the partials, write their sum
+                out /= t.shape[0]
+            if operand < 4:
+                traffic += out + out * operand / 4
+    return len(seen), traffic
+
+
+DESIGNS = {
+    SPAN: {},
+    BUILT: {},
+    SPAN16: {"state_every": 16, "value_block": 16},
+    SPAN16_BD64: {"state_every": 16, "value_block": 64},
+}
+"""The designs modelled, with the settings applied to the built launches (none for the span kernels)."""
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The config's bf16 Triton-backend model on the meta device, built once per config."""
+    key = repr(cfg)
+    if key not in _MODELS:
+        _MODELS[key] = meta_model(cfg)
+    return _MODELS[key]
+
+
+def _value_blocks(value_block: int | None) -> mock._patch | contextlib.nullcontext:
+    """A patch of the SOE launch table giving every kernel ``value_block`` columns (None: as built)."""
+    from kernels.soe.gpu import launches
+
+    if value_block is None:
+        return contextlib.nullcontext()
+    table = {cap: {kind: (value_block, *rest) for kind, (_bd, *rest) in kinds.items()}
+             for cap, kinds in launches._TABLE.items()}  # fmt: skip
+    return mock.patch.object(launches, "_TABLE", table)
+
+
+def built_rows(
+    cfg: ModelConfig, scan: str, seq_len: int = SEQ_LEN, state_every: int = 1, value_block: int | None = None
+) -> tuple[list[dict], int]:
+    """(rows, scan layers) of the launches one training step of ``cfg`` makes at batch 1 x ``seq_len``
+    on an H100, per kernel name: runs per layer, FLOPs and bytes per token and layer over those runs,
+    the rate its dots run at; then the torch sums and casts of the partials and outputs."""
+    model = _meta_model(cfg)
+    with _value_blocks(value_block):
+        captured = capture_step(model, 1, seq_len, CAPABILITY)
+        names = launch_names(scan, captured)
+    layers = names.count("fwd")
+    sharers = Counter(
+        id(a) for (launch, args), name in zip(captured, names)
+        for p, a in zip(launch.argument_names(), args) if ACCESS[scan][name].get(p) == PARTIAL
+    )  # fmt: skip
+    rows: dict[str, dict] = {}
+    for (launch, args), name in zip(captured, names):
+        flops, traffic, rate = launch_cost(scan, name, launch, args, sharers, state_every)
+        row = rows.setdefault(name, {"kernel": f"{scan}_{name}", "runs": 0, "flops": 0.0, "bytes": 0.0, "rate": rate})
+        row["runs"], row["flops"], row["bytes"] = row["runs"] + 1, row["flops"] + flops, row["bytes"] + traffic
+    sums, traffic = torch_sums(scan, captured, names)
+    if traffic:  # (fp32 partials and outputs of fp32 operands need no cast)
+        rows["torch_sums"] = {"kernel": f"{scan}_torch_sums", "runs": sums, "flops": 0.0, "bytes": traffic,
+                              "rate": "fp32"}
+    tokens = seq_len * layers
+    return [r | {"runs": r["runs"] / layers, "flops": r["flops"] / tokens, "bytes": r["bytes"] / tokens}
+            for r in rows.values()], layers  # fmt: skip
+
+
+def kernel_rows(cfg: ModelConfig, design: str, seq_len: int = SEQ_LEN) -> tuple[list[dict], int]:
+    """(per-kernel rows, scan layers) of one training step's scans in ``design``: each row's runs per
+    layer, FLOPs and bytes per token and layer, and the rate (a key of PEAK) its products run at."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {sorted(DESIGNS)}, got {design!r}")
     scan = family(cfg.kind).scan_shape(cfg)
     if scan is None:
         raise ValueError(f"model.kind={cfg.kind!r} with these settings has no scan to model")
-    if scan.kernel == "soe":
-        if design == "today":
-            return soe_today(scan.sizes, seq_len), "fp32"
-        return soe_chunk(scan.sizes, **DESIGNS[design]), "bf16"
-    costs = phasor_today(scan.sizes, seq_len)
-    if design == "today":
-        return costs, "fp32"
-    return {k.replace("phasor_", "phasor_tc_"): (3 * f, b) for k, (f, b) in costs.items()}, "bf16"
+    if design != SPAN:
+        return built_rows(cfg, scan.kernel, seq_len, **DESIGNS[design])
+    model = _meta_model(cfg)
+    layers = len(model.memories()) if hasattr(model, "memories") else cfg.n_layers
+    before = soe_span_before if scan.kernel == "soe" else phasor_span_before
+    costs = before(scan.sizes, seq_len)
+    return [{"kernel": k, "runs": 1, "flops": f, "bytes": b, "rate": "fp32"} for k, (f, b) in costs.items()], layers
 
 
 def _seconds(flops: float, traffic: float, rate: str) -> float:
@@ -153,33 +354,34 @@ def _seconds(flops: float, traffic: float, rate: str) -> float:
 def step_model(name: str, cfg: ModelConfig, design: str, seq_len: int = SEQ_LEN) -> dict:
     """The modelled training step of ``cfg`` at ``seq_len`` tokens per rank with the scans in ``design``:
     per-kernel rows and the scans' share and MFU."""
-    model = build_model(cfg)
-    layers = len(model.memories()) if hasattr(model, "memories") else cfg.n_layers
-    costs, rate = kernel_costs(cfg, design, seq_len)
+    rows, layers = kernel_rows(cfg, design, seq_len)
+    model = _meta_model(cfg)
     kernels = []
-    for kernel, (flops, traffic) in costs.items():
-        seconds = _seconds(flops, traffic, rate) * seq_len * layers
-        compute_bound = flops / PEAK[rate] >= traffic / PEAK_BYTES
-        kernels.append({"kernel": kernel, "flops_per_token_layer": flops, "bytes_per_token_layer": traffic,
-                        "bound": "compute" if compute_bound else "memory", "step_ms": seconds * 1e3})
+    for r in rows:
+        seconds = _seconds(r["flops"], r["bytes"], r["rate"]) * seq_len * layers
+        compute_bound = r["flops"] / PEAK[r["rate"]] >= r["bytes"] / PEAK_BYTES
+        kernels.append({"kernel": r["kernel"], "runs": r["runs"], "rate": r["rate"],
+                        "flops_per_token_layer": r["flops"], "bytes_per_token_layer": r["bytes"],
+                        "bound": "compute" if compute_bound else "memory", "step_ms": seconds * 1e3})  # fmt: skip
     scan_ms = sum(k["step_ms"] for k in kernels)
     other_ms = 6 * model.matmul_params() * seq_len / (PEAK["bf16"] * MATMUL_EFFICIENCY) * 1e3
     step_ms = scan_ms + other_ms
     mfu = model.flops_per_token(seq_len) * seq_len / (step_ms * 1e-3 * PEAK["bf16"])
-    return {"config": name, "design": design, "rate": rate, "scan_layers": layers, "kernels": kernels,
-            "scan_flops_per_token": sum(f for f, _ in costs.values()) * layers,
-            "scan_bytes_per_token": sum(b for _, b in costs.values()) * layers,
+    return {"config": name, "design": design, "scan_layers": layers, "kernels": kernels,
+            "scan_flops_per_token": sum(r["flops"] for r in rows) * layers,
+            "scan_bytes_per_token": sum(r["bytes"] for r in rows) * layers,
             "scan_ms": scan_ms, "other_ms": other_ms, "step_ms": step_ms, "scan_share": scan_ms / step_ms, "mfu": mfu}
 
 
 def format_report(steps: Sequence[dict]) -> str:
     """The per-kernel table, then one summary line per config and design."""
-    lines = ["| config | design | kernel | MFLOP/token/layer | kB/token/layer | bound | ms/step (all layers) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| config | design | kernel | runs/layer | rate | MFLOP/token/layer | kB/token/layer | bound "
+             "| ms/step (all layers) |", "|---|---|---|---|---|---|---|---|---|"]
     for s in steps:
         for k in s["kernels"]:
-            lines.append(f"| {s['config']} | {s['design']} | {k['kernel']} | {k['flops_per_token_layer'] / 1e6:.2f} | "
-                         f"{k['bytes_per_token_layer'] / 1e3:.1f} | {k['bound']} | {k['step_ms']:.1f} |")
+            lines.append(f"| {s['config']} | {s['design']} | {k['kernel']} | {k['runs']:g} | {k['rate']} | "
+                         f"{k['flops_per_token_layer'] / 1e6:.2f} | {k['bytes_per_token_layer'] / 1e3:.1f} | "
+                         f"{k['bound']} | {k['step_ms']:.1f} |")
     lines += ["", f"step at {SEQ_LEN:,} tokens per rank on an H100 (other work: parameter matmuls at "
               f"{MATMUL_EFFICIENCY:.0%} of the bf16 peak); goal: scans < {GOAL_SHARE:.0%}, MFU > {GOAL_MFU:.0%}",
               "| config | design | scan layers | scan MFLOP/token | scan kB/token | scans ms | other ms | scan share "

@@ -101,48 +101,93 @@ def test_pmnet_scan_share_reports_the_scan_inside_a_block(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
-def test_roofline_models_today_and_the_chunk_form(capsys, tmp_path):
+def test_roofline_models_the_span_kernels_and_the_chunk_form(capsys, tmp_path):
     from benchmarks import roofline
     from benchmarks.kernel_compile import shipped_configs
 
     configs = shipped_configs()
     steps = {(c, d): roofline.step_model(c, configs[c], d) for c in ("vort-125m", "pl-125m") for d in roofline.DESIGNS}
-    # same heads and blocks, 18 vs 16 SOE terms: today's per-term programs and the chunk form's folded
-    # [S*F, D+1] state both make the products scale with S
+    # same heads and blocks, 18 vs 16 SOE terms: the span kernels' per-term programs and the chunk
+    # kernels' per-term products both make the products scale with S
     for design, kernels in (
-        ("today", ("soe_fwd_spans", "soe_fwd", "soe_bwd_reverse_order")),
-        ("chunk", ("chunk_fwd_states", "chunk_bwd_states")),
+        (roofline.SPAN, ("soe_fwd_spans", "soe_fwd", "soe_bwd_reverse_order")),
+        (roofline.BUILT, ("soe_fwd_states", "soe_bwd_states", "soe_bwd_reads", "soe_bwd_writes")),
     ):
         vort = {k["kernel"]: k for k in steps[("vort-125m", design)]["kernels"]}
         pl = {k["kernel"]: k for k in steps[("pl-125m", design)]["kernels"]}
         for kernel in kernels:
             assert vort[kernel]["flops_per_token_layer"] / pl[kernel]["flops_per_token_layer"] == pytest.approx(18 / 16)
-    # the chunk form reads k, v, coef once per chunk and writes one fp32 [S*F, D+1] state per 64 tokens
-    heads, terms, feat, width, _ = (12, 18, 64, 64, 64)
-    (chunk_states,) = [k for k in steps[("vort-125m", "chunk")]["kernels"] if k["kernel"] == "chunk_fwd_states"]
-    expected = heads * (2 * (feat + width + terms) + 4 * terms * feat * (width + 1) / 64)
-    assert chunk_states["bytes_per_token_layer"] == pytest.approx(expected)
+    # the built chunk-state kernel (value block 64: one program per chunk and head) reads k, v and the
+    # bf16 coefficients once, 64 document numbers and S decays per program, and writes one fp32
+    # [S*F, D+1] state per 64 tokens; it runs twice (the backward recomputes the entering states)
+    heads, terms, feat, width, chunk = (12, 18, 64, 64, 64)
+    built = {k["kernel"]: k for k in steps[("vort-125m", roofline.BUILT)]["kernels"]}
+    per_run = heads * (2 * (feat + width + terms) + 4 + 4 * terms / chunk + 4 * terms * feat * (width + 1) / chunk)
+    assert built["soe_fwd_states"]["runs"] == 2 and built["soe_fwd"]["runs"] == 1
+    assert built["soe_fwd_states"]["bytes_per_token_layer"] == pytest.approx(2 * per_run, rel=1e-3)
+    # chunk-span16's 4 value-block programs each re-read q and k and write their own fp32 partials:
+    # more bytes than built in the intra kernel and the partial sums, 1/16 of the state traffic
+    span16 = {k["kernel"]: k for k in steps[("vort-125m", roofline.SPAN16)]["kernels"]}
+    for kernel in ("soe_bwd_intra", "soe_torch_sums"):
+        assert span16[kernel]["bytes_per_token_layer"] > built[kernel]["bytes_per_token_layer"]
+    assert span16["soe_fwd_pass"]["bytes_per_token_layer"] == pytest.approx(
+        built["soe_fwd_pass"]["bytes_per_token_layer"] / 16, rel=1e-4  # (the decays and carries are not states)
+    )
     for s in steps.values():
-        rate = roofline.PEAK[s["rate"]]
         for k in s["kernels"]:
+            rate = roofline.PEAK[k["rate"]]
             seconds = max(k["flops_per_token_layer"] / rate, k["bytes_per_token_layer"] / roofline.PEAK_BYTES)
             assert k["step_ms"] == pytest.approx(seconds * roofline.SEQ_LEN * s["scan_layers"] * 1e3)
         assert s["step_ms"] == pytest.approx(s["scan_ms"] + s["other_ms"])
         assert s["scan_share"] == pytest.approx(s["scan_ms"] / s["step_ms"]) and 0 < s["mfu"] < 1
-    assert steps[("vort-125m", "today")]["scan_share"] > steps[("vort-125m", "chunk")]["scan_share"]
+    assert steps[("vort-125m", roofline.SPAN)]["scan_share"] > steps[("vort-125m", roofline.BUILT)]["scan_share"]
     out = tmp_path / "roofline.json"
     assert roofline.main(["--config", "exp-tiny,pmnet-tiny", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text.count("| exp-tiny | chunk |") == 5 and text.count("| pmnet-tiny | today |") == 7
+    assert text.count(f"| pmnet-tiny | {roofline.SPAN} |") == 7 and "| tf32 |" in text
     assert [(r["config"], r["design"]) for r in json.loads(out.read_text())] == [
         (c, d) for c in ("exp-tiny", "pmnet-tiny") for d in roofline.DESIGNS
     ]
     with pytest.raises(ValueError, match="no scan"):
-        roofline.step_model("transformer-tiny", configs["transformer-tiny"], "chunk")
+        roofline.step_model("transformer-tiny", configs["transformer-tiny"], roofline.BUILT)
     with pytest.raises(ValueError, match="design must be one of"):
-        roofline.kernel_costs(configs["vort-tiny"], "fused")
+        roofline.kernel_rows(configs["vort-tiny"], "fused")
     with pytest.raises(SystemExit):
         roofline.main(["--config", "vort-9b"])
+
+
+@pytest.mark.parametrize("config", ["vort-125m", "pmnet-119m"])
+def test_roofline_built_design_counts_every_launch_the_step_makes(config):
+    """The built rows are the launches the launch functions make, one row per name, each pointer
+    argument given an access mode: a kernel added to or removed from soe_launches / phasor_launches, or
+    an argument added to one, fails here until the roofline accounts for it."""
+    import dataclasses
+    from collections import Counter
+
+    import torch
+
+    from benchmarks import roofline
+    from benchmarks.kernel_compile import shipped_configs
+    from kernels.phasor.triton import phasor_launches
+    from kernels.soe.gpu.launches import soe_launches
+
+    cfg = shipped_configs()[config]
+    scan = roofline.family(cfg.kind).scan_shape(cfg)
+    if scan.kernel == "soe":
+        heads, terms, feat, width, chunk = scan.sizes
+        made = soe_launches(1, 4096, heads, terms, feat, width, chunk, torch.bfloat16, roofline.CAPABILITY)[1]
+    else:
+        made = phasor_launches(1, 4096, *scan.sizes, torch.float32, roofline.CAPABILITY)[1]
+    assert list(roofline.ACCESS[scan.kernel]) == list(made)
+    for name, launch in made.items():
+        assert roofline.ACCESS[scan.kernel][name].keys() == launch.pointers.keys(), name
+    rows, layers = roofline.kernel_rows(cfg, roofline.BUILT, 4096)
+    kernels = [r["kernel"] for r in rows if not r["kernel"].endswith("_torch_sums")]
+    assert kernels == [f"{scan.kernel}_{n}" for n in made] and layers > 0
+    # an argument the accounting does not know is an error, not a silent zero
+    launch = made["fwd"]
+    with pytest.raises(ValueError, match="ACCESS names"):
+        roofline.launch_cost(scan.kernel, "fwd", dataclasses.replace(launch, pointers={"extra": "fp32"}), (), Counter())
 
 
 def test_doc_boundaries_benchmark_reports_both_rates(capsys):
