@@ -138,15 +138,19 @@ def decay_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
     return rows
 
 
-TWO_PI_F32 = 6.2831855  # 2*pi as the kernels' fp32 constants hold it
+TWO_PI_F32 = 6.2831854820251465  # 2*pi rounded to fp32, the first part of the kernels' subtraction
+TWO_PI_REST = -1.7484555314695172e-07  # 2*pi minus it, the second part
 INV_TWO_PI_F32 = 0.15915494
 CHUNK = 16  # tokens per chunk of the phasor kernels (kernels/phasor/triton.py's table)
 
 
 def _wrap(x: torch.Tensor) -> torch.Tensor:
-    """kernels.span.wrap_phase in fp32: the product and floor in fp32, the subtraction fused (an FMA)."""
-    k = torch.floor(x * INV_TWO_PI_F32)
-    y = (x.double() - TWO_PI_F32 * k.double()).float()
+    """kernels.span.wrap_phase in fp32: the product and floor in fp32, each part of 2*pi subtracted in
+    one fused multiply-add (exact product, one rounding)."""
+    k = torch.floor(x * INV_TWO_PI_F32).double()
+    y = (x.double() - TWO_PI_F32 * k).float()
+    y = (y.double() - TWO_PI_REST * k).float()
+    y = torch.where(y < 0, y + TWO_PI_F32, y)
     return torch.where(y >= TWO_PI_F32, y - TWO_PI_F32, y)
 
 

@@ -77,8 +77,12 @@ def chunk_documents(docs, row, start, seq_len, BT: tl.constexpr):
 
 @triton.jit
 def wrap_phase(x):
-    """x mod 2*pi in [0, 2*pi)."""
-    y = x - 6.283185307179586 * tl.floor(x * 0.15915494309189535)
+    """x mod 2*pi in [0, 2*pi). 2*pi is subtracted in two parts (Cody-Waite): k times its fp32 value,
+    then k times the rest (-1.748e-7), so a phase that wraps again and again does not drift by fp32's
+    rounding of 2*pi, which a single constant adds at every wrap."""
+    k = tl.floor(x * 0.15915494309189535)
+    y = (x - k * 6.2831854820251465) - k * -1.7484555314695172e-07
+    y = tl.where(y < 0.0, y + 6.283185307179586, y)
     return tl.where(y >= 6.283185307179586, y - 6.283185307179586, y)
 
 
