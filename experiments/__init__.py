@@ -4,13 +4,14 @@ pmnet_updates_off); what only measures speed, memory or precision lives in bench
 
 from __future__ import annotations
 
-from experiments import extrapolation, long_context, mqar, orders, phasor, retrieval
+from experiments import extrapolation, long_context, mqar, orders, phasor, recall_beyond, retrieval
 from experiments.runner import Experiment
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
     for e in (*retrieval.EXPERIMENTS, *phasor.EXPERIMENTS, *orders.EXPERIMENTS, *extrapolation.EXPERIMENTS,
-              *mqar.EXPERIMENTS, *long_context.EXPERIMENTS)
+              *mqar.EXPERIMENTS, *long_context.EXPERIMENTS,
+              *recall_beyond.EXPERIMENTS)
 }
 
 __all__ = ["EXPERIMENTS", "Experiment"]

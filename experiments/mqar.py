@@ -15,6 +15,7 @@ import numpy as np
 from matplotlib.ticker import NullFormatter
 
 from data_pipeline import synthetic
+from experiments.recall_routes import model_hit_rates
 from experiments.runner import Experiment, Family, Run, eval_task, figure, predictions, save_figure
 from model import CausalLM
 
@@ -53,7 +54,8 @@ def grid(settings: Settings, kinds: Kinds) -> tuple[Family, ...]:
 
 @dataclass
 class MQAR(Experiment):
-    """Accuracy over the queries of held-out examples, and the run's state size."""
+    """Accuracy over the queries of held-out examples, the run's state size, and for PMNet the
+    routing hit rates (experiments/recall_routes.py)."""
 
     settings: Settings = SETTINGS
     kinds: Kinds = KINDS
@@ -83,6 +85,7 @@ class MQAR(Experiment):
             "all_queries_right": scores["exact"],
             "chance": 1.0 / task.keys,
             "state_floats": float(model.cache_floats(run.config.data.seq_len)),
+            **model_hit_rates(model, examples),
         }
 
     def plot(self, results: dict[str, Any], path: Path) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from experiments.recall_routes import query_hits
 from model.blocks import RMSNorm, ShortConvolution, SwiGLU
 from model.config import PMNetConfig, load_model_config
 from model.pmnet import usage_entropy
@@ -138,21 +139,12 @@ def routing_report(memory: PhasorMemory, tokens: torch.Tensor, labels: torch.Ten
         out[f"level{level}/slots_used"] = float((used > 0).float().mean())
     path = memory.recorded[-1][0] if memory.recorded else None
     if path is not None and memory.write_address != "conv":  # a conv address's write leaves are not recorded
-        leaf = path[..., -1]  # read leaf per token [B, T]
-        write_leaf = leaf if memory.write_address == "current" else torch.cat((leaf[:, :1] * 0 - 1, leaf[:, :-1]), 1)
         P = tokens.shape[1] // 4
-        query = torch.arange(2 * P, 4 * P, 2)
+        query = torch.arange(2 * P, 4 * P, 2).expand(tokens.shape[0], P)
         # the pair's value is at position 2i+1 of the first half, for the key queried at 2P + 2j
-        first_keys = tokens[:, 0 : 2 * P : 2]
-        match = tokens[:, query, None] == first_keys[:, None, :]  # [B, P, P]
-        pair_value = 2 * match.float().argmax(-1) + 1  # [B, P]
-        wrote = write_leaf.gather(1, pair_value)
-        hit = wrote == leaf[:, query]
-        before = torch.arange(tokens.shape[1])[None, None, :] < query[None, :, None]  # writers before the query
-        same = write_leaf[:, None, :] == leaf[:, query, None]
-        others = (same & before).sum(-1) - hit.long()
-        out["hit"] = float(hit.float().mean())
-        out["clean"] = float((hit & (others == 0)).float().mean())
+        match = tokens[:, query[0], None] == tokens[:, None, 0 : 2 * P : 2]  # [B, P, P]
+        hit, clean = query_hits(path[..., -1], memory.write_address, query, 2 * match.long().argmax(-1) + 1)
+        out["hit"], out["clean"] = float(hit.float().mean()), float(clean.float().mean())
     return out
 
 

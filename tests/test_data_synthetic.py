@@ -224,3 +224,22 @@ def test_mqar_pairs_then_every_key_queried_once_with_only_its_value_labelled() -
         MultiQueryRecall(64, vocab_size=20, num_pairs=10)
     with pytest.raises(ValueError, match="too short"):
         MultiQueryRecall(20, vocab_size=40, num_pairs=8)
+
+
+def test_mqar_gap_puts_every_query_that_far_past_the_pairs_and_names_each_pairs_value() -> None:
+    from data_pipeline.synthetic import MultiQueryRecall
+
+    task = MultiQueryRecall(96, vocab_size=40, num_pairs=8, seed=1, gap=40)
+    for i in range(20):
+        e = task.example(i)
+        query, value = np.asarray(e.meta["query_at"]), np.asarray(e.meta["value_at"])
+        assert query.min() >= 16 + 40 and (query - value > 40).all()
+        assert (e.input_ids[value - 1] == e.input_ids[query]).all()  # value_at follows the queried key
+        assert (e.input_ids[value] == e.labels[query]).all()
+        assert (e.input_ids[16:56] == task.filler).all()
+    no_gap = MultiQueryRecall(64, vocab_size=40, num_pairs=8, seed=3, gap=0).example(5)
+    assert _same(no_gap, MultiQueryRecall(64, vocab_size=40, num_pairs=8, seed=3).example(5))
+    with pytest.raises(ValueError, match="a gap of 41"):
+        MultiQueryRecall(64, vocab_size=40, num_pairs=8, gap=41)
+    with pytest.raises(ValueError, match="gap must be"):
+        MultiQueryRecall(64, vocab_size=40, num_pairs=8, gap=-1)

@@ -35,14 +35,7 @@ TINY = ModelConfig(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These shapes are too small to gain from intra-op threads, and on a shared machine extra threads
-    oversubscribe the cores (measured 2-4x slower); restored after each test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(kind: str, **vort: object) -> ModelConfig:

@@ -1,0 +1,92 @@
+"""experiments/recall_routes.py (does a query reach the slot its pair wrote) and the beyond-the-window
+recall experiment's premise: no query sees any pair through the attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import EXPERIMENTS
+from experiments.recall_beyond import PMNET, SWA, reach
+from experiments.recall_routes import model_hit_rates, query_hits
+from experiments.runner import Run, eval_task
+from model import build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_query_hits_follow_the_write_address() -> None:
+    # tokens 0..5: a pair (key 0, value 1), another writer (2), filler (3, 4), the query at 5
+    leaf = torch.tensor([[7, 3, 7, 9, 9, 7]])
+    query, value = torch.tensor([[5]]), torch.tensor([[1]])
+    # previous: the value writes on the key's leaf 7, as does token 3 (after token 2), so not clean
+    hit, clean = query_hits(leaf, "previous", query, value)
+    assert hit.tolist() == [[True]] and clean.tolist() == [[False]]
+    # current: the value writes on its own leaf 3, which the query does not read
+    hit, clean = query_hits(leaf, "current", query, value)
+    assert hit.tolist() == [[False]] and clean.tolist() == [[False]]
+    alone = torch.tensor([[7, 3, 5, 9, 9, 7]])
+    assert [t.tolist() for t in query_hits(alone, "previous", query, value)] == [[[True]], [[True]]]
+
+
+def _run(family, tmp_path: Path) -> Run:
+    experiment = EXPERIMENTS["recall-beyond"]
+    run_dir, cfg = experiment.run_config(family, 0, tmp_path, quick=True)
+    return Run(family, 0, run_dir, cfg)
+
+
+def test_every_query_is_beyond_the_attentions_reach_and_only_the_memory_carries_its_pair(tmp_path: Path) -> None:
+    """The gradient of a query's logits reaches the embeddings exactly `reach` tokens back through the
+    attention and no further; the pairs it asks about lie further back, so SWA-only gets no gradient
+    from them at all and PMNet (memory switched on by hand) does."""
+    run = _run(SWA, tmp_path)
+    example = eval_task(run, quick=True).example(0)
+    query = example.meta["query_at"][0]
+    first_value = max(example.meta["value_at"])  # every pair ends at or before this place
+    assert query - first_value > reach(run) == 34
+
+    def embedding_grad(model: torch.nn.Module) -> torch.Tensor:
+        torch.manual_seed(0)
+        for p in model.parameters():  # generic non-zero weights: no path hidden by a zero init
+            torch.nn.init.normal_(p, std=0.3)
+        kept = []
+
+        def keep(_module: torch.nn.Module, _inputs: object, out: torch.Tensor) -> None:
+            out.retain_grad()
+            kept.append(out)
+
+        model.embed.register_forward_hook(keep)
+        model(torch.from_numpy(example.input_ids)[None]).logits[0, query].sum().backward()
+        return kept[0].grad[0].abs().sum(-1)
+
+    grad = embedding_grad(build_model(run.config.model))
+    assert grad[query - reach(run)] > 0 and (grad[: query - reach(run)] == 0).all()
+    memory = embedding_grad(build_model(_run(PMNET, tmp_path).config.model))
+    assert (memory[: first_value + 1] > 0).all()
+
+
+def test_hit_rates_of_a_collapsed_tree_and_of_a_model_without_memory(tmp_path: Path) -> None:
+    """With every anchor alike each token takes the first child at every level: every query reads
+    the leaf its pair wrote (hit 1) and so did every other token (clean 0). SWA-only has no routes."""
+    run = _run(PMNET, tmp_path)
+    examples = [eval_task(run, quick=True).example(i) for i in range(4)]
+    model = build_model(run.config.model)
+    for memory in model.memories():
+        memory.anchors.data[:] = 1.0
+    rates = model_hit_rates(model, examples)
+    assert rates["routing_hit"] == rates["routing_hit_any"] == 1.0 and rates["routing_clean"] == 0.0
+    assert rates["level3/slots_used"] == 1 / 64 and rates["level3/entropy"] == 0.0
+    assert model_hit_rates(build_model(_run(SWA, tmp_path).config.model), examples) == {}
+    torch.manual_seed(0)
+    spread = build_model(run.config.model)
+    assert 0.0 <= model_hit_rates(spread, examples)["routing_hit"] < 1.0
+
+
+def test_mqar_logs_the_routing_hit_rate_of_pmnet(tmp_path: Path) -> None:
+    experiment = EXPERIMENTS["mqar"]
+    family = next(f for f in experiment.families if f.name.startswith("pmnet-"))
+    run_dir, cfg = experiment.run_config(family, 0, tmp_path, quick=True)
+    scores = experiment.evaluate(build_model(cfg.model), Run(family, 0, run_dir, cfg), quick=True)
+    assert {"routing_hit", "routing_clean", "routing_hit_any", "routing_hit/block0"} <= set(scores)
