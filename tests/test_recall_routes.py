@@ -11,7 +11,7 @@ import torch
 from experiments import EXPERIMENTS
 from experiments.recall_beyond import PMNET, SWA, reach
 from experiments.recall_routes import model_hit_rates, query_hits
-from experiments.runner import Run, eval_task
+from experiments.runner import Family, Run, eval_task
 from model import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,21 +31,25 @@ def test_query_hits_follow_the_write_address() -> None:
     assert [t.tolist() for t in query_hits(alone, "previous", query, value)] == [[[True]], [[True]]]
 
 
-def _run(family, tmp_path: Path) -> Run:
+def _run(family: Family, tmp_path: Path, *overrides: str) -> Run:
     experiment = EXPERIMENTS["recall-beyond"]
+    family = Family(family.name, (*family.overrides, *overrides))
     run_dir, cfg = experiment.run_config(family, 0, tmp_path, quick=True)
     return Run(family, 0, run_dir, cfg)
 
 
-def test_every_query_is_beyond_the_attentions_reach_and_only_the_memory_carries_its_pair(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("conv", "expected_reach"), [(0, 30), (3, 34)])
+def test_every_query_is_beyond_the_attentions_reach_and_only_the_memory_carries_its_pair(
+    conv: int, expected_reach: int, tmp_path: Path
+) -> None:
     """The gradient of a query's logits reaches the embeddings exactly `reach` tokens back through the
     attention and no further; the pairs it asks about lie further back, so SWA-only gets no gradient
     from them at all and PMNet (memory switched on by hand) does."""
-    run = _run(SWA, tmp_path)
+    run = _run(SWA, tmp_path, f"model.short_conv={conv}")
     example = eval_task(run, quick=True).example(0)
     query = example.meta["query_at"][0]
     first_value = max(example.meta["value_at"])  # every pair ends at or before this place
-    assert query - first_value > reach(run) == 34
+    assert query - first_value > reach(run) == expected_reach
 
     def embedding_grad(model: torch.nn.Module) -> torch.Tensor:
         torch.manual_seed(0)
@@ -63,7 +67,7 @@ def test_every_query_is_beyond_the_attentions_reach_and_only_the_memory_carries_
 
     grad = embedding_grad(build_model(run.config.model))
     assert grad[query - reach(run)] > 0 and (grad[: query - reach(run)] == 0).all()
-    memory = embedding_grad(build_model(_run(PMNET, tmp_path).config.model))
+    memory = embedding_grad(build_model(_run(PMNET, tmp_path, f"model.short_conv={conv}").config.model))
     assert (memory[: first_value + 1] > 0).all()
 
 
