@@ -143,7 +143,7 @@ def routing_report(memory: PhasorMemory, tokens: torch.Tensor, labels: torch.Ten
         query = torch.arange(2 * P, 4 * P, 2).expand(tokens.shape[0], P)
         # the pair's value is at position 2i+1 of the first half, for the key queried at 2P + 2j
         match = tokens[:, query[0], None] == tokens[:, None, 0 : 2 * P : 2]  # [B, P, P]
-        hit, clean = query_hits(path[..., -1], memory.write_address, query, 2 * match.long().argmax(-1) + 1)
+        hit, clean, _ = query_hits(path[..., -1], memory.write_address, query, 2 * match.long().argmax(-1) + 1)
         out["hit"], out["clean"] = float(hit.float().mean()), float(clean.float().mean())
     return out
 

@@ -29,29 +29,32 @@ def write_leaves(read_leaf: torch.Tensor, write_address: str) -> torch.Tensor:
 
 def query_hits(
     read_leaf: torch.Tensor, write_address: str, query_at: torch.Tensor, value_at: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hit, clean), bool [B, Q], of the queries at positions query_at [B, Q] whose pairs' values sit
-    at value_at [B, Q] (each before its query), from every token's read leaf [B, T]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hit, clean) bool [B, Q] and the count of other writers [B, Q] (tokens before the query, its
+    pair's value apart, that wrote on the leaf it reads) of the queries at positions query_at [B, Q]
+    whose pairs' values sit at value_at [B, Q] (each before its query), from every token's read
+    leaf [B, T]."""
     write_leaf = write_leaves(read_leaf, write_address)
     read = read_leaf.gather(1, query_at)
     hit = write_leaf.gather(1, value_at) == read
     before = torch.arange(read_leaf.shape[1], device=read_leaf.device)[None, None, :] < query_at[:, :, None]
     others = ((write_leaf[:, None, :] == read[..., None]) & before).sum(-1) - hit.long()
-    return hit, hit & (others == 0)
+    return hit, hit & (others == 0), others
 
 
 @torch.inference_mode()
 def model_hit_rates(model: CausalLM, examples: Sequence[synthetic.Example], batch_size: int = 16) -> dict[str, float]:
     """Per memory block b, `routing_hit/block<b>` and `routing_clean/block<b>` over the queries of
     `examples` (each with `query_at` and `value_at` in its meta), their mean over the blocks
-    (`routing_hit`, `routing_clean`) and `routing_hit_any`, the share of queries some block routes
-    to their pair's slot, and the last batch's `level<l>/entropy` and `level<l>/slots_used`; nothing
+    (`routing_hit`, `routing_clean`), `routing_hit_any`, the share of queries some block routes to
+    their pair's slot, `routing_other_writers/block<b>`, the mean count of other tokens that wrote on
+    a query's leaf before it, and the last batch's `level<l>/entropy` and `level<l>/slots_used`; nothing
     for a model without a phasor memory."""
     if not isinstance(model, PMNet) or not model.memories():
         return {}
     model.eval()
     modes = [m.write_address for m in model.memories()]
-    hits: list[torch.Tensor] = []  # per batch [blocks, 2, B, Q]
+    hits: list[torch.Tensor] = []  # per batch [blocks, 3, B * Q]: hit, clean, other writers
     model.record_routes(True)
     try:
         for start in range(0, len(examples), batch_size):
@@ -60,18 +63,18 @@ def model_hit_rates(model: CausalLM, examples: Sequence[synthetic.Example], batc
             leaves = model.take_routes()[0][..., -1]  # [blocks, B, T]
             query = torch.tensor([e.meta["query_at"] for e in chunk])
             value = torch.tensor([e.meta["value_at"] for e in chunk])
-            hits.append(
-                torch.stack(
-                    [torch.stack(query_hits(leaves[b], mode, query, value)) for b, mode in enumerate(modes)]
-                ).flatten(2)
-            )
+            per_block = [
+                torch.stack([t.float() for t in query_hits(leaves[b], mode, query, value)])
+                for b, mode in enumerate(modes)
+            ]
+            hits.append(torch.stack(per_block).flatten(2))
     finally:
         model.record_routes(False)
-    rates = torch.cat(hits, dim=2).float()  # [blocks, 2, queries]
+    rates = torch.cat(hits, dim=2)  # [blocks, 3, queries]
     out = {
         f"routing_{key}/block{b}": float(rates[b, i].mean())
         for b in range(len(modes))
-        for i, key in enumerate(("hit", "clean"))
+        for i, key in enumerate(("hit", "clean", "other_writers"))
     }
     out.update(
         routing_hit=float(rates[:, 0].mean()),

@@ -22,13 +22,13 @@ def test_query_hits_follow_the_write_address() -> None:
     leaf = torch.tensor([[7, 3, 7, 9, 9, 7]])
     query, value = torch.tensor([[5]]), torch.tensor([[1]])
     # previous: the value writes on the key's leaf 7, as does token 3 (after token 2), so not clean
-    hit, clean = query_hits(leaf, "previous", query, value)
-    assert hit.tolist() == [[True]] and clean.tolist() == [[False]]
+    hit, clean, others = query_hits(leaf, "previous", query, value)
+    assert hit.tolist() == [[True]] and clean.tolist() == [[False]] and others.tolist() == [[1]]
     # current: the value writes on its own leaf 3, which the query does not read
-    hit, clean = query_hits(leaf, "current", query, value)
-    assert hit.tolist() == [[False]] and clean.tolist() == [[False]]
+    hit, clean, others = query_hits(leaf, "current", query, value)
+    assert hit.tolist() == [[False]] and clean.tolist() == [[False]] and others.tolist() == [[2]]
     alone = torch.tensor([[7, 3, 5, 9, 9, 7]])
-    assert [t.tolist() for t in query_hits(alone, "previous", query, value)] == [[[True]], [[True]]]
+    assert [t.tolist() for t in query_hits(alone, "previous", query, value)] == [[[True]], [[True]], [[0]]]
 
 
 def _run(family: Family, tmp_path: Path, *overrides: str) -> Run:
@@ -81,6 +81,9 @@ def test_hit_rates_of_a_collapsed_tree_and_of_a_model_without_memory(tmp_path: P
         memory.anchors.data[:] = 1.0
     rates = model_hit_rates(model, examples)
     assert rates["routing_hit"] == rates["routing_hit_any"] == 1.0 and rates["routing_clean"] == 0.0
+    # every token but the first writes there: all tokens before a query but its pair's value and one
+    query_at = torch.tensor([e.meta["query_at"] for e in examples], dtype=torch.float)
+    assert rates["routing_other_writers/block0"] == pytest.approx(float((query_at - 2).mean()))
     assert rates["level3/slots_used"] == 1 / 64 and rates["level3/entropy"] == 0.0
     assert model_hit_rates(build_model(_run(SWA, tmp_path).config.model), examples) == {}
     torch.manual_seed(0)
