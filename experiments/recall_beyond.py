@@ -52,14 +52,9 @@ class RecallBeyond(MQAR):
 
     def plot(self, results: dict[str, Any], path: Path) -> None:
         chance = next(iter(results["summary"].values()))["chance"]["mean"]
-        bar_plot(
-            results,
-            ["accuracy", "routing_hit", "routing_hit_any"],
-            ["recall accuracy", "routing hit\n(mean over blocks)", "routing hit\n(some block)"],
-            path,
-            "share of queries (mean, spread over seeds)",
-            [("chance", chance)],
-        )
+        keys = ["accuracy", "routing_hit/block0", "routing_clean/block0", "routing_hit/block1", "routing_clean/block1"]
+        labels = ["recall accuracy", "hit, block 0", "clean, block 0", "hit, block 1", "clean, block 1"]
+        bar_plot(results, keys, labels, path, "share of queries (mean, spread over seeds)", [("chance", chance)])
 
 
 EXPERIMENTS = [
