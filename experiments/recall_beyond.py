@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from data_pipeline import synthetic
 from experiments.mqar import MQAR
-from experiments.phasor import receptive_field
-from experiments.runner import Family, Run, bar_plot, eval_task
+from experiments.phasor import frozen_at_inference, receptive_field
+from experiments.runner import Family, Run, bar_plot, eval_task, predictions
 from model import CausalLM
 
 PMNET = Family("pmnet")
@@ -34,8 +35,9 @@ def reach(run: Run) -> int:
 
 @dataclass
 class RecallBeyond(MQAR):
-    """MQAR's evaluation (accuracy, routing hit rate) with the reach of the attention and the
-    shortest distance from a query to its pair's value in the held-out examples."""
+    """MQAR's evaluation (accuracy, routing hit rate) with the reach of the attention, the shortest
+    distance from a query to its pair's value in the held-out examples, and for PMNet the accuracy
+    with memory updates switched off at inference (the memory then holds nothing of the pairs)."""
 
     def families_for(self, quick: bool) -> tuple[Family, ...]:
         return self.families
@@ -48,12 +50,30 @@ class RecallBeyond(MQAR):
         task = eval_task(run, quick)
         examples = [task.example(i) for i in range(16 if quick else self.examples)]
         distance = min(min(np.subtract(e.meta["query_at"], e.meta["value_at"])) for e in examples)
-        return {**scores, "attention_reach": float(reach(run)), "min_query_distance": float(distance)}
+        scores.update(attention_reach=float(reach(run)), min_query_distance=float(distance))
+        if run.config.model.pmnet.memory_every:  # the same weights, the memory never written at inference
+            frozen = frozen_at_inference(model)
+            scores["no_eval_updates/accuracy"] = synthetic.accuracy(examples, predictions(frozen, examples))["token"]
+        return scores
 
     def plot(self, results: dict[str, Any], path: Path) -> None:
         chance = next(iter(results["summary"].values()))["chance"]["mean"]
-        keys = ["accuracy", "routing_hit/block0", "routing_clean/block0", "routing_hit/block1", "routing_clean/block1"]
-        labels = ["recall accuracy", "hit, block 0", "clean, block 0", "hit, block 1", "clean, block 1"]
+        keys = [
+            "accuracy",
+            "no_eval_updates/accuracy",
+            "routing_hit/block0",
+            "routing_clean/block0",
+            "routing_hit/block1",
+            "routing_clean/block1",
+        ]
+        labels = [
+            "recall accuracy",
+            "no memory writes\nat inference",
+            "hit, block 0",
+            "clean, block 0",
+            "hit, block 1",
+            "clean, block 1",
+        ]
         bar_plot(results, keys, labels, path, "share of queries (mean, spread over seeds)", [("chance", chance)])
 
 
