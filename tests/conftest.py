@@ -25,11 +25,13 @@ DEMO = REPO / "data" / "demo"
 
 
 @pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Torch on one thread for a test: results compared with runs pinned to one core, or made there."""
+def one_thread() -> Iterator[int]:
+    """Torch on one thread for a test (tiny shapes gain nothing from threads on a shared machine, and
+    some results are compared with runs pinned to one core); yields the count it replaced, for a test
+    with large matmuls to restore."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    yield threads
     torch.set_num_threads(threads)
 
 

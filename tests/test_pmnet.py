@@ -25,16 +25,7 @@ from model.pmnet_memory import MemoryState, PhasorMemory
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These shapes are tiny: on a shared 2-core box, intra-op threads cost more than they give.
-
-    Yields the thread count it replaced, for a test with large matmuls to restore.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield threads
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(**pmnet: object) -> ModelConfig:
