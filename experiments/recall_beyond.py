@@ -24,7 +24,7 @@ from model import CausalLM
 
 PMNET = Family("pmnet")
 # A deeper tree (256 leaves instead of 64), so that fewer token types share a query's leaf (writes
-# collide less); its narrower MLP (hidden 208) pays for the larger tree: 136,928 parameters.
+# collide less); its narrower MLP (hidden 208) pays for the larger tree: 130,784 parameters.
 PMNET_DEPTH4 = Family("pmnet-depth4", ("model.pmnet.depth=4", "model.mlp_ratio=3.25"))
 # SWA-only gets a wider MLP (hidden 384 instead of 256): 133,504 parameters against PMNet's 134,880.
 SWA = Family("swa", ("model.pmnet.memory_every=0", "model.mlp_ratio=6.0"))
