@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from kernels import phasor_scan, phasor_scan_sequence_parallel, soe_scan, soe_scan_sequence_parallel
 from kernels._common import decay
-from kernels.parallel import _piece_lengths, _SoeStateCorrection
+from kernels.parallel import _piece_lengths, _SoeStateCorrection, sum_over_ranks
 from kernels.testing import angle_err, phasor_inputs, rel_err, resets, soe_inputs
 from tests.launchers import free_port
 
@@ -41,6 +41,14 @@ def _phasor_loss(read, final, weights) -> torch.Tensor:
     w_read, w_final = weights
     loss = (torch.sin(read.double()) * w_read).sum()
     return loss if final is None else loss + (torch.sin(final.double()) * w_final).sum()
+
+
+def _summed_part(rank: int) -> torch.Tensor:
+    return torch.randn(2, 3, generator=torch.Generator().manual_seed(20 + rank))
+
+
+def _summed_weight(rank: int) -> torch.Tensor:
+    return torch.randn(2, 3, generator=torch.Generator().manual_seed(40 + rank))
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -72,7 +80,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         p_weights = _weights([delta.shape, p_init.shape])
         _phasor_loss(read, final if last else None, [p_weights[0][:, lo:hi], p_weights[1]]).backward()
         phasor = {"read": read.detach(), "final": final.detach(), "d_delta": delta.grad, "d_init": p_init.grad}
-        torch.save({"soe": soe, "phasor": phasor}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+        part = _summed_part(rank).requires_grad_()
+        total = sum_over_ranks(part, None)
+        (total * _summed_weight(rank)).sum().backward()
+        summed = {"total": total.detach(), "d_part": part.grad}
+        torch.save({"soe": soe, "phasor": phasor, "summed": summed}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -101,6 +114,16 @@ def test_soe_pieces_equal_one_scan(ranks):
         # pieces' gradients are zero outside the piece; replicated inputs' shares add up over ranks
         total = sum(r[f"d_{name}"] for r in got)
         assert rel_err(total, leaves[name].grad) < 1e-4, name
+
+
+def test_sum_over_ranks_gives_every_rank_the_sum_and_every_loss_gradient(ranks):
+    """Each rank holds the sum of all ranks' parts, and a loss computed from it on each rank sends every
+    part the gradient of all ranks' losses (what PMNet's sequence-parallel balance loss relies on)."""
+    total = sum(_summed_part(r) for r in range(WORLD))
+    weight = sum(_summed_weight(r) for r in range(WORLD))
+    for r in ranks:
+        torch.testing.assert_close(r["summed"]["total"], total)
+        torch.testing.assert_close(r["summed"]["d_part"], weight)
 
 
 def test_phasor_pieces_equal_one_scan(ranks):
