@@ -39,11 +39,13 @@ demo: install
 	$(BIN)/python -m data_pipeline.build --input "data/demo/valid/*.txt" --output data/shards/demo/valid --tokenizer bytes
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/deepspeed --num_gpus 2 launch/pretrain.py --config configs/demo.yaml
 
-# The test command (CI runs exactly this): lint, then the fast suite. pytest exits 5 when it
-# collects nothing; that is a failure here like any other non-zero code.
+# The test command (CI runs exactly this): lint, then the fast suite on two pytest-xdist workers, a
+# test file to a worker (module-level fixtures and caches stay in one process), with the slowest
+# tests listed. pytest exits 5 when it collects nothing; that is a failure here like any other code.
+PYTEST_WORKERS ?= 2
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 # The fast suite under each CPU kernel set x thread count (docs/training.md, "The suite on other CPUs");
 # a capability the CPU lacks falls back to the best one it has.
