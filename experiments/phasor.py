@@ -36,8 +36,10 @@ QUICK = ("train.steps=2", "data.seq_len=160", "model.max_seq_len=160", "data.tas
 
 
 def receptive_field(run: Run) -> int:
-    """Bytes back that stacked sliding windows reach: n_layers x (window - 1)."""
-    return run.config.model.n_layers * (run.config.model.pmnet.window - 1)
+    """Tokens back that the attention stack reaches: per layer window - 1, plus short_conv - 1 for the
+    short convolution in front of the attention."""
+    model = run.config.model
+    return model.n_layers * (model.pmnet.window - 1 + max(model.short_conv - 1, 0))
 
 
 def frozen_at_inference(model: CausalLM) -> CausalLM:

@@ -30,12 +30,6 @@ PMNET_DEPTH4 = Family("pmnet-depth4", ("model.pmnet.depth=4", "model.mlp_ratio=3
 SWA = Family("swa", ("model.pmnet.memory_every=0", "model.mlp_ratio=6.0"))
 
 
-def reach(run: Run) -> int:
-    """Tokens back that the attention stack sees: per layer window - 1, plus short_conv - 1 for the
-    convolution in front of it."""
-    return receptive_field(run) + run.config.model.n_layers * max(run.config.model.short_conv - 1, 0)
-
-
 @dataclass
 class RecallBeyond(MQAR):
     """MQAR's evaluation (accuracy, routing hit rate) with the reach of the attention, the shortest
@@ -53,7 +47,7 @@ class RecallBeyond(MQAR):
         task = eval_task(run, quick)
         examples = [task.example(i) for i in range(16 if quick else self.examples)]
         distance = min(min(np.subtract(e.meta["query_at"], e.meta["value_at"])) for e in examples)
-        scores.update(attention_reach=float(reach(run)), min_query_distance=float(distance))
+        scores.update(attention_reach=float(receptive_field(run)), min_query_distance=float(distance))
         if run.config.model.pmnet.memory_every:  # the same weights, the memory never written at inference
             frozen = frozen_at_inference(model)
             scores["no_eval_updates/accuracy"] = synthetic.accuracy(examples, predictions(frozen, examples))["token"]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from experiments import EXPERIMENTS
-from experiments.recall_beyond import PMNET, SWA, reach
+from experiments.phasor import receptive_field
+from experiments.recall_beyond import PMNET, SWA
 from experiments.recall_routes import model_hit_rates, query_hits
 from experiments.runner import Family, Run, eval_task
 from model import build_model
@@ -49,7 +50,7 @@ def test_every_query_is_beyond_the_attentions_reach_and_only_the_memory_carries_
     example = eval_task(run, quick=True).example(0)
     query = example.meta["query_at"][0]
     first_value = max(example.meta["value_at"])  # every pair ends at or before this place
-    assert query - first_value > reach(run) == expected_reach
+    assert query - first_value > receptive_field(run) == expected_reach
 
     def embedding_grad(model: torch.nn.Module) -> torch.Tensor:
         torch.manual_seed(0)
@@ -66,7 +67,7 @@ def test_every_query_is_beyond_the_attentions_reach_and_only_the_memory_carries_
         return kept[0].grad[0].abs().sum(-1)
 
     grad = embedding_grad(build_model(run.config.model))
-    assert grad[query - reach(run)] > 0 and (grad[: query - reach(run)] == 0).all()
+    assert grad[query - receptive_field(run)] > 0 and (grad[: query - receptive_field(run)] == 0).all()
     memory = embedding_grad(build_model(_run(PMNET, tmp_path, f"model.short_conv={conv}").config.model))
     assert (memory[: first_value + 1] > 0).all()
 
