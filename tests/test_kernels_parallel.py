@@ -43,12 +43,9 @@ def _phasor_loss(read, final, weights) -> torch.Tensor:
     return loss if final is None else loss + (torch.sin(final.double()) * w_final).sum()
 
 
-def _summed_part(rank: int) -> torch.Tensor:
-    return torch.randn(2, 3, generator=torch.Generator().manual_seed(20 + rank))
-
-
-def _summed_weight(rank: int) -> torch.Tensor:
-    return torch.randn(2, 3, generator=torch.Generator().manual_seed(40 + rank))
+def _seeded(seed: int) -> torch.Tensor:
+    """A [2, 3] tensor every process can rebuild: a rank's part (seed 20 + rank) or loss weight (40 + rank)."""
+    return torch.randn(2, 3, generator=torch.Generator().manual_seed(seed))
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -81,9 +78,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         _phasor_loss(read, final if last else None, [p_weights[0][:, lo:hi], p_weights[1]]).backward()
         phasor = {"read": read.detach(), "final": final.detach(), "d_delta": delta.grad, "d_init": p_init.grad}
 
-        part = _summed_part(rank).requires_grad_()
+        part = _seeded(20 + rank).requires_grad_()
         total = sum_over_ranks(part, None)
-        (total * _summed_weight(rank)).sum().backward()
+        (total * _seeded(40 + rank)).sum().backward()
         summed = {"total": total.detach(), "d_part": part.grad}
         torch.save({"soe": soe, "phasor": phasor, "summed": summed}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -119,8 +116,8 @@ def test_soe_pieces_equal_one_scan(ranks):
 def test_sum_over_ranks_gives_every_rank_the_sum_and_every_loss_gradient(ranks):
     """Each rank holds the sum of all ranks' parts, and a loss computed from it on each rank sends every
     part the gradient of all ranks' losses (what PMNet's sequence-parallel balance loss relies on)."""
-    total = sum(_summed_part(r) for r in range(WORLD))
-    weight = sum(_summed_weight(r) for r in range(WORLD))
+    total = sum(_seeded(20 + r) for r in range(WORLD))
+    weight = sum(_seeded(40 + r) for r in range(WORLD))
     for r in ranks:
         torch.testing.assert_close(r["summed"]["total"], total)
         torch.testing.assert_close(r["summed"]["d_part"], weight)

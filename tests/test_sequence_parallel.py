@@ -289,7 +289,7 @@ def finished_run(run_dir: Path) -> Run:
     return Run(losses(run_dir), logged(run_dir, "train/grad_norm"), final_parameters(run_dir))
 
 
-_SINGLE: dict[tuple[str, bool], Run] = {}
+_SINGLE: dict[tuple[str, bool, tuple[str, ...]], Run] = {}
 
 
 def single_run(family: str, shards: dict[str, str], run_dir: Path, checkpointing: bool = False,
