@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.parallel import exchange_with_neighbours
-from model.blocks import Offset, apply_rotary, prefix_document_ids, rotary_tables, token_positions
+from model.blocks import Offset, apply_rotary, attention, prefix_document_ids, rotary_tables, token_positions
 from model.interface import SequenceParallel
 
 
@@ -89,7 +89,7 @@ class SlidingWindowAttention(nn.Module):
             key_ids = F.pad(ids, (0, n_blocks * W - T), value=-1).unfold(1, 2 * W, W)  # [B, nb, 2W]
             query_ids = F.pad(ids[:, W:], (0, n_blocks * W - T), value=-1).view(B, n_blocks, W)
             mask = mask[None] & (query_ids[..., None] == key_ids[:, :, None, :])[:, :, None]  # [B, nb, 1, W, 2W]
-        y = F.scaled_dot_product_attention(
+        y = attention(
             q_blocks.transpose(1, 2), k_blocks.transpose(1, 2), v_blocks.transpose(1, 2), attn_mask=mask
         )  # [B, nb, H, W, D]
         y = y.transpose(1, 2).reshape(B, self.n_heads, n_blocks * W, self.head_dim)[:, :, :T]

@@ -166,6 +166,19 @@ def documents_across_pieces(doc_start: torch.Tensor, sp: SequenceParallel) -> Se
     return dataclasses.replace(sp, offset=offset)
 
 
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+) -> torch.Tensor:
+    """torch's fused scaled-dot-product attention, with half-precision CPU operands computed in fp32
+    and cast back: torch's CPU bf16/fp16 kernel needs AVX-512 (it raises "pack_vnni2 is only
+    supported when avx512 is supported" under ATEN_CPU_CAPABILITY avx2 or default), and the fp32
+    path gives the same result on every CPU. GPUs keep the operands' dtype."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask, is_causal=is_causal)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+
+
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [..., T, head_dim/2] for absolute positions [T] or per-row positions [B, T]."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.blocks import (
@@ -14,6 +13,7 @@ from model.blocks import (
     StackedLM,
     SwiGLU,
     apply_rotary,
+    attention,
     document_ids,
     next_offset,
     rotary_tables,
@@ -47,12 +47,12 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if doc_start is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = attention(q, k, v, is_causal=True)
         else:
             ids = document_ids(doc_start)
             causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             mask = causal & (ids[:, :, None] == ids[:, None, :])  # [B, T (query), T (key)]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+            y = attention(q, k, v, attn_mask=mask[:, None])
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
