@@ -165,10 +165,12 @@ class Experiment:
         return out / self.name / subset_name(subset) if subset else out / self.name
 
     def run(self, out: Path, seeds: int | None = None, quick: bool = False, log: Any = print,
-            parallel: int = 1, only: Sequence[str] = ()) -> dict[str, Any]:
+            parallel: int = 1, only: Sequence[str] = (), overrides: Sequence[str] = ()) -> dict[str, Any]:
         """Train (`parallel` runs at a time) and evaluate every (family, seed), then write
         results.json, results.csv, plot.png under out/<name>; with `only` (family names), just those
-        families, written under out/<name>/<subset_name> so that the whole experiment's files stay."""
+        families, written under out/<name>/<subset_name> so that the whole experiment's files stay.
+        `overrides` (dotted KEY=VALUE) go after every family's own: a variant of the whole
+        experiment, whose runs a run without them in the same `out` refuses to reuse."""
         if parallel < 1:
             raise ExperimentError(f"--parallel: expected a number >= 1, got {parallel}")
         seeds = 1 if quick and seeds is None else (seeds or self.seeds)
@@ -177,7 +179,7 @@ class Experiment:
         if unknown:
             raise ExperimentError(f"--families: {', '.join(unknown)} not in {self.name}; its families: "
                                   f"{', '.join(f.name for f in families)}")
-        families = tuple(f for f in families if not only or f.name in only)
+        families = tuple(Family(f.name, (*f.overrides, *overrides)) for f in families if not only or f.name in only)
         self.prepare(out, quick)
         started = time.time()
         pairs = [(family, seed) for family in families for seed in range(seeds)]
@@ -210,7 +212,8 @@ class Experiment:
             "title": self.title,
             "command": f"python launch/experiment.py run {self.name}" + (" --quick" if quick else "")
             + ("" if seeds == self.seeds or quick else f" --seeds {seeds}")
-            + (f" --families {','.join(f.name for f in families)}" if only else ""),
+            + (f" --families {','.join(f.name for f in families)}" if only else "")
+            + "".join(f" --set {o}" for o in overrides),
             "date": datetime.date.today().isoformat(),
             "quick": quick,
             "config": f"configs/experiments/{self.config}",

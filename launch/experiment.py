@@ -2,13 +2,15 @@
 
     python launch/experiment.py list
     python launch/experiment.py run <name> [--quick] [--seeds N] [--out DIR] [--parallel K]
+                                       [--families A,B] [--set KEY=VALUE ...]
 
 Results go to <out>/<name>/results.json, results.csv and plot.png (runs under <out>/runs/,
 shared by experiments that train the same family on the same config). A rerun skips the runs
 already trained and evaluated, so an interrupted experiment resumes where it stopped. --quick
 trains every family for two steps on short sequences (a smoke test, not a result). --parallel K
 trains K runs at a time, each on its own share of the cores; the results are the same as one at a
-time.
+time. --set KEY=VALUE (repeatable, e.g. --set model.pmnet.balance_loss=0) changes every family
+of the run the same way: a variant of the experiment, which wants its own --out.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--parallel", type=int, default=1, help="runs trained at a time (default 1)")
     run.add_argument("--families", default="", help="comma-separated family names: run only these "
                      "(results under <out>/<name>/<names joined by +>)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="a config override for every family (repeatable); use another --out than the plain run's")
     args = parser.parse_args(argv)
     if args.command == "list":
         for name, experiment in EXPERIMENTS.items():
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("WARNING")
     try:
         only = tuple(name for name in args.families.split(",") if name)
-        results = EXPERIMENTS[args.name].run(args.out, args.seeds, args.quick, parallel=args.parallel, only=only)
+        results = EXPERIMENTS[args.name].run(args.out, args.seeds, args.quick, parallel=args.parallel, only=only,
+                                             overrides=args.overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -85,9 +85,10 @@ class PMNetConfig:
     every slot back to its initial phase at each position of a document that is a multiple of H, so
     the phases at any position are sums of at most H writes, as in training at H tokens (0: never).
 
-    Routing (docs/pmnet.md, "Routing options"): `routing` "learned" compares a learned query with
-    learned anchors, "hash" with a fixed random projection and fixed anchors (nothing of it learns,
-    so it cannot collapse). `write_address` "current" writes each token on its own read path,
+    Routing (docs/pmnet.md, "Routing options"): `routing` "learned" compares the learned query with
+    learned anchors, "router" a learned projection of its own (the query phases then only
+    demodulate the read), "hash" a fixed random projection with fixed anchors (nothing of it
+    learns, so it cannot collapse). `write_address` "current" writes each token on its own read path,
     "previous" on the read path of the token before it (a pair [key][value] then writes the value
     where the key's query reads), "conv" on a route of its own, from a learned projection of the
     block's short-convolved input (at a value token it holds the key; needs `short_conv` >= 2).
@@ -110,7 +111,7 @@ class PMNetConfig:
     collision_scope: Literal["sequence", "segment", "none"] = "sequence"
     scan_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
     memory_horizon: int = 0
-    routing: Literal["learned", "hash"] = "learned"
+    routing: Literal["learned", "router", "hash"] = "learned"
     write_address: Literal["current", "previous", "conv"] = "current"
     memory_input: Literal["residual", "conv"] = "residual"
     balance_loss: float = 0.0

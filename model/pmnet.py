@@ -208,6 +208,8 @@ class PMNet(StackedLM):
         level<l>/entropy and level<l>/slots_used: per routed level l, the entropy of the use of its
         slots over its maximum and the share of its slots written at all, each per memory block and
         averaged over the blocks (a block that collapses shows even when others do not);
+        balance_loss: the memory blocks' mean load-balancing loss of the last training forward,
+        before its weight (the training loss holds it times `pmnet.balance_loss`);
         memory_write_grad_norm: the norm of the gradient that reached the memory writes
         (recorded by a hook on the write increments during backward — the paper's "memory wakes
         up" spike shows here).
@@ -231,6 +233,9 @@ class PMNet(StackedLM):
             if used:
                 out[f"pmnet/level{level}/entropy"] = sum(usage_entropy(u) for u in used) / len(used)
                 out[f"pmnet/level{level}/slots_used"] = sum(float((u > 0).float().mean()) for u in used) / len(used)
+        balances = [m.balance.detach() for m in memories if m.balance is not None]
+        if balances:  # unweighted: 1 at even use, up to the number of a level's slots at collapse
+            out["pmnet/balance_loss"] = float(torch.stack(balances).mean())
         grads = [m.last_write_grad_sq for m in memories if m.last_write_grad_sq is not None]
         if grads:
             out["pmnet/memory_write_grad_norm"] = float(torch.stack(grads).sum().sqrt())

@@ -44,6 +44,18 @@ def interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return torch.stack((first, second), dim=2).flatten(1, 2)
 
 
+def unit_phasor(phase: torch.Tensor) -> torch.Tensor:
+    """Phases [..., M] -> the unit vector [cos, sin] / sqrt(M) [..., 2M] that routing compares with keys."""
+    return torch.cat((phase.cos(), phase.sin()), dim=-1) / math.sqrt(phase.shape[-1])
+
+
+def child_scores(phasor: torch.Tensor, keys: torch.Tensor, child_slots: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of each token's phasor [B, T, 2M] with the keys of its candidate slots
+    child_slots [B, T, ...N] (a level's children, or every routed level's): [B, T, ...N]."""
+    candidates = keys[child_slots]
+    return torch.einsum("btd,bt...d->bt...", phasor, candidates)
+
+
 def straight_through_mixture(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
     """hard in value (bit for bit: soft - soft is exactly 0), with the gradients of hard plus soft."""
     return hard + (soft - soft.detach())
@@ -74,8 +86,11 @@ class PhasorMemory(nn.Module):
         self.query = nn.Linear(d_model, memory_dim, bias=False)
         self.write = nn.Linear(d_model, memory_dim, bias=False)
         # `write_address: conv` (learned routing): the writes' own address, from the short-convolved input
-        learned_address = config.write_address == "conv" and config.routing == "learned"
+        learned_address = config.write_address == "conv" and config.routing != "hash"
         self.address = nn.Linear(d_model, memory_dim, bias=False) if learned_address else None
+        # `routing: router`: the reads' route from a projection of its own, so what moves the route (the
+        # balance loss above all) does not move the query phases that demodulate the read
+        self.router = nn.Linear(d_model, memory_dim, bias=False) if config.routing == "router" else None
         # Per-component gain of the writes, inside the squash; zero at first, so the memory starts
         # static (docs/pmnet.md, "writes start at zero").
         self.write_gain = nn.Parameter(torch.zeros(memory_dim))
@@ -108,17 +123,25 @@ class PhasorMemory(nn.Module):
         without the memory; the memory's read enters the residual stream only as training finds it
         useful (a full-scale read of nearly random phases is noise the rest of the network must first
         learn to drown). The write gain is created at zero (write_increments says why).
+
+        A router of its own (`routing: router`) starts at pi times the query's scale: its phases are
+        then ~N(0, pi^2), nearly uniform on the circle, where N(0, 1) phases give every phasor a common
+        component (E cos phi = e^(-1/2) = 0.61) that sends most tokens to the same children (on the
+        books model at initialisation: balance loss 5.3 and level-1 child-use entropy 0.58 of the
+        maximum at N(0, 1), 1.22 and 0.99 at N(0, pi^2); docs/results.md section 3).
         """
         nn.init.normal_(self.query.weight, std=self.d_model**-0.5)
         if self.address is not None:  # the same reason: the write addresses must spread from the start
             nn.init.normal_(self.address.weight, std=self.d_model**-0.5)
+        if self.router is not None:
+            nn.init.normal_(self.router.weight, std=math.pi * self.d_model**-0.5)
         nn.init.zeros_(self.out.weight)
 
     def routing_parameters(self) -> list[str]:
-        """Names of the learned anchors, the write projection and the write address projection (those
-        `decay_routing` exempts)."""
+        """Names of the learned anchors, the write projection and the address and router projections
+        (those `decay_routing` exempts)."""
         names = dict(self.named_parameters())
-        return [name for name in ("anchors", "write.weight", "address.weight") if name in names]
+        return [name for name in ("anchors", "write.weight", "address.weight", "router.weight") if name in names]
 
     def init_state(self, batch_size: int, device: torch.device | str = "cpu") -> MemoryState:
         memory = torch.zeros(batch_size, self.n_slots, self.memory_dim, device=device, dtype=torch.float32)
@@ -128,10 +151,12 @@ class PhasorMemory(nn.Module):
         return MemoryState(memory, previous)
 
     def routing_phases(self, h: torch.Tensor, phase_q: torch.Tensor) -> torch.Tensor:
-        """The phases [B, T, M] (fp32) that route each token: its query's, or a fixed random
-        projection of h under `routing: hash`."""
+        """The phases [B, T, M] (fp32) that route each token: its query's (`routing: learned`), the
+        router's projection of h (`router`), or a fixed random projection of h (`hash`)."""
         if self.routing == "hash":
             return h.float() @ (self.hash_projection.float() * self.d_model**-0.5)
+        if self.router is not None:
+            return self.router(h).float()
         return phase_q
 
     def address_phases(self, a: torch.Tensor) -> torch.Tensor:
@@ -222,7 +247,7 @@ class PhasorMemory(nn.Module):
         slots, children, weights, margins = [node], [], [], []
         for level in range(1, self.n_levels):
             child_slots = self.level_offsets[level] + node[..., None] * self.branching + children_local  # [B, T, N]
-            scores = torch.einsum("btd,btnd->btn", query_phasor, keys[child_slots])
+            scores = child_scores(query_phasor, keys, child_slots)
             choice = scores.argmax(dim=-1)
             if self.record_routes:
                 best_two = scores.detach().topk(2, dim=-1).values
@@ -259,6 +284,12 @@ class PhasorMemory(nn.Module):
         sp = sequence_parallel
         phase_q = self.query(h).float()
         phase_r = self.routing_phases(h, phase_q)
+        # The balance loss moves the router and the anchors only, never the representation the router
+        # reads: with its gradient reaching h the books model's cross-entropy was 0.5 nats worse
+        # (docs/results.md section 3). Under `routing: learned` it reaches the query projection and h.
+        phase_b = None
+        if self.training and self.balance_weight > 0 and self.router is not None:
+            phase_b = self.router(h.detach()).float()
         phase_w, previous = None, None
         if self.write_address == "previous":  # restarts: document starts and horizon ends, as for the phases
             restart = self._resets(token_positions(position, T, doc_start, h.device), doc_start, B)
@@ -280,7 +311,7 @@ class PhasorMemory(nn.Module):
                 raise ValueError(f"sequence-parallel pieces must be whole segments of {self.segment_len} tokens")
         with torch.autocast(h.device.type, enabled=False):  # phases, routing scores and reads stay fp32
             features, memory, sequence = self._read_write(phase_q, phase_r, phase_w, increment, memory, position,
-                                                          doc_start, sp)
+                                                          doc_start, sp, phase_b)
         if sequence is not None:
             sequence.finish(None if sp is None else sp.group, sp is not None)
         return self.out(features.reshape(B, T, L * 2 * M).to(h.dtype)), MemoryState(memory, previous)
@@ -295,10 +326,12 @@ class PhasorMemory(nn.Module):
         position: Offset,
         doc_start: torch.Tensor | None,
         sp: SequenceParallel | None,
+        phase_b: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, SequenceCollisions | None]:
         """Route every token, write and read through one scan: features [B, T, L, 2M], the phases after
         the call, and the sequence-scope collision counts still to be attached (None otherwise).
-        phase_q demodulates the reads, phase_r routes them, and phase_w (None: phase_r) routes the writes.
+        phase_q demodulates the reads, phase_r routes them, and phase_w (None: phase_r) routes the writes;
+        phase_b (None: phase_r) gives the balance loss its sibling weights on phase_r's path.
 
         Routing compares queries with the anchors only, never with the phases, so a document start
         needs nothing but the scan's reset: the phases go back to the initial ones there. Segments are
@@ -318,7 +351,11 @@ class PhasorMemory(nn.Module):
         keys = self.slot_keys()
         path, children, weights = self._routes(phase_r, keys)
         if self.training and self.balance_weight > 0:
-            self.balance = self.balance_loss(path, children, weights, sp)
+            balance_weights = weights
+            if phase_b is not None:
+                scores = child_scores(unit_phasor(phase_b), keys, children)
+                balance_weights = torch.softmax(scores / self.temperature, dim=-1)
+            self.balance = self.balance_loss(path, children, balance_weights, sp)
         write_path, write_children, write_weights = path, children, None
         if phase_w is not None:  # a write route of its own: learned (conv address) or the previous token's
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.address is not None):
@@ -337,7 +374,7 @@ class PhasorMemory(nn.Module):
             sequence.add(delta, write_path, None if doc_start is None else document_ids(doc_start))
         elif self.collision_scope == "segment":
             delta = normalise_collisions(delta, by_segment)
-        mixture = torch.is_grad_enabled() and self.routing == "learned"
+        mixture = torch.is_grad_enabled() and self.routing != "hash"
         chosen = children == path[:, :, 1:, None]
         reset = self._resets(positions, doc_start, B)
         if phase_w is None:
@@ -373,7 +410,7 @@ class PhasorMemory(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`route` of the phasors of phase [B, T, M]: token by token for the reference, else at once;
         `writes` marks a write path of its own (`write_address: previous`), kept out of the diagnostics."""
-        phasor = torch.cat((phase.cos(), phase.sin()), dim=-1) / math.sqrt(phase.shape[-1])
+        phasor = unit_phasor(phase)
         recording, self.record_routes = self.record_routes, self.record_routes and not writes
         try:
             if self.reference:

@@ -150,6 +150,20 @@ def test_families_runs_only_those_and_keeps_the_whole_experiments_files(
     assert "--families: m5 not in entity; its families: pl, exp, vort" in capsys.readouterr().err
 
 
+def test_set_changes_every_family_and_is_recorded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--set KEY=VALUE goes into every family's config and into results.json's command; the plain
+    run in the same --out refuses the variant's runs rather than mixing them."""
+    args = ["run", "copy", "--quick", "--out", str(tmp_path), "--families", "pmnet,swa"]
+    assert main([*args, "--set", "train.lr=1e-3", "--set", "model.pmnet.window=8"]) == 0
+    results = json.loads((tmp_path / "copy" / "pmnet+swa" / "results.json").read_text())
+    assert results["command"].endswith("--families pmnet,swa --set train.lr=1e-3 --set model.pmnet.window=8")
+    for family in ("pmnet", "swa"):
+        saved = yaml.safe_load((tmp_path / "runs" / "copy-quick" / family / "seed0" / "config.yaml").read_text())
+        assert (saved["train"]["lr"], saved["model"]["pmnet"]["window"]) == (1e-3, 8)
+    assert main(args) == 1
+    assert "holds a run of another configuration" in capsys.readouterr().err
+
+
 def test_a_run_from_before_a_new_option_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run saved before model.pmnet.memory_horizon existed (the key absent from its config.yaml) is
     the same run as one with the option at its default: it is reused, not refused or retrained."""

@@ -38,10 +38,11 @@ MODELS = {
 }
 MODELS["pmnet-segment"] = dataclasses.replace(
     MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, collision_scope="segment"))
-# the shipped routing: previous-token writes and the balance loss (summed over the pieces under SP)
+# the shipped routing (a router of its own, previous-token writes) with the balance loss on (summed over the
+# pieces under SP; its weights from the router of the detached input)
 MODELS["pmnet-routing"] = dataclasses.replace(
-    MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", balance_loss=0.3,
-                                               decay_routing=False))
+    MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, routing="router", write_address="previous",
+                                               balance_loss=0.3, decay_routing=False))
 LENGTH = 64
 DOC_STARTS = [[10, 32, 45], [3, 33, 34, 60]]  # on a piece's edge (32 of 2 pieces) and inside pieces
 # (model, document boundaries); PMNet's segment scope does not run sequence-parallel with documents

@@ -19,6 +19,8 @@ ACCEPTANCE_STEPS = 500
 
 OPTIONS = [
     {"routing": "hash"},
+    {"routing": "router"},
+    {"routing": "router", "write_address": "previous"},
     {"write_address": "previous"},
     {"write_address": "conv"},
     {"memory_input": "conv"},
@@ -126,12 +128,29 @@ def test_hash_routing_has_no_learned_routing() -> None:
 
 def test_decay_routing_false_spares_anchors_and_write_projection() -> None:
     for decay_routing in (True, False):
-        model = make_model(decay_routing=decay_routing)
+        model = make_model(decay_routing=decay_routing, routing="router")
         spared = {id(p) for p in param_groups(model, 0.1)[1]["params"]}
         memory = model.memories()[0]
-        assert (id(memory.anchors) in spared) == (not decay_routing)
-        assert (id(memory.write.weight) in spared) == (not decay_routing)
+        for routing in (memory.anchors, memory.write.weight, memory.router.weight):
+            assert (id(routing) in spared) == (not decay_routing)
         assert id(memory.query.weight) not in spared
+
+
+@pytest.mark.parametrize("routing", ["learned", "router"])
+def test_balance_loss_moves_only_the_router_under_routing_router(routing: str) -> None:
+    """The balance loss alone, backpropagated: under `routing: router` its gradient reaches the router
+    and the anchors but neither the query projection nor anything below the memory (the embedding);
+    under `routing: learned` the query routes, so it reaches the query and the embedding too."""
+    model = make_model(routing=routing, balance_loss=0.3).train()
+    model.loss(ids()[:, :-1], ids()[:, 1:])
+    model.auxiliary_loss().backward()
+    memory = model.memories()[0]
+    assert memory.anchors.grad.abs().sum() > 0
+    reached_below = model.embed.weight.grad is not None and bool(model.embed.weight.grad.abs().sum() > 0)
+    reached_query = memory.query.weight.grad is not None and bool(memory.query.weight.grad.abs().sum() > 0)
+    assert reached_below == reached_query == (routing == "learned")
+    if routing == "router":
+        assert memory.router.weight.grad.abs().sum() > 0
 
 
 def test_conv_address_learns_and_leaves_the_value_unchanged() -> None:

@@ -40,12 +40,12 @@ MODELS["pmnet-conv"] = dataclasses.replace(MODELS["pmnet"], short_conv=4)
 # and a memory horizon of 24 tokens: the phases restart at 24 and 48, so rank 1 must count from its global offset
 MODELS["pmnet-conv-horizon"] = dataclasses.replace(
     MODELS["pmnet-conv"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, memory_horizon=24))
-# PMNet's routing options (docs/pmnet.md): the shipped routing, writes on the previous token's path (its
-# routing phases come from the previous rank for a piece's first token), the balance loss (its usage counts
-# and weights summed over the pieces) and no decay on the routing; and fixed-hash routing
+# PMNet's routing options (docs/pmnet.md): the shipped routing (a router of its own, writes on the previous
+# token's path, whose routing phases come from the previous rank for a piece's first token; no decay on the
+# routing) with the balance loss on (its usage counts and weights summed over the pieces); fixed-hash routing
 MODELS["pmnet-routing"] = dataclasses.replace(
     MODELS["pmnet-conv"],
-    pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", balance_loss=0.3,
+    pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, routing="router", write_address="previous", balance_loss=0.3,
                               decay_routing=False, memory_horizon=16))  # restarts inside and on the border
 # the write address from the short-convolved input: the convolution's halo reaches the address too
 MODELS["pmnet-address"] = dataclasses.replace(
@@ -261,12 +261,14 @@ STEPS = 10
 
 
 def sp_args(family: str, shards: dict[str, str], run_dir: Path, extra: list[str] = ()) -> list[str]:
-    """The CPU demonstration config made test-sized: 128-token sequences, 10 steps of 4 sequences."""
+    """The CPU demonstration config made test-sized: 128-token sequences, 10 steps of 4 sequences;
+    PMNet with the balance loss on (not shipped), so that its all-reduce runs through every engine."""
     return [
         "--config", str(REPO / "configs" / f"sp-cpu-{family}.yaml"), f"data.train=[{{path: {shards['train']}}}]",
         "data.valid=[]", f"run.dir={run_dir}", "data.seq_len=128", "model.max_seq_len=256", "data.shuffle_buffer=16",
         f"train.steps={STEPS}", "train.global_batch=4", "train.micro_batch=2", "checkpoint.every=5",
-        "checkpoint.async_save=false", *(["model.vort.soe_horizon=256"] if family == "vort" else []), *extra,
+        "checkpoint.async_save=false", *(["model.vort.soe_horizon=256"] if family == "vort" else []),
+        *(["model.pmnet.balance_loss=0.3"] if family == "pmnet" else []), *extra,
     ]
 
 
