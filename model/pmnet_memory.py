@@ -128,7 +128,7 @@ class PhasorMemory(nn.Module):
         then ~N(0, pi^2), nearly uniform on the circle, where N(0, 1) phases give every phasor a common
         component (E cos phi = e^(-1/2) = 0.61) that sends most tokens to the same children (on the
         books model at initialisation: balance loss 5.3 and level-1 child-use entropy 0.58 of the
-        maximum at N(0, 1), 1.22 and 0.99 at N(0, pi^2); docs/results.md section 3).
+        maximum at N(0, 1), 1.22 and 0.99 at N(0, pi^2); docs/pmnet.md, "Why a router of its own").
         """
         nn.init.normal_(self.query.weight, std=self.d_model**-0.5)
         if self.address is not None:  # the same reason: the write addresses must spread from the start
@@ -285,8 +285,8 @@ class PhasorMemory(nn.Module):
         phase_q = self.query(h).float()
         phase_r = self.routing_phases(h, phase_q)
         # The balance loss moves the router and the anchors only, never the representation the router
-        # reads: with its gradient reaching h the books model's cross-entropy was 0.5 nats worse
-        # (docs/results.md section 3). Under `routing: learned` it reaches the query projection and h.
+        # reads: with its gradient reaching h the books model's cross-entropy was about 0.5 nats worse
+        # (docs/pmnet.md, "Why a router of its own"). Under `routing: learned` it reaches the query and h.
         phase_b = None
         if self.training and self.balance_weight > 0 and self.router is not None:
             phase_b = self.router(h.detach()).float()
