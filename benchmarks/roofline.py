@@ -22,7 +22,8 @@ per rank:
   fwd_pass run twice); the gradient kernels store fp32 partials per value block that torch sums and
   casts afterwards (the "torch_sums" row, with the forward's output casts). SOE dots run on bf16
   operands (989 TFLOP/s); the phasor's one-hot products run as three tf32 dots of an exact split of
-  the fp32 operand (_select_dot) at tf32's 494 TFLOP/s.
+  the fp32 operand (_select_dot) at tf32's 494 TFLOP/s, per (entry, slot block) pair the entry's tree
+  level spans (phasor_level_blocks).
 - "chunk-span16" (not built): the built launches with every SOE value block 16 columns wide (so 4
   value-block programs per chunk at 64 columns, each re-reading q, k, coefficients and writing its
   partials, as built) and each program keeping its [S*F, 16] state block on chip across 16 chunks, so
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import sys
 from collections import Counter
@@ -173,14 +175,37 @@ def _soe_flops(name: str, c: dict, n_terms: int) -> int:
     return per_term.get(name, 0) * n_terms * 2 * bt * bf * bd + intra.get(name, 0)
 
 
-def _phasor_flops(name: str, c: dict, levels: int) -> int:
-    """tl.dot FLOPs of one phasor chunk and all its levels: each one-hot product is three tf32 dots
-    (_select_dot); the span sums do onehot^T @ rows, the reads and the backward also same-slot @ rows,
-    onehot @ state and the state update."""
+def _phasor_flops(name: str, c: dict, level_blocks: int) -> int:
+    """tl.dot FLOPs of one phasor chunk in one column block over its ``level_blocks`` (level, slot
+    block) pairs: each one-hot product is three tf32 dots (_select_dot); the span sums do
+    onehot^T @ rows, the reads and the backward also same-slot @ rows, onehot @ state and the state
+    update."""
     bt, bm, bn = c["BT"], c["BM"], c["BN"]
     per_level = {"fwd_spans": 2 * bn * bt * bm, "bwd_spans": 2 * bn * bt * bm,
                  "fwd": 2 * bt * bt * bm + 4 * bt * bn * bm, "bwd": 2 * bt * bt * bm + 4 * bt * bn * bm}
-    return 3 * levels * per_level.get(name, 0)
+    return 3 * level_blocks * per_level.get(name, 0)
+
+
+def phasor_level_blocks(entries: int, n_slots: int, block: int) -> int:
+    """The (entry, slot block) pairs a phasor chunk computes: the kernels skip a slot block for an entry
+    none of whose chunk tokens routes into it, so an entry costs the blocks its tree level's slots span
+    (all of them: 16 tokens route into every block of a wide level almost surely). The levels come from
+    PMNet's layout (model/pmnet_memory.py ``_entries``): a full tree of branching N and depth D has
+    (N^(D+1) - 1) / (N - 1) slots, and a token's entries are its path (D + 1) or the root and every
+    child of each node on the path (1 + D * N). ValueError for sizes no such tree gives."""
+    for branching in range(2, n_slots):
+        starts = [0]
+        while starts[-1] < n_slots:
+            starts.append(starts[-1] + branching ** (len(starts) - 1))
+        if starts[-1] != n_slots:
+            continue
+        depth = len(starts) - 2
+        spans = [(hi - 1) // block - lo // block + 1 for lo, hi in itertools.pairwise(starts)]
+        if entries == depth + 1:
+            return sum(spans)
+        if entries == 1 + depth * branching:
+            return spans[0] + branching * sum(spans[1:])
+    raise ValueError(f"no full tree has {n_slots} slots and {entries} scan entries per token")
 
 
 def launch_names(scan: str, captured: Sequence[tuple[Launch, tuple]]) -> list[str]:
@@ -243,8 +268,10 @@ def launch_cost(
     if scan == "phasor":  # programs x the chunks of a span (spans are whole chunks): every chunk once
         if "L" not in named:  # a sequence pass: no products
             return 0, traffic, "tf32"
-        chunks = launch.grid[0] * launch.grid[1] * -(-named["seq_len"] // c["BT"])
-        return chunks * _phasor_flops(name, c, named["L"]), traffic, "tf32"
+        slot_blocks = -(-named["NS"] // c["BN"])
+        chunks = launch.grid[0] * (launch.grid[1] // slot_blocks) * -(-named["seq_len"] // c["BT"])
+        level_blocks = phasor_level_blocks(named["L"], named["NS"], c["BN"])
+        return chunks * _phasor_flops(name, c, level_blocks), traffic, "tf32"
     flops = launch.programs * _soe_flops(name, c, named["S"]) if "S" in named else 0
     return flops, traffic, "fp32" if c.get("PRECISION") == "ieee" else "bf16"
 

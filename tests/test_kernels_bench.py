@@ -156,6 +156,21 @@ def test_roofline_models_the_span_kernels_and_the_chunk_form(capsys, tmp_path):
         roofline.main(["--config", "vort-9b"])
 
 
+def test_roofline_counts_the_slot_blocks_each_phasor_level_spans():
+    """A level costs the slot blocks its slots span: depth 3 (85 slots) is one block of 128 for every
+    entry; depth 5 (1,365 slots) puts levels 0-3 in block 0, level 4 (slots 85-340) across blocks 0-2
+    and level 5 (341-1,364) across blocks 2-10; with the mixture each level below the root has 4
+    entries. Sizes no full tree has are refused."""
+    from benchmarks.roofline import phasor_level_blocks
+
+    assert phasor_level_blocks(4, 85, 128) == 4 and phasor_level_blocks(13, 85, 128) == 13
+    assert phasor_level_blocks(6, 1365, 128) == 1 + 1 + 1 + 1 + 3 + 9
+    assert phasor_level_blocks(21, 1365, 128) == 1 + 4 * (1 + 1 + 1 + 3 + 9)
+    assert phasor_level_blocks(21, 1365, 2048) == 21
+    with pytest.raises(ValueError, match="no full tree has 86 slots"):
+        phasor_level_blocks(4, 86, 128)
+
+
 @pytest.mark.parametrize("config", ["vort-125m", "pmnet-119m"])
 def test_roofline_built_design_counts_every_launch_the_step_makes(config):
     """The built rows are the launches the launch functions make, one row per name, each pointer

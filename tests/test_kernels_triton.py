@@ -39,6 +39,17 @@ def _check_soe(inputs, chunk_size, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, dtype=tor
         assert rel_err(grads[name], ref_grads[name]) <= grad_tol, (name, rel_err(grads[name], ref_grads[name]))
 
 
+def _check_phasor(inputs, n_slots):
+    """The Triton phasor scan's reads, final phases and gradients against the float64 reference."""
+    (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
+    (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
+    assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi
+    assert angle_err(final, ref_final) <= FWD_TOL * 2 * math.pi
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
+    return read
+
+
 @pytest.mark.parametrize(
     ("batch", "seq_len", "heads", "feat", "dim_v", "n_terms", "chunk_size", "with_state"),
     [
@@ -82,12 +93,7 @@ def test_phasor_triton_spans_match_reference(monkeypatch, target, spans):
     inputs, n_slots = phasor_inputs(1, 150, 3, 5, 2, True, seed=11)
     span, launches = phasor_launches(1, 150, 3, 5, n_slots, torch.float32, 80)
     assert launches["fwd"].grid[2] == spans == math.ceil(150 / span)
-    (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
-    (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
-    assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi
-    assert angle_err(final, ref_final) <= FWD_TOL * 2 * math.pi
-    for name in grads:
-        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
+    _check_phasor(inputs, n_slots)
 
 
 # Document starts in two rows of 70 tokens (chunks of 16): row 0 at the first token, inside chunks, on chunk
@@ -158,12 +164,32 @@ def test_phasor_triton_resets_match_reference(monkeypatch, target, spans):
     span, launches = phasor_launches(2, 70, 3, 5, n_slots, torch.float32, 80)
     assert launches["fwd"].grid[2] == spans == math.ceil(70 / span)
     inputs["reset"] = resets(70, RESET_ROWS)
-    (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
-    (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
-    assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi
-    assert angle_err(final, ref_final) <= FWD_TOL * 2 * math.pi
-    for name in grads:
-        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
+    _check_phasor(inputs, n_slots)
+
+
+@pytest.mark.parametrize(("slot_block", "levels", "branching"), [(16, 4, 3), (None, 5, 4)])
+def test_phasor_triton_slot_blocks_match_reference(monkeypatch, slot_block, levels, branching):
+    """A tree wider than one slot block, with resets, an initial state and several spans: 40 slots in
+    blocks of 16 (three blocks, the last one part full; levels 0-2 in the first block only, level 3
+    across all three) and the 341 slots of depth 4 in the shipped blocks (128: three blocks). Reads,
+    final phases and both gradients; each entry's read and gradient come from the one program whose
+    block holds its slot."""
+    import kernels.phasor.triton as phasor_triton
+    import kernels.span
+
+    if slot_block is None:
+        slot_block = phasor_triton._TABLE[False][2]
+    else:
+        monkeypatch.setattr(phasor_triton, "_TABLE", {wide: (16, 16, slot_block, 8, 2) for wide in (False, True)})
+    n_blocks = math.ceil(sum(branching**i for i in range(levels)) / slot_block)
+    monkeypatch.setattr(kernels.span, "TARGET_PROGRAMS", 2 * 3 * n_blocks)  # 3 spans of each row
+    inputs, n_slots = phasor_inputs(2, 70, levels, 5, branching, True, seed=17)
+    span, launches = phasor_triton.phasor_launches(2, 70, levels, 5, n_slots, torch.float32, 80)
+    assert launches["fwd"].grid[1] == math.ceil(n_slots / slot_block) >= 2
+    assert launches["fwd"].constexprs["BN"] == slot_block
+    assert launches["fwd"].grid[2] == math.ceil(70 / span) > 1
+    inputs["reset"] = resets(70, RESET_ROWS)
+    _check_phasor(inputs, n_slots)
 
 
 def test_span_sizes_fill_the_gpu():
@@ -234,13 +260,8 @@ def test_phasor_triton_carried_state_equals_one_pass():
 )
 def test_phasor_triton_matches_reference(batch, seq_len, levels, width, branching, with_state):
     inputs, n_slots = phasor_inputs(batch, seq_len, levels, width, branching, with_state, seed=seq_len)
-    (read, final), grads = phasor_run(inputs, n_slots, "triton", device=DEVICE)
-    (ref_read, ref_final), ref_grads = phasor_run(inputs, n_slots, "reference", dtype=torch.float64)
-    assert angle_err(read, ref_read) <= FWD_TOL * 2 * math.pi
-    assert angle_err(final, ref_final) <= FWD_TOL * 2 * math.pi
+    read = _check_phasor(inputs, n_slots)
     assert read.min() >= 0 and read.max() < 2 * math.pi
-    for name in grads:
-        assert rel_err(grads[name], ref_grads[name]) <= GRAD_TOL, name
 
 
 @triton.jit

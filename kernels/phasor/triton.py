@@ -1,9 +1,15 @@
 """Triton kernels for the phasor scan (the CUDA path; also runs under TRITON_INTERPRET=1 on CPU tensors).
 
-One program per (batch, block of phase columns, span) keeps every slot's phase [n_slots, BM] in
-registers, in fp32, wrapped to [0, 2*pi) after each chunk, and walks its span in chunks of BT tokens,
-starting from the phases entering the span (per-span increment sums and a prefix sum over the spans,
-kernels/span.py, give those first). Per chunk and level, with onehot[t, n] = (slots[t] == n):
+One program per (batch, block of phase columns x block of BN slots, span) keeps its slots' phases
+[BN, BM] in registers, in fp32, wrapped to [0, 2*pi) after each chunk, and walks its span in chunks of
+BT tokens, starting from the phases entering the span (per-span increment sums and a prefix sum over the
+spans, kernels/span.py, give those first). A (token, level) entry belongs to the one slot block that
+holds its slot: only that program loads its row (the others' loads of it are masked off, so each
+increment row is read once; its 4-byte slot id is read by every slot block), computes its read or
+gradient and stores it, so every output element has one writer; a program skips a level in a chunk
+where none of the chunk's entries falls in its block. Slot blocks keep a large tree (the 1,365 slots of
+depth 5) within one program's registers and shared memory. Per chunk and level, with
+onehot[t, n] = (slots[t] == n) over the block's slots n:
   read  = wrap(onehot @ state + same_slot_before @ delta),  same_slot_before[t, j] = (slot_t == slot_j and j < t)
   state += onehot^T @ delta
 Levels never share a slot, so updating the state level by level does not change the next level's reads.
@@ -38,11 +44,13 @@ from kernels.span import (
 
 @triton.jit
 def _slot_tile(M, NS, SPAN, seq_len, BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's batch row, phase columns, slot rows, chunk positions and span [lo, hi) of tokens,
-    and the offsets and mask of its state tile [BN, BM] in one [B, NS, M] slot of the span states."""
+    """This program's batch row, phase columns, slot ids (block ``program_id(1) % n_blocks`` of BN slots),
+    chunk positions and span [lo, hi) of tokens, and the offsets and mask of its state tile [BN, BM] in
+    one [B, NS, M] slot of the span states."""
     b = tl.program_id(0)
-    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
-    offs_n = tl.arange(0, BN)
+    slot_blocks = tl.cdiv(NS, BN)
+    offs_m = (tl.program_id(1) // slot_blocks) * BM + tl.arange(0, BM)
+    offs_n = (tl.program_id(1) % slot_blocks) * BN + tl.arange(0, BN)
     offs_t = tl.arange(0, BT)
     mask_m = offs_m < M
     st_off = (b * NS + offs_n[:, None]) * M + offs_m[None, :]
@@ -82,16 +90,24 @@ def _select_dot(select, x, acc):
 
 
 @triton.jit
-def _level_rows(values, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m):
-    """Level ``lvl`` of tokens ``t``: flat row ids, the [BT, BM] mask, each token's slot, its one-hot
-    over the slot rows, and the rows of ``values`` (an increment or its gradient) in fp32."""
+def _level_slots(slots, b, t, lvl, seq_len, L, NS, BN: tl.constexpr):
+    """Level ``lvl`` of tokens ``t``: flat entry ids, each entry's slot, which entries fall in this
+    program's block of slots (:func:`_slot_tile`), and whether any does (else the level is skipped)."""
     mask_t = t < seq_len
     entry = ((b * seq_len + t) * L + lvl).to(tl.int64)
     sl = tl.load(slots + entry, mask=mask_t, other=-1)
-    mask = mask_t[:, None] & mask_m[None, :]
+    mine = mask_t & (sl // BN == tl.program_id(1) % tl.cdiv(NS, BN))
+    return entry, sl, mine, tl.max(mine.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _level_rows(values, entry, sl, mine, M, offs_m, offs_n, mask_m):
+    """The [BT, BM] mask of this program's entries, their one-hot over the block's slots, and their rows
+    of ``values`` (an increment or its gradient) in fp32, zero elsewhere."""
+    mask = mine[:, None] & mask_m[None, :]
     rows = tl.load(values + entry[:, None] * M + offs_m[None, :], mask=mask, other=0.0).to(tl.float32)
     onehot = (sl[:, None] == offs_n[None, :]).to(tl.float32)
-    return entry, mask, sl, onehot, rows
+    return mask, onehot, rows
 
 
 @triton.jit
@@ -126,10 +142,10 @@ def _phasor_span_kernel(
             counted = doc == last  # increments that reach the phases leaving it
         acc = acc * (last == entering).to(tl.float32)
         for lvl in range(0, L):
-            _entry, _mask, _sl, onehot, rows = _level_rows(
-                values, slots, b, start + offs_t, lvl, seq_len, L, M, offs_m, offs_n, mask_m
-            )
-            acc = _select_dot(tl.trans(onehot), tl.where(counted[:, None], rows, 0.0), acc)
+            entry, sl, mine, any_mine = _level_slots(slots, b, start + offs_t, lvl, seq_len, L, NS, BN)
+            if any_mine:
+                _mask, onehot, rows = _level_rows(values, entry, sl, mine & counted, M, offs_m, offs_n, mask_m)
+                acc = _select_dot(tl.trans(onehot), rows, acc)
         if not REVERSE:
             acc = wrap_phase(acc)
     if REVERSE:
@@ -165,12 +181,14 @@ def _phasor_fwd_kernel(
         earlier = before & (doc[:, None] == doc[None, :])
         added = tl.zeros([BN, BM], dtype=tl.float32)
         for lvl in range(0, L):
-            entry, mask, sl, onehot, d = _level_rows(delta, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
-            same = ((sl[:, None] == sl[None, :]) & earlier).to(tl.float32)
-            reads = onehot * (doc == entering).to(tl.float32)[:, None]
-            r = _select_dot(reads, state, _select_dot(same, d, tl.zeros([BT, BM], dtype=tl.float32)))
-            tl.store(read + entry[:, None] * M + offs_m[None, :], wrap_phase(r), mask=mask)
-            added = _select_dot(tl.trans(onehot * (doc == last).to(tl.float32)[:, None]), d, added)
+            entry, sl, mine, any_mine = _level_slots(slots, b, t, lvl, seq_len, L, NS, BN)
+            if any_mine:
+                mask, onehot, d = _level_rows(delta, entry, sl, mine, M, offs_m, offs_n, mask_m)
+                same = ((sl[:, None] == sl[None, :]) & earlier).to(tl.float32)
+                reads = onehot * (doc == entering).to(tl.float32)[:, None]
+                r = _select_dot(reads, state, _select_dot(same, d, tl.zeros([BT, BM], dtype=tl.float32)))
+                tl.store(read + entry[:, None] * M + offs_m[None, :], wrap_phase(r), mask=mask)
+                added = _select_dot(tl.trans(onehot * (doc == last).to(tl.float32)[:, None]), d, added)
         state = wrap_phase(tl.where(last == entering, state, 0.0) + added)
 
 
@@ -203,21 +221,24 @@ def _phasor_bwd_kernel(
         later = after & (doc[:, None] == doc[None, :])
         added = tl.zeros([BN, BM], dtype=tl.float32)
         for lvl in range(0, L):
-            entry, mask, sl, onehot, g = _level_rows(d_read, slots, b, t, lvl, seq_len, L, M, offs_m, offs_n, mask_m)
-            same = ((sl[:, None] == sl[None, :]) & later).to(tl.float32)
-            writes = onehot * (doc == last).to(tl.float32)[:, None]
-            gd = _select_dot(writes, g_state, _select_dot(same, g, tl.zeros([BT, BM], dtype=tl.float32)))
-            tl.store(d_delta + entry[:, None] * M + offs_m[None, :], gd, mask=mask)
-            added = _select_dot(tl.trans(onehot * (doc == entering).to(tl.float32)[:, None]), g, added)
+            entry, sl, mine, any_mine = _level_slots(slots, b, t, lvl, seq_len, L, NS, BN)
+            if any_mine:
+                mask, onehot, g = _level_rows(d_read, entry, sl, mine, M, offs_m, offs_n, mask_m)
+                same = ((sl[:, None] == sl[None, :]) & later).to(tl.float32)
+                writes = onehot * (doc == last).to(tl.float32)[:, None]
+                gd = _select_dot(writes, g_state, _select_dot(same, g, tl.zeros([BT, BM], dtype=tl.float32)))
+                tl.store(d_delta + entry[:, None] * M + offs_m[None, :], gd, mask=mask)
+                added = _select_dot(tl.trans(onehot * (doc == entering).to(tl.float32)[:, None]), g, added)
         g_state = tl.where(last == entering, g_state, 0.0) + added
 
 
-# Per target: (tokens per chunk, widest block of phase columns, warps, pipeline stages). The compile
-# gate (benchmarks/kernel_compile.py) checks every entry against the target's shared memory and registers.
-_TABLE: dict[bool, tuple[int, int, int, int]] = {
+# Per target: (tokens per chunk, widest block of phase columns, widest block of slots, warps, pipeline
+# stages). The compile gate (benchmarks/kernel_compile.py) checks every entry against the target's shared
+# memory and registers.
+_TABLE: dict[bool, tuple[int, int, int, int, int]] = {
     # sm_90 or newer
-    False: (16, 16, 8, 2),
-    True: (16, 16, 8, 2),
+    False: (16, 16, 128, 8, 2),
+    True: (16, 16, 128, 8, 2),
 }
 
 
@@ -227,12 +248,14 @@ def phasor_launches(
     """(span length, launches) of one scan for increments of ``dtype`` on a GPU of compute capability
     ``capability``. Forward: "fwd_spans" (each span's increments per slot), "fwd_pass" (the phases
     entering each span), "fwd" (the reads); backward: "bwd_spans", "bwd_pass" (in reverse), "bwd".
-    Chunk, column and padded slot blocks are all >= 16 for tl.dot; spans are whole chunks, as many as
-    reach kernels.span.TARGET_PROGRAMS programs."""
-    bt, bm_max, warps, stages = _TABLE[capability >= 90]
+    Chunk, column and slot blocks are all >= 16 for tl.dot: one slot block of the slot count padded to a
+    power of two, or as many blocks of the table's widest as the slots need. Grid axis 1 runs over
+    (column block, slot block); spans are whole chunks, as many as reach kernels.span.TARGET_PROGRAMS
+    programs."""
+    bt, bm_max, bn_max, warps, stages = _TABLE[capability >= 90]
     bm = min(bm_max, max(16, triton.next_power_of_2(width)))
-    bn = max(16, triton.next_power_of_2(n_slots))
-    blocks = triton.cdiv(width, bm)
+    bn = min(bn_max, max(16, triton.next_power_of_2(n_slots)))
+    blocks = triton.cdiv(width, bm) * triton.cdiv(n_slots, bn)
     span = bt * span_chunks(seq_len, bt, batch * blocks)
     grid = (batch, blocks, triton.cdiv(seq_len, span))
     constexprs = {"BT": bt, "BM": bm, "BN": bn}
