@@ -192,6 +192,16 @@ def test_phasor_triton_slot_blocks_match_reference(monkeypatch, slot_block, leve
     _check_phasor(inputs, n_slots)
 
 
+@pytest.mark.slow
+def test_phasor_triton_depth5_tree_matches_reference():
+    """pmnet-119m-copy's tree as the scan sees it on the path: 6 levels, 1,365 slots in 11 blocks of
+    128, 64 phase columns (4 column blocks), resets and an initial state (about 20 s interpreted)."""
+    inputs, n_slots = phasor_inputs(1, 48, 6, 64, 4, True, seed=5)
+    inputs["reset"] = resets(48, [[0, 20, 33]])
+    assert n_slots == 1365
+    _check_phasor(inputs, n_slots)
+
+
 def test_span_sizes_fill_the_gpu():
     """Spans give the per-span kernels TARGET_PROGRAMS programs when the sequence has enough chunks (one
     chunk per span otherwise), and the span pass launches MIN_PROGRAMS programs for states of 264
