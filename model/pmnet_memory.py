@@ -78,6 +78,9 @@ class PhasorMemory(nn.Module):
         self.update_train, self.update_eval = config.update_memory_train, config.update_memory_eval
         self.collision_scope, self.scan_backend = config.collision_scope, config.scan_backend
         self.routing, self.write_address = config.routing, config.write_address
+        # every routing but the fixed hash learns: anchors as parameters, a learned write address, the
+        # sibling mixture that gives the routes their gradient
+        self.learns_routes = config.routing != "hash"
         self.balance_weight = config.balance_loss
         self.reference = False
         offsets = [(branching**h - 1) // (branching - 1) for h in range(depth + 1)]
@@ -86,7 +89,7 @@ class PhasorMemory(nn.Module):
         self.query = nn.Linear(d_model, memory_dim, bias=False)
         self.write = nn.Linear(d_model, memory_dim, bias=False)
         # `write_address: conv` (learned routing): the writes' own address, from the short-convolved input
-        learned_address = config.write_address == "conv" and config.routing != "hash"
+        learned_address = config.write_address == "conv" and self.learns_routes
         self.address = nn.Linear(d_model, memory_dim, bias=False) if learned_address else None
         # `routing: router`: the reads' route from a projection of its own, so what moves the route (the
         # balance loss above all) does not move the query phases that demodulate the read
@@ -98,11 +101,11 @@ class PhasorMemory(nn.Module):
         # A learned routing key per slot in the space of the query phasor [cos, sin]: routing compares
         # queries with these alone (docs/pmnet.md, "routing on the anchors").
         anchors = torch.randn(self.n_slots, 2 * memory_dim)
-        if config.routing == "hash":  # fixed: a random projection of the input against fixed keys
+        if self.learns_routes:
+            self.anchors = nn.Parameter(anchors)
+        else:  # fixed: a random projection of the input against fixed keys
             self.register_buffer("anchors", anchors)
             self.register_buffer("hash_projection", torch.randn(d_model, memory_dim))
-        else:
-            self.anchors = nn.Parameter(anchors)
         # The Switch-style balance loss of the last training forward (a scalar with its graph).
         self.balance: torch.Tensor | None = None
         self.last_write_grad_sq: torch.Tensor | None = None
@@ -374,7 +377,7 @@ class PhasorMemory(nn.Module):
             sequence.add(delta, write_path, None if doc_start is None else document_ids(doc_start))
         elif self.collision_scope == "segment":
             delta = normalise_collisions(delta, by_segment)
-        mixture = torch.is_grad_enabled() and self.routing != "hash"
+        mixture = torch.is_grad_enabled() and self.learns_routes
         chosen = children == path[:, :, 1:, None]
         reset = self._resets(positions, doc_start, B)
         if phase_w is None:
