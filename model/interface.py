@@ -214,6 +214,12 @@ class CausalLM(nn.Module):
         that cross the piece borders when a sequence is split over `sequence_parallel` ranks."""
         return 0.0, 0.0
 
+    def scan_buffer_bytes(self, batch: int, tokens: int) -> float:
+        """Per rank, in bytes: what the GPU scan kernels allocate beside a training step's activations at
+        `batch` x `tokens` (the states each layer's forward keeps for its backward, and one layer's
+        scan call at once); 0 for models whose scans allocate nothing of note."""
+        return 0.0
+
     @torch.no_grad()
     def cache_floats(self, seq_len: int) -> int:
         """Floats an inference cache holds after `seq_len` tokens: the recurrent state (a model that

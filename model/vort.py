@@ -330,6 +330,18 @@ class VortLM(StackedLM):
         buffers = c.n_layers * per_layer * (sequence_parallel + 2) if sequence_parallel > 1 else 0.0
         return c.n_layers * per_layer, buffers
 
+    def scan_buffer_bytes(self, batch: int, tokens: int) -> float:
+        """The Triton SOE scan's buffers, counted on the meta device (kernels/soe/gpu/footprint.py): the span
+        states every layer keeps for its backward, plus one layer's call at once, its outputs and input
+        gradients included."""
+        from kernels.soe.gpu.footprint import scan_allocations
+
+        c, mixer = self.config, self.blocks[0].mixer
+        sizes = (c.n_heads, mixer.memory.n_terms, mixer.n_features, c.head_dim, mixer.chunk_size)
+        counts = scan_allocations(sizes, tokens, batch)
+        outputs = batch * tokens * c.n_heads * (c.head_dim + 1) * 2  # o and z in bf16: activations already
+        return (counts["forward"] - outputs) * (c.n_layers - 1) + counts["forward"] + counts["backward"]
+
     def __init__(self, config: ModelConfig):
         if config.kind not in VORT_KINDS:
             raise ValueError(f"kind: VortLM builds {', '.join(VORT_KINDS)}, got {config.kind!r}")

@@ -64,22 +64,74 @@ def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_term
     _check_soe(soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed=seq_len), chunk_size)
 
 
-@pytest.mark.parametrize(("seq_len", "chunk_size", "batch", "heads", "dim_v"), [(150, 16, 1, 1, 5), (70, 32, 2, 2, 20)])
-def test_soe_triton_many_chunks_match_reference(seq_len, chunk_size, batch, heads, dim_v):
-    """Lengths over many chunks, not a multiple of the chunk (150 tokens: nine chunks of 16 and one of 6;
-    70 tokens of two sequences and two heads: chunks of 32, one value block forward and one backward),
-    with an initial state, a term that decays fast, and every gradient (q, k, v, coef, log_lam, G0, b0).
-    Each chunk kernel runs one program per (chunk x batch x head, value block)."""
+def _spans_of(monkeypatch, batch, seq_len, heads, chunk, chunks_per_span):
+    """Patch the span sizing so that a scan of these sizes walks spans of ``chunks_per_span`` chunks (the
+    launches ask for MIN_PROGRAMS programs of the smallest walk, one per span x batch x head)."""
+    import kernels.soe.gpu.launches as launches
+
+    n_chunks = math.ceil(seq_len / chunk)
+    monkeypatch.setattr(launches, "MIN_PROGRAMS", batch * heads * math.ceil(n_chunks / chunks_per_span))
+    assert launches.span_size(batch, seq_len, heads, chunk) == chunks_per_span
+    return math.ceil(n_chunks / chunks_per_span)
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "chunk_size", "batch", "heads", "feat", "dim_v", "per_span"),
+    [(150, 16, 1, 1, 4, 5, 3), (150, 16, 1, 1, 20, 5, 1), (70, 16, 2, 2, 20, 40, 2), (150, 16, 1, 1, 4, 5, 10)],
+)
+def test_soe_triton_spans_match_reference(monkeypatch, seq_len, chunk_size, batch, heads, feat, dim_v, per_span):
+    """Many spans of whole chunks, a short last span and a short last chunk (150 tokens: nine chunks of 16
+    and one of 6, in spans of 3, so the last span is that chunk alone; spans of one chunk; one span), with
+    several value and feature blocks, an initial state, a term that decays fast, and every gradient (q, k,
+    v, coef, log_lam, G0, b0). The walks run one program per span x batch x head x column block."""
     from kernels.soe.triton import soe_launches
 
-    chunk, launches = soe_launches(batch, seq_len, heads, 2, 4, dim_v, chunk_size, torch.float32, 80)
+    n_spans = _spans_of(monkeypatch, batch, seq_len, heads, chunk_size, per_span)
+    chunk, launches = soe_launches(batch, seq_len, heads, 2, feat, dim_v, chunk_size, torch.float32, 80)
     assert chunk == chunk_size
-    for name, launch in launches.items():
-        if "pass" not in name:
-            assert launch.grid[0] == math.ceil(seq_len / chunk) * batch * heads, name
-    inputs = soe_inputs(batch, seq_len, heads, 4, dim_v, 2, True, seed=7)
+    blocks = {name: launches[name].constexprs.get("BD") or launches[name].constexprs.get("BC") for name in launches}
+    for name in ("fwd_states", "fwd", "bwd_states", "bwd_values"):
+        assert launches[name].grid[0] == n_spans * batch * heads * math.ceil(dim_v / blocks[name]), name
+    for name in ("bwd_keys", "bwd_queries"):
+        assert launches[name].grid[0] == n_spans * batch * heads * math.ceil(feat / blocks[name]), name
+    assert launches["fwd_norm"].grid[0] == n_spans * batch * heads
+    inputs = soe_inputs(batch, seq_len, heads, feat, dim_v, 2, True, seed=7)
     inputs["log_lam"] = torch.tensor([[-0.01, -3.0]] * heads, dtype=torch.float64)
     _check_soe(inputs, chunk_size)
+
+
+@pytest.mark.parametrize("n_terms", [3, 5, 11, 18])
+def test_soe_triton_term_groups_match_reference(monkeypatch, n_terms):
+    """The terms split in two power-of-two groups (3 = 2 + 1, 5 = 4 + 1, 11 = 8 + 4 with one padded term,
+    18 = 16 + 2), over three spans with resets: outputs, final state and every gradient."""
+    from kernels.soe.gpu.launches import term_groups
+
+    groups = term_groups(n_terms)
+    assert groups[0] + groups[1] >= n_terms > groups[0] and groups[2]
+    _spans_of(monkeypatch, 1, 70, 1, 16, 2)
+    inputs = soe_inputs(1, 70, 1, 6, 9, n_terms, True, seed=n_terms)
+    inputs["reset"] = resets(70, RESET_ROWS[:1])
+    _check_soe(inputs, 16)
+
+
+def test_soe_triton_without_a_decay_gradient(monkeypatch):
+    """Decays that are buffers (VORT's): the backward skips the decay gradient's sums and returns None for
+    log_lam, and every other gradient still matches the reference."""
+    _spans_of(monkeypatch, 2, 70, 2, 16, 2)
+    inputs = soe_inputs(2, 70, 2, 6, 9, 18, True, seed=3)
+    inputs["reset"] = resets(70, RESET_ROWS)
+    got, want = ({} for _ in range(2))
+    for backend, dtype, grads in (("triton", torch.float32, got), ("reference", torch.float64, want)):
+        x = {n: t.to(dtype).requires_grad_(n != "log_lam") for n, t in inputs.items() if t.is_floating_point()}
+        o, z, (g, b) = soe_scan(x["q"], x["k"], x["v"], x["coef"], x["log_lam"], (x["g0"], x["b0"]), True, 16,
+                                backend, reset=inputs["reset"])  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o, z, g, b)]
+        sum((t.double() * w).sum() for t, w in zip((o, z, g, b), weights)).backward()
+        grads.update({n: t.grad for n, t in x.items()})
+    assert got.pop("log_lam") is None and want.pop("log_lam") is None
+    for name in want:
+        assert rel_err(got[name], want[name]) <= GRAD_TOL, name
 
 
 @pytest.mark.parametrize(("target", "spans"), [(1, 1), (4, 5)])
@@ -102,20 +154,24 @@ def test_phasor_triton_spans_match_reference(monkeypatch, target, spans):
 RESET_ROWS = [[0, 5, 16, 17, 32, 33, 34, 64, 69], [15, 48]]
 
 
-@pytest.mark.parametrize(("chunk_size", "dim_v"), [(16, 5), (32, 70)])
-def test_soe_triton_resets_match_reference(chunk_size, dim_v):
-    """Resets in the Triton SOE scan with chunks of 16 and of 32 (then with two value blocks forward and
-    three backward), an initial state and a fast-decaying term: outputs, final state and every gradient."""
+@pytest.mark.parametrize(("chunk_size", "dim_v", "per_span"), [(16, 5, 2), (16, 5, 1), (16, 70, 3)])
+def test_soe_triton_resets_match_reference(monkeypatch, chunk_size, dim_v, per_span):
+    """Resets in the Triton SOE scan inside chunks, on chunk borders and on span borders (spans of two
+    chunks of 16: borders at 32 and 64; spans of one chunk; spans of three with several value blocks), an
+    initial state and a fast-decaying term: outputs, final state and every gradient."""
+    _spans_of(monkeypatch, 2, 70, 1, chunk_size, per_span)
     inputs = soe_inputs(2, 70, 1, 4, dim_v, 2, True, seed=9)
     inputs["log_lam"] = torch.tensor([[-0.01, -3.0]], dtype=torch.float64)
     inputs["reset"] = resets(70, RESET_ROWS)
     _check_soe(inputs, chunk_size)
 
 
-def test_soe_triton_runs_are_bitwise_equal():
-    """Two runs of the Triton SOE scan (resets, an initial state, several value blocks, so partials are
-    summed over value blocks and chunks) give bitwise-equal outputs and gradients."""
-    inputs = soe_inputs(2, 70, 2, 4, 70, 3, True, seed=4)
+def test_soe_triton_runs_are_bitwise_equal(monkeypatch):
+    """Two runs of the Triton SOE scan (resets, an initial state, several spans and value and feature
+    blocks, so the coefficient gradient's shares and the decay gradient's partials are summed) give
+    bitwise-equal outputs and gradients."""
+    _spans_of(monkeypatch, 2, 70, 2, 16, 2)
+    inputs = soe_inputs(2, 70, 2, 20, 70, 3, True, seed=4)
     inputs["reset"] = resets(70, RESET_ROWS)
     first, second = (soe_run(inputs, "triton", device=DEVICE, chunk_size=16) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first[0], second[0], strict=True))
@@ -141,15 +197,20 @@ def test_scan_kernels_have_no_atomics():
 
 def test_soe_grids_fit_at_a_million_tokens():
     """At 1M tokens per rank and the vort-125m sizes (12 heads, 18 terms, 64-wide features and values,
-    chunk 64), every SOE launch keeps grid axes 1 and 2 within 65,535 (the long axis is axis 0)."""
+    chunk 64), every SOE launch keeps grid axes 1 and 2 within 65,535 (the long axis is axis 0), and the
+    span walks' grids do not grow with the length (their spans do)."""
     from kernels.soe.triton import entering_launches, soe_launches
 
     for capability in (80, 90):
-        _chunk, launches = soe_launches(1, 1 << 20, 12, 18, 64, 64, 64, torch.bfloat16, capability)
-        launches |= entering_launches(1, 1 << 20, 12, 18, 64, 64, torch.bfloat16, capability)
+        chunk, launches = soe_launches(1, 1 << 20, 12, 18, 64, 64, 64, torch.bfloat16, capability)
+        short = soe_launches(1, 1 << 16, 12, 18, 64, 64, 64, torch.bfloat16, capability)[1]
+        assert all(launches[n].grid == short[n].grid for n in launches if n.startswith(("fwd", "bwd_")) and
+                   n not in ("bwd_coef",))  # fmt: skip
+        launches |= {f"entering_{n}": x for n, x in entering_launches(1, 1 << 20, 12, 18, 64, 64, torch.bfloat16,
+                                                                        capability).items()}  # fmt: skip
         for launch in launches.values():
             assert max(launch.grid[1:], default=1) <= 65_535 and launch.grid[0] < 2**31
-        assert launches["fwd"].grid[0] == (1 << 20) // 64 * 12
+        assert launches["bwd_coef"].grid[0] == (1 << 20) // chunk * 12
 
 
 @pytest.mark.parametrize(("target", "spans"), [(1, 1), (264, 5)])

@@ -6,7 +6,8 @@ First the trainer's own start-up rules (pretrain.preflight.check_start) at this 
 that cannot start exits with their message. Then weights and optimizer state from the engine's
 sharding, activations of training and of the periodic evaluation measured on this CPU in the run's
 precision and extrapolated to the rank's length, scan states and sequence-parallel buffers from
-their shapes. docs/sequence_parallel.md, "Memory plan", explains the method and its limits.
+their shapes, the GPU scan's own buffers counted on the meta device. docs/sequence_parallel.md,
+"Memory plan", explains the method and its limits.
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ class Plan:
     states: float
     buffers: float
     reduce_bucket: float
+    scan_buffers: float
 
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.optimizer + max(self.activations, self.eval_activations)
-                + self.states + self.buffers + self.reduce_bucket)
+                + self.states + self.buffers + self.reduce_bucket + self.scan_buffers)
 
 
 def parse_bytes(text: str) -> float:
@@ -99,11 +101,12 @@ def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int =
     if piece:
         evaluation = extrapolate(*(measure(cfg, False, probe * k, 1, "eval") for k in (1, 2)), probe, piece)
     states, buffers = model.state_bytes(cfg.train.micro_batch, cfg.engine.sequence_parallel)
+    scans = model.scan_buffer_bytes(cfg.train.micro_batch, tokens)
     plans = []
     for checkpointing in (False, True):
         short, long = (measure(cfg, checkpointing, probe * k, 1) for k in (1, 2))
         activations = extrapolate(short, long, probe, tokens)
-        plans.append(Plan(params, grads, optimizer, activations, evaluation, states, buffers, bucket))
+        plans.append(Plan(params, grads, optimizer, activations, evaluation, states, buffers, bucket, scans))
     return plans[0], plans[1]
 
 
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluation every {cfg.eval.every} steps at contexts {cfg.eval.contexts}, in pieces of {piece} tokens")
     print(f"{'GiB per rank':<28}{'no checkpointing':>18}{'checkpointing':>16}")
     fields = ("params", "grads", "optimizer", "activations", "eval_activations", "states", "buffers",
-              "reduce_bucket", "total")
+              "reduce_bucket", "scan_buffers", "total")
     for field in fields:
         print(f"{field:<28}{getattr(plain, field) / GIB:>18.2f}{getattr(checkpointed, field) / GIB:>16.2f}")
     fits = ["fits" if p.total <= capacity else "does NOT fit" for p in (plain, checkpointed)]

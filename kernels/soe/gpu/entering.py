@@ -1,7 +1,7 @@
 """The entering-state read of sequence parallelism in Triton: o_t = sum_s lam_s^(t+1) q_t^T G_s and
-z_t likewise with b_s, for a state (G, b) entering a piece, with its backward. Chunk parallel, no atomics:
-the gradients of the state come from the chunk-state kernel and the reverse sequence pass of the scan
-(kernels/soe/gpu/states.py), those of q and log_lam from per-value-block partials summed in fixed order."""
+z_t likewise with b_s, for a state (G, b) entering a piece, with its backward. No atomics: the gradient
+of the state comes from the scan's reverse span walk and span pass (kernels/soe/gpu/forward.py,
+span_states_kernel), those of q and log_lam from per-value-block partials summed in a fixed order."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import triton.language as tl
 
 from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
 from kernels.soe.gpu.function import pack, pass_sizes, slots, unpack
-from kernels.soe.gpu.launches import INTS, chunk_block, precision, value_block, wide_rows
-from kernels.soe.gpu.states import chunk_state_kernel
+from kernels.soe.gpu.launches import chunk_block, precision, soe_launches, span_size
 from kernels.soe.gpu.tiles import (
     chunk_program,
     first_block,
@@ -22,7 +21,6 @@ from kernels.soe.gpu.tiles import (
     store_rows,
     token_rows,
 )
-from kernels.span import span_pass_launch
 
 
 @triton.jit
@@ -80,43 +78,40 @@ def entering_bwd_kernel(
 
 # Per target (sm_90 or newer) and kernel: (largest value block, warps, stages).
 _TABLE: dict[bool, dict[str, tuple[int, int, int]]] = {
-    False: {"fwd": (64, 4, 2), "bwd_states": (64, 4, 2), "bwd": (64, 4, 2)},
-    True: {"fwd": (64, 8, 2), "bwd_states": (64, 4, 2), "bwd": (64, 8, 2)},
+    False: {"fwd": (64, 4, 2), "bwd": (64, 4, 2)},
+    True: {"fwd": (64, 8, 2), "bwd": (64, 8, 2)},
 }
 ENTERING_CHUNK = 64
+INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W")
 
 
 def entering_launches(
     batch: int, seq_len: int, heads: int, n_terms: int, feat: int, width: int, dtype: torch.dtype, capability: int
 ) -> dict[str, Launch]:
     """The launches of the entering-state read, in the order they run: "fwd" (o, z); backward
-    "bwd_states" (each chunk's contribution to the state's gradient), "bwd_pass" (their decayed sum, in
-    reverse) and "bwd" (the q and log_lam partials). Chunk kernels run one program per (chunk x batch x
-    head, value block)."""
+    "bwd_states" and "bwd_pass" (the state's gradient: the scan's own reverse span walk and span pass,
+    kernels/soe/gpu/launches.py) and "bwd" (the q and log_lam partials). The chunk kernels run one
+    program per (chunk x batch x head, value block)."""
     cap = capability >= 90
     bt = chunk_block(ENTERING_CHUNK, capability)
     bf = max(16, triton.next_power_of_2(feat))
     operand = triton_type(dtype)
     made = {
-        "fwd": (entering_fwd_kernel, {"q": operand, "log_lam": "fp32", "states": "fp32", "out": "fp32", "z": "fp32"},
-                {}),
-        "bwd_states": (chunk_state_kernel, {"x": operand, "y": operand, "coef": operand, "y_norm": "fp32"}
-                       | {"log_lam": "fp32", "docs": "i32", "states": "fp32"}, {"REVERSE": True}),
+        "fwd": (entering_fwd_kernel, {"q": operand, "log_lam": "fp32", "states": "fp32", "out": "fp32", "z": "fp32"}),
         "bwd": (entering_bwd_kernel, {"q": operand, "log_lam": "fp32", "states": "fp32", "d_out": operand}
-                | dict.fromkeys(("d_z", "dq", "dll"), "fp32"), {}),
+                | dict.fromkeys(("d_z", "dq", "dll"), "fp32")),
     }  # fmt: skip
     launches = {}
-    for name, (kernel, pointers, extra) in made.items():
+    for name, (kernel, pointers) in made.items():
         largest, warps, stages = _TABLE[cap][name]
-        bd = value_block(width, largest)
-        constexprs = {"BT": bt, "BF": bf, "BD": bd} | extra | {"PRECISION": precision(dtype)}
+        bd = min(largest, max(16, triton.next_power_of_2(width)))
+        constexprs = {"BT": bt, "BF": bf, "BD": bd, "PRECISION": precision(dtype)}
         grid = (triton.cdiv(seq_len, bt) * batch * heads, triton.cdiv(width, bd), 1)
-        launches[name] = Launch(
-            kernel, pointers, dict.fromkeys(INTS, "i32"), constexprs, grid, warps, stages, wide=wide_rows(pointers)
-        )
-    n_state = batch * heads * n_terms * feat * (width + 1)
-    launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
-    return {name: launches[name] for name in ("fwd", "bwd_states", "bwd_pass", "bwd")}
+        launches[name] = Launch(kernel, pointers, dict.fromkeys(INTS, "i32"), constexprs, grid, warps, stages,
+                                wide=frozenset(pointers) - {"log_lam"})  # fmt: skip
+    scan = soe_launches(batch, seq_len, heads, n_terms, feat, width, ENTERING_CHUNK, dtype, capability)[1]
+    return {"fwd": launches["fwd"], "bwd_states": scan["bwd_states"], "bwd_pass": scan["bwd_pass"],
+            "bwd": launches["bwd"]}  # fmt: skip
 
 
 class SoeEnteringTriton(torch.autograd.Function):
@@ -149,15 +144,18 @@ class SoeEnteringTriton(torch.autograd.Function):
         d_out = torch.zeros((*q.shape[:3], width), dtype=q.dtype, device=dev) if d_o is None else d_o.to(q.dtype)
         d_zz = torch.zeros(q.shape[:3], dtype=f32, device=dev) if d_z is None else d_z.to(f32)
         d_out, d_zz = d_out.contiguous(), d_zz.contiguous()
-        launches = entering_launches(batch, seq_len, heads, n_terms, feat, width, q.dtype, device_capability(q))
+        capability = device_capability(q)
+        launches = entering_launches(batch, seq_len, heads, n_terms, feat, width, q.dtype, capability)
         chunk = launches["fwd"].constexprs["BT"]
-        n_chunks = triton.cdiv(seq_len, chunk)
+        span = span_size(batch, seq_len, heads, chunk)
+        n_spans, n_chunks = triton.cdiv(seq_len, span * chunk), triton.cdiv(seq_len, chunk)
         sizes = (seq_len, batch * heads, heads, n_terms, feat, width, state.shape[-1])
         docs = torch.zeros(batch, seq_len, dtype=torch.int32, device=dev)  # no resets inside the read
-        d_states = slots(n_chunks, torch.zeros_like(state[0]), at_end=True)
-        launches["bwd_states"].run(q, d_out, q, d_zz, ll, docs, d_states, *sizes)
-        carry = torch.ones(batch, n_chunks, dtype=f32, device=dev)
-        launches["bwd_pass"].run(d_states, ll, carry, n_chunks, seq_len, chunk, *pass_sizes(d_states, heads * n_terms))
+        d_states = slots(n_spans, torch.zeros_like(state[0]), at_end=True)
+        launches["bwd_states"].run(q, d_out, d_zz, q, ll, docs, d_states, *sizes, span)  # (no coefficients read)
+        carry = torch.ones(batch, n_spans, dtype=f32, device=dev)
+        launches["bwd_pass"].run(d_states, ll, carry, n_spans, seq_len, span * chunk,
+                                 *pass_sizes(d_states, heads * n_terms))  # fmt: skip
         n_blocks = launches["bwd"].grid[1]
         dq = torch.empty(n_blocks, *q.shape, dtype=f32, device=dev)
         dll = torch.empty(n_blocks * n_chunks * batch, heads, n_terms, dtype=f32, device=dev)

@@ -1,5 +1,5 @@
-"""The SOE scan's Triton autograd Function: chunk states, the sequence pass, chunk-parallel outputs and
-gradients (kernels/soe/gpu/launches.py lists the launches in the order they run)."""
+"""The SOE scan's Triton autograd Function: span walks with the state on chip, the pass over span
+states, and the gradient walks (kernels/soe/gpu/launches.py lists the launches in the order they run)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import triton
 
 from kernels._common import check_triton_inputs, device_capability, document_numbers
-from kernels.soe.gpu.launches import soe_launches
-from kernels.soe.gpu.output import output_kernel
+from kernels.soe.gpu.forward import output_kernel
+from kernels.soe.gpu.launches import soe_launches, span_size
 from kernels.span import span_carry
 
 
@@ -39,24 +39,15 @@ def pass_sizes(states: torch.Tensor, terms_per_row: int) -> tuple[int, int, int,
     return states[0].numel(), width, terms_per_row, terms_per_row * width
 
 
-def entering_states(launches, k, v, coef, ll, docs, carry, initial, chunk, sizes) -> torch.Tensor:
-    """The packed states entering every chunk (slot n_chunks: the final state), by the chunk-state
-    kernel and the forward sequence pass."""
-    seq_len, _bh, heads, n_terms = sizes[:4]
-    n_chunks = triton.cdiv(seq_len, chunk)
-    states = slots(n_chunks, initial, at_end=False)
-    launches["fwd_states"].run(k, v, coef, coef, ll, docs, states, *sizes)
-    launches["fwd_pass"].run(states, ll, carry, n_chunks, seq_len, chunk, *pass_sizes(states, heads * n_terms))
-    return states
-
-
 class SoeScanTriton(torch.autograd.Function):
-    """Triton forward and backward in chunk form. Saves the inputs and the initial state; the backward
-    recomputes the entering states (two light kernels) and derives the state gradients with the reverse
-    sequence pass. ``reset`` (bool [B, T] or None) zeroes the state before each document's first token:
-    the kernels get the document numbers, the pass a per-chunk carry (kernels/span.py). No atomics: every
-    output element is stored by one program, partials over value blocks and chunks are summed by torch in
-    a fixed order, so two runs give bitwise-equal results."""
+    """Triton forward and backward over spans of chunks (kernels/soe/gpu/launches.py lists the launches).
+    No per-chunk state touches global memory: the walks keep their block of every term's state on chip
+    and store only the states at span borders, [n_spans + 1, B*H*S, F*D + F] fp32, which the forward
+    saves for the backward's query walk. ``reset`` (bool [B, T] or None) zeroes the state before each
+    document's first token: the kernels get the document numbers, the span pass a per-span carry
+    (kernels/span.py). No atomics: every output element is stored by one program, in its dtype; the
+    coefficient gradient's value-block shares are added in a fixed order by its own kernel and the decay
+    gradient's per-span and per-chunk partials by torch, so two runs give bitwise-equal results."""
 
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
@@ -66,26 +57,30 @@ class SoeScanTriton(torch.autograd.Function):
         q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
         coef = coef.to(q.dtype).contiguous()
         ll = log_lam.float().contiguous()
-        chunk, launches = soe_launches(
-            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q)
-        )
+        capability = device_capability(q)
+        chunk, launches = soe_launches(batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability)
+        span = span_size(batch, seq_len, heads, chunk)
+        n_spans = triton.cdiv(seq_len, span * chunk)
         docs = document_numbers(reset, batch, seq_len, q.device)
-        carry = span_carry(docs, chunk)
-        initial = pack(g0, b0)
-        sizes = (seq_len, batch * heads, heads, n_terms, feat, width, initial.shape[-1])
-        states = entering_states(launches, k, v, coef, ll, docs, carry, initial, chunk, sizes)
-        out = torch.empty(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
-        z = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q.device)
-        launches["fwd"].run(q, k, v, coef, ll, docs, states, out, z, *sizes)
+        carry = span_carry(docs, span * chunk)
+        ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1), span)
+        states = slots(n_spans, pack(g0, b0), at_end=False)
+        launches["fwd_states"].run(k, v, v, coef, ll, docs, states, *ints)
+        pass_args = (n_spans, seq_len, span * chunk, *pass_sizes(states, heads * n_terms))
+        launches["fwd_pass"].run(states, ll, carry, *pass_args)
+        out = torch.empty(batch, seq_len, heads, width, dtype=q.dtype, device=q.device)
+        z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
+        launches["fwd"].run(q, k, v, coef, ll, docs, states, out, *ints)
+        launches["fwd_norm"].run(q, k, coef, ll, docs, states, z, *ints)
         g_t, b_t = unpack(states[-1], g0.shape)
-        ctx.save_for_backward(q, k, v, coef, ll, initial, docs, carry)
+        ctx.save_for_backward(q, k, v, coef, ll, docs, carry, states)
         ctx.set_materialize_grads(False)
         ctx.meta = (chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)], g0.shape)
-        return out.to(q.dtype), z.to(q.dtype), g_t, b_t
+        return out, z, g_t, b_t
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
-        q, k, v, coef, ll, initial, docs, carry = ctx.saved_tensors
+        q, k, v, coef, ll, docs, carry, states = ctx.saved_tensors
         chunk_size, dtypes, g_shape = ctx.meta
         batch, seq_len, heads, feat = q.shape
         n_terms, width = ll.shape[-1], v.shape[-1]
@@ -95,33 +90,41 @@ class SoeScanTriton(torch.autograd.Function):
             return torch.zeros(shape, dtype=dtype, device=dev) if grad is None else grad.to(dtype).contiguous()
 
         d_out, d_zz = given(d_o, v.shape, q.dtype), given(d_z, q.shape[:3], f32)
+        capability = device_capability(q)
+        decay_grad = ctx.needs_input_grad[4]
         chunk, launches = soe_launches(
-            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, device_capability(q)
+            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad
         )
-        n_chunks = triton.cdiv(seq_len, chunk)
-        sizes = (seq_len, batch * heads, heads, n_terms, feat, width, initial.shape[-1])
-        states = entering_states(launches, k, v, coef, ll, docs, carry, initial, chunk, sizes)
+        span = span_size(batch, seq_len, heads, chunk)
+        n_spans = states.shape[0] - 1
+        ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1), span)
         final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
-        d_states = slots(n_chunks, final, at_end=True)
-        launches["bwd_states"].run(q, d_out, coef, d_zz, ll, docs, d_states, *sizes)
-        pass_args = (n_chunks, seq_len, chunk, *pass_sizes(states, heads * n_terms))
+        d_states = slots(n_spans, final, at_end=True)
+        launches["bwd_states"].run(q, d_out, d_zz, coef, ll, docs, d_states, *ints)
+        pass_args = (n_spans, seq_len, span * chunk, *pass_sizes(d_states, heads * n_terms))
         launches["bwd_pass"].run(d_states, ll, carry, *pass_args)
-        blocks = launches["bwd_intra"].grid[1]  # value blocks
-        dq = torch.empty(2 * blocks, *q.shape, dtype=f32, device=dev)  # (cross, intra) x value block
-        dk = torch.empty_like(dq)
-        dv = torch.empty(2, *v.shape, dtype=f32, device=dev)  # value blocks are disjoint
-        dcoef = torch.empty(2 * blocks, *coef.shape, dtype=f32, device=dev)
-        dll = torch.empty(3 * blocks * n_chunks * batch, heads, n_terms, dtype=f32, device=dev)  # reads, writes, intra
+        n_features = triton.cdiv(feat, launches["bwd_keys"].constexprs["BC"])
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        shares = torch.empty(n_features, *coef.shape, dtype=f32, device=dev)  # dcoef per feature block
+        # the decay gradient's partials (left unwritten without decay_grad): reader sums per feature block and
+        # span, writer and intra-chunk sums per chunk
+        dll = torch.empty(n_features, n_spans * batch, heads, n_terms, dtype=f32, device=dev)
+        dll_chunks = torch.empty(triton.cdiv(seq_len, chunk) * batch, heads, n_terms, dtype=f32, device=dev)
         centre = (seq_len - 1) / 2.0
-        launches["bwd_reads"].run(q, ll, docs, states, d_out, d_zz, dq, dll, *sizes, centre)
-        launches["bwd_writes"].run(k, v, coef, ll, docs, d_states, dk, dv, dcoef, dll, *sizes, centre)
-        launches["bwd_intra"].run(q, k, v, coef, ll, docs, d_out, d_zz, dq, dk, dv, dcoef, dll, *sizes[:-1])
-        # The decay gradient's boundary terms: the final state is read at position T - 1 and the initial
-        # state written at -1, each (position - centre) times <state, its gradient>.
-        boundary = (states[-1] * d_states[-1] * centre + states[0] * d_states[0] * (centre + 1)).view(
-            batch, heads, n_terms, -1
-        )
-        d_log_lam = dll.sum(0) + boundary.sum((0, 3))
+        grads_in = (q, k, v, coef, ll, docs)
+        launches["bwd_values"].run(*grads_in, d_states, d_out, dv, *ints)
+        launches["bwd_keys"].run(*grads_in, d_states, d_out, d_zz, dk, shares, *ints)
+        launches["bwd_queries"].run(*grads_in, states, d_out, d_zz, dq, dll, *ints, centre)
+        dcoef = torch.empty_like(coef)
+        launches["bwd_coef"].run(*grads_in, d_out, d_zz, shares, dcoef, dll_chunks, *ints[:6], n_features, centre)
+        d_log_lam = None
+        if decay_grad:
+            # boundary terms: the final state is read at position T - 1 and the initial state written at -1,
+            # each (position - centre) times <state, its gradient>
+            boundary = (states[-1] * d_states[-1] * centre + states[0] * d_states[0] * (centre + 1)).view(
+                batch, heads, n_terms, -1
+            )
+            d_log_lam = (dll.flatten(0, 1).sum(0) + dll_chunks.sum(0) + boundary.sum((0, 3))).to(dtypes[4])
         dg0, db0 = unpack(d_states[0], g_shape)
-        grads = (dq.sum(0), dk.sum(0), dv.sum(0), dcoef.sum(0), d_log_lam, dg0, db0)
-        return (*(g.to(d) for g, d in zip(grads, dtypes)), None, None)
+        grads = (dq, dk, dv, dcoef, d_log_lam, dg0, db0)
+        return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)

@@ -1,4 +1,4 @@
-"""Launch records of the SOE chunk kernels: block sizes per GPU target, grids, argument types.
+"""Launch records of the SOE span kernels: block sizes per GPU target, grids, argument types.
 
 The autograd Functions (kernels/soe/gpu/function.py) launch exactly these, and the compile gate
 (benchmarks/kernel_compile.py) compiles them ahead of time: one description of what runs.
@@ -6,49 +6,66 @@ The autograd Functions (kernels/soe/gpu/function.py) launch exactly these, and t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
 from kernels._common import Launch, triton_type
-from kernels.soe.gpu.grads import intra_grads_kernel, read_grads_kernel, write_grads_kernel
-from kernels.soe.gpu.output import output_kernel
-from kernels.soe.gpu.states import chunk_state_kernel
-from kernels.span import span_pass_launch
+from kernels.soe.gpu.backward import coef_grads_kernel, key_grads_kernel, query_grads_kernel, value_grads_kernel
+from kernels.soe.gpu.forward import norm_output_kernel, output_kernel, span_states_kernel
+from kernels.span import MIN_PROGRAMS, span_pass_launch
 
 
 def precision(dtype: torch.dtype) -> str:
     """tl.dot precision: full IEEE fp32 for fp32 inputs (TF32 would cost ~1e-3 relative error); 16-bit
-    operands go to the tensor cores as they are, with fp32 accumulation."""
+    operands go to the tensor cores as they are, with fp32 accumulation (the fp32 products of the decay
+    table with the coefficients run as tf32 there)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# Per target (sm_90 or newer): the largest chunk, then per kernel (largest value block, warps, stages).
-# Every kernel of one scan uses the same chunk (the sequence pass steps chunk by chunk). Untuned but
-# sized for the shipped shapes (64-wide features and values, chunk 64); the compile gate checks each.
-CHUNK_MAX = {False: 64, True: 64}
-_TABLE: dict[bool, dict[str, tuple[int, int, int]]] = {
-    False: {"states": (64, 8, 2), "fwd": (64, 8, 2), "bwd": (32, 8, 1)},
-    True: {"states": (64, 8, 2), "fwd": (64, 8, 2), "bwd": (32, 8, 1)},
-}
-INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W")
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One target's tiling: the largest chunk, the state's column block (value columns for the forward
+    and value-gradient walks, feature columns for the query and key walks), warps and stages of the span
+    walks and of the chunk-parallel coefficient kernel."""
+
+    chunk: int
+    block: int
+    feature_block: int
+    warps: int
+    stages: int
+    coef_warps: int
 
 
-def wide_rows(pointers: dict[str, str]) -> frozenset[str]:
-    """The arguments a chunk kernel indexes with 64-bit offsets: every token row (``tiles.token_rows``),
-    state slot (``tiles.state_row``) and partial buffer; only the [B, T] document numbers and the
-    [H, S] decays keep int32 offsets, and they stay far below 2^31 elements at every supported shape."""
-    return frozenset(pointers) - {"docs", "log_lam"}
+# Per target (sm_90 or newer). The compile gate (benchmarks.kernel_compile) checks every shipped config
+# against these; docs/kernels.md has the sizes tried and why these.
+TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4),
+         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4)}  # fmt: skip
+INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 
 
 def chunk_block(chunk_size: int, capability: int) -> int:
     """The chunk the kernels use for a requested ``chunk_size``: a power of two, at least 16 (tl.dot's
-    minimum), at most the target's CHUNK_MAX. It changes how work is split, not the result."""
-    return min(CHUNK_MAX[capability >= 90], max(16, triton.next_power_of_2(chunk_size)))
+    minimum), at most the target's chunk. It changes how work is split, not the result."""
+    return min(TILES[capability >= 90].chunk, max(16, triton.next_power_of_2(chunk_size)))
 
 
-def value_block(width: int, largest: int) -> int:
-    """A value block: at most ``largest`` and the value width rounded up to a power of two (>= 16)."""
-    return min(largest, max(16, triton.next_power_of_2(width)))
+def term_groups(n_terms: int) -> tuple[int, int, bool, int]:
+    """(GA, GB, HAS_B, GN): the S terms as two power-of-two groups GA >= GB (the second padded to a power
+    of two, absent when S is one), and the normalisers' padded width GN >= 16 (tl.dot's minimum)."""
+    first = 1 << (n_terms.bit_length() - 1)
+    rest = n_terms - first
+    second = triton.next_power_of_2(rest) if rest else 1
+    return first, second, rest > 0, max(16, triton.next_power_of_2(n_terms))
+
+
+def span_size(batch: int, seq_len: int, heads: int, chunk: int) -> int:
+    """Chunks per span: the fewest spans that give the smallest walk (the normalisers', one program per
+    span x batch x head) MIN_PROGRAMS programs, so every walk fills an H100 (one span when the batch
+    does). Every span adds a state slot that the passes read and write, so no more spans than that."""
+    n_chunks = triton.cdiv(seq_len, chunk)
+    return triton.cdiv(n_chunks, min(n_chunks, triton.cdiv(MIN_PROGRAMS, batch * heads)))
 
 
 def soe_launches(
@@ -61,48 +78,68 @@ def soe_launches(
     chunk_size: int,
     dtype: torch.dtype,
     capability: int,
+    decay_grad: bool = True,
 ) -> tuple[int, dict[str, Launch]]:
     """(chunk length, launches) of one scan for q, k, v, coef of ``dtype`` and value width ``width`` on a
-    GPU of compute capability ``capability``, in the order they run. Forward: "fwd_states" (each chunk's
-    state contribution, chunk parallel), "fwd_pass" (the states entering the chunks, one step per chunk),
-    "fwd" (the outputs, chunk parallel). Backward: "fwd_states" and "fwd_pass" again (the entering states
-    are recomputed, not saved), then "bwd_states" (each chunk's contribution to the state gradients),
-    "bwd_pass" (the gradients of the states entering the chunks, in reverse), "bwd_reads", "bwd_writes"
-    and "bwd_intra" (the input gradients of the reads of the entering states, of the writes to the
-    leaving ones and of the pairs inside a chunk, chunk parallel). Chunk kernels run one program per
-    (chunk x batch x head, value block)."""
-    cap = capability >= 90
+    GPU of compute capability ``capability``, in the order they run. The sequence is cut into spans of
+    ``span_size`` chunks. Forward: "fwd_states" (each span's own state, value blocks walked on chip),
+    "fwd_pass" (the states entering the spans, one step per span), "fwd" (o, each span walked from its
+    entering state) and "fwd_norm" (z, from the normalisers). Backward: "bwd_states" and "bwd_pass" (the
+    same for the state gradients, in reverse), then "bwd_values" (dv), "bwd_keys" (dk and the coefficient
+    gradient's feature-block shares), "bwd_queries" (dq, from the forward's saved span states) and
+    "bwd_coef" (dcoef, chunk parallel). ``decay_grad``: whether the backward makes the decays' gradient
+    (not for decays that are buffers, as VORT's: their sums would only cost registers)."""
+    tiles = TILES[capability >= 90]
     bt = chunk_block(chunk_size, capability)
-    bf = max(16, triton.next_power_of_2(feat))
-    n_chunks = triton.cdiv(seq_len, bt)
+    bf, bv = max(16, triton.next_power_of_2(feat)), max(16, triton.next_power_of_2(width))
+    span = span_size(batch, seq_len, heads, bt)
+    n_spans = triton.cdiv(triton.cdiv(seq_len, bt), span)
+    ga, gb, has_b, gn = term_groups(n_terms)
+    groups = {"GA": ga, "GB": gb, "HAS_B": has_b, "GN": gn, "PRECISION": precision(dtype)}
     operand = triton_type(dtype)
-    state_in = {"coef": operand, "log_lam": "fp32", "docs": "i32", "states": "fp32"}
-    forward_in = dict.fromkeys(("q", "k", "v"), operand) | state_in
-    made = {
-        "fwd_states": (chunk_state_kernel, {"x": operand, "y": operand, "coef": operand, "y_norm": operand}
-                       | {"log_lam": "fp32", "docs": "i32", "states": "fp32"}, "states", {"REVERSE": False}),
-        "fwd": (output_kernel, forward_in | {"out": "fp32", "z": "fp32"}, "fwd", {}),
-        "bwd_states": (chunk_state_kernel, {"x": operand, "y": operand, "coef": operand, "y_norm": "fp32"}
-                       | {"log_lam": "fp32", "docs": "i32", "states": "fp32"}, "states", {"REVERSE": True}),
-        "bwd_reads": (read_grads_kernel, {"q": operand, "log_lam": "fp32", "docs": "i32", "states": "fp32",
-                      "d_out": operand} | dict.fromkeys(("d_z", "dq", "dll"), "fp32"), "bwd", {}),
-        "bwd_writes": (write_grads_kernel, dict.fromkeys(("k", "v", "coef"), operand) | {"log_lam": "fp32"}
-                       | {"docs": "i32"} | dict.fromkeys(("d_states", "dk", "dv", "dcoef", "dll"), "fp32"), "bwd", {}),
-        "bwd_intra": (intra_grads_kernel, dict.fromkeys(("q", "k", "v", "coef"), operand)
-                      | {"log_lam": "fp32", "docs": "i32", "d_out": operand}
-                      | dict.fromkeys(("d_z", "dq", "dk", "dv", "dcoef", "dll"), "fp32"), "bwd", {}),
+    ints = dict.fromkeys(INTS, "i32")
+    base = {"coef": operand, "log_lam": "fp32", "docs": "i32"}
+    qkv = dict.fromkeys(("q", "k", "v"), operand)
+    grads_in = {"d_out": operand, "d_z": "fp32"}
+    value_grid = (n_spans * batch * heads * triton.cdiv(width, tiles.block), 1, 1)
+    smallest = gb if has_b else ga
+    fblock = min(bf, max(tiles.feature_block, 16 // smallest))  # a group's state rows GS x block: >= 16 for tl.dot
+    feature_grid = (n_spans * batch * heads * triton.cdiv(feat, fblock), 1, 1)
+    by_value = {"BT": bt, "BF": bf, "BD": tiles.block}
+    by_feature = {"BT": bt, "BC": fblock, "BV": bv}
+
+    def walk(kernel, pointers, scalars, constexprs, grid) -> Launch:
+        constexprs |= {k: v for k, v in groups.items() if k in kernel.arg_names}
+        return Launch(kernel, pointers, scalars, constexprs, grid, tiles.warps, tiles.stages,
+                      wide=frozenset(pointers) - {"docs", "log_lam"})  # fmt: skip
+
+    states_in = {"x": operand, "y": operand, "y_norm": operand} | base | {"states": "fp32"}
+    d_state_in = qkv | base | {"d_states": "fp32", "d_out": operand}
+    launches = {
+        "fwd_states": walk(span_states_kernel, states_in, ints, by_value | {"REVERSE": False}, value_grid),
+        "fwd": walk(output_kernel, qkv | base | {"states": "fp32", "out": operand}, ints, by_value, value_grid),
+        "fwd_norm": walk(norm_output_kernel, {"q": operand, "k": operand} | base | {"states": "fp32", "z": operand},
+                         ints, {"BT": bt, "BF": bf}, (n_spans * batch * heads, 1, 1)),
+        "bwd_states": walk(span_states_kernel, states_in | {"y_norm": "fp32"}, ints, by_value | {"REVERSE": True},
+                           value_grid),
+        "bwd_values": walk(value_grads_kernel, d_state_in | {"dv": operand}, ints, by_value, value_grid),
+        "bwd_keys": walk(key_grads_kernel, d_state_in | {"d_z": "fp32", "dk": operand, "dcoef": "fp32"}, ints,
+                         by_feature, feature_grid),
+        "bwd_queries": walk(query_grads_kernel, qkv | base | {"states": "fp32"} | grads_in
+                            | {"dq": operand, "dll": "fp32"}, ints | {"centre": "fp32"},
+                            by_feature | {"NEED_DLL": decay_grad}, feature_grid),
     }  # fmt: skip
-    launches = {}
-    for name, (kernel, pointers, kind, extra) in made.items():
-        largest, warps, stages = _TABLE[cap][kind]
-        bd = value_block(width, largest)
-        ints = INTS[:-1] if name == "bwd_intra" else INTS
-        scalars = dict.fromkeys(ints, "i32") | ({"centre": "fp32"} if name in ("bwd_reads", "bwd_writes") else {})
-        constexprs = {"BT": bt, "BF": bf, "BD": bd} | extra | {"PRECISION": precision(dtype)}
-        grid = (n_chunks * batch * heads, triton.cdiv(width, bd), 1)
-        launches[name] = Launch(kernel, pointers, scalars, constexprs, grid, warps, stages, wide=wide_rows(pointers))
+    coef_in = qkv | base | grads_in | {"shares": "fp32", "dcoef": operand, "dll": "fp32"}
+    launches["bwd_coef"] = Launch(
+        coef_grads_kernel, coef_in,
+        dict.fromkeys(("seq_len", "BH", "H", "S", "F", "DV", "PARTS"), "i32") | {"centre": "fp32"},
+        {"BT": bt, "BF": bf, "BV": bv, "GN": gn, "NEED_DLL": decay_grad, "PRECISION": precision(dtype)},
+        (triton.cdiv(seq_len, bt) * batch * heads, 1, 1), tiles.coef_warps, tiles.stages,
+        wide=frozenset(coef_in) - {"docs", "log_lam"},
+    )  # fmt: skip
     n_state = batch * heads * n_terms * feat * (width + 1)
     launches["fwd_pass"] = span_pass_launch(n_state, reverse=False, decay=True, wrap=False)
     launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
-    order = ("fwd_states", "fwd_pass", "fwd", "bwd_states", "bwd_pass", "bwd_reads", "bwd_writes", "bwd_intra")
+    order = ("fwd_states", "fwd_pass", "fwd", "fwd_norm", "bwd_states", "bwd_pass", "bwd_values", "bwd_keys",
+             "bwd_queries", "bwd_coef")  # fmt: skip
     return bt, {name: launches[name] for name in order}

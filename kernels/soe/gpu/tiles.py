@@ -1,5 +1,5 @@
-"""Triton helpers shared by the SOE chunk kernels: which chunk a program owns, where its rows are, the
-document masks and per-term decay factors of a chunk, and where a term's state lies in a packed buffer.
+"""Triton helpers of the SOE entering-state read's chunk kernels (kernels/soe/gpu/entering.py): which chunk
+a program owns, where its rows are, and where a term's state lies in a packed buffer.
 
 Every chunk kernel runs one program per (chunk, batch x head) on grid axis 0 (``chunk * BH + bh``: the
 long axis, so 1M tokens stay far inside its 2^31 - 1 limit) and one per value block on axis 1.
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from kernels.span import chunk_documents
 
 
 @triton.jit
@@ -33,15 +31,6 @@ def token_rows(b, h, start, seq_len, H, BT: tl.constexpr):
 
 
 @triton.jit
-def chunk_setup(docs, seq_len, BH, H, BT: tl.constexpr):
-    """What every chunk kernel starts from: (chunk index, batch x head, head, first token, the token rows
-    ``base``, ``loc`` and mask of token_rows, the document masks of document_masks)."""
-    c, bh, b, h, start = chunk_program(BH, H, BT)
-    base, loc, mask_t = token_rows(b, h, start, seq_len, H, BT)
-    return c, bh, h, start, base, loc, mask_t, document_masks(docs, b, start, seq_len, BT)
-
-
-@triton.jit
 def load_rows(ptr, base, loc, width, offs, mask_t):
     """The [BT, len(offs)] tile at columns ``offs`` (< width) of the chunk's rows, zero where masked."""
     mask = mask_t[:, None] & (offs < width)[None, :]
@@ -53,37 +42,6 @@ def store_rows(ptr, base, loc, width, offs, mask_t, x):
     """Store x [BT, len(offs)] at columns ``offs`` (< width) of the chunk's rows."""
     mask = mask_t[:, None] & (offs < width)[None, :]
     tl.store(ptr + base * width + (loc[:, None] * width + offs[None, :]), x, mask=mask)
-
-
-@triton.jit
-def document_masks(docs, b, start, seq_len, BT: tl.constexpr):
-    """The chunk's masks from the document numbers of batch row ``b`` (kernels.span.chunk_documents):
-    positions in the chunk (fp32), its length, ``reads`` (a token reads the entering state: no reset at
-    or before it in the chunk), ``writes`` (it reaches the leaving state: it is in the chunk's last
-    document), ``linked`` [BT, BT] (causal and same document) and the distances i - j."""
-    offs = tl.arange(0, BT)
-    pos = offs.to(tl.float32)
-    mask_t = start + offs < seq_len
-    doc, entering, last = chunk_documents(docs, b, start, seq_len, BT)
-    n = tl.minimum(seq_len - start, BT).to(tl.float32)
-    diff = pos[:, None] - pos[None, :]
-    linked = (diff >= 0) & (doc[:, None] == doc[None, :])
-    return pos, n, doc == entering, mask_t & (doc == last), linked, diff
-
-
-@triton.jit
-def term_decays(ll, pos, n, reads, writes):
-    """One term's query decays lam^(i+1) (reads of the entering state) and key decays lam^(n-1-j) (writes
-    of the leaving state), zero where the document masks cut them; every exponent is <= 0."""
-    q_dec = tl.where(reads, tl.exp((pos + 1.0) * ll), 0.0)
-    k_dec = tl.where(writes, tl.exp(tl.maximum(n - 1.0 - pos, 0.0) * ll), 0.0)
-    return q_dec, k_dec
-
-
-@triton.jit
-def intra_decay(ll, linked, diff):
-    """One term's intra-chunk decays lam^(i-j) [BT, BT], zero off ``linked``."""
-    return tl.where(linked, tl.exp(tl.where(linked, diff, 0.0) * ll), 0.0)
 
 
 @triton.jit
