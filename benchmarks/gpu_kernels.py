@@ -9,7 +9,7 @@
    rounded inputs (benchmarks/gpu_checks.py).
 2. Per Triton kernel, device milliseconds of one layer's scan (forward + backward, batch 1,
    --kernel-T tokens) of each --train config with fp32 and with bf16 inputs (torch profiler), beside
-   the roofline's modelled milliseconds per layer for the replaced span kernels and the chunk kernels
+   the roofline's modelled milliseconds per layer for the replaced span kernels and the kernels
    as built (benchmarks/roofline.py).
 3. Forward and forward+backward in bf16 for every --T next to torch's causal SDPA and, when
    installed, flash-linear-attention's chunk_simple_gla.
