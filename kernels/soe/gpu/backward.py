@@ -112,19 +112,21 @@ def value_grads_kernel(
 @triton.jit
 def key_grads_kernel(
     q, k, v, coef, log_lam, docs, d_states, d_out, d_z, dk, dcoef,
-    seq_len, BH, H, S, F, DV, W, SPAN,
+    seq_len, BH, H, S, F, DV, W, SPAN, SPAN0, PHASE_T,
     BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
     HAS_B: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dk of one span and feature block ``blk`` (BC features), chunks in reverse from the
-    gradient of the state leaving the span, held as [terms x features, values]: with e_js = dG_s v_j +
-    db_s, dk_j = sum_i (dO_i . v_j + dz_i) Wc[i, j] q_i + sum_s w_js e_js; this block's share of
-    dcoef_js = lam^(n-1-j) k_j . e_js (share ``blk`` of the [NF, B*T*H, S] buffer) and of the
-    decay gradient's writer sums -(t - centre) coef dcoef; then the state gradient steps back over the
-    chunk's reads."""
+    """dk of one span (span SPAN0 + the program's) and feature block ``blk`` (BC features), chunks in
+    reverse from the gradient of the state leaving the span, held as [terms x features, values]: with
+    e_js = dG_s v_j + db_s, dk_j = sum_i (dO_i . v_j + dz_i) Wc[i, j] q_i + sum_s w_js e_js, and this
+    block's share of dcoef_js = lam^(n-1-j) k_j . e_js (share ``blk`` of an [NF, B*PHASE_T*H, S] buffer
+    holding the PHASE_T tokens from span SPAN0 on); then the state gradient steps back over the chunk's
+    reads."""
     p, bh, b, h, fb = span_program(BH, H, tl.cdiv(F, BC))
+    p += SPAN0
     n_here = span_chunk_count(p, seq_len, SPAN, BT)
-    rows_total = seq_len * BH
+    rows_total = PHASE_T * BH
+    phase_start = SPAN0 * SPAN * BT
     offs_f = fb * BC + tl.arange(0, BC)
     offs_v = tl.arange(0, BV)
     offs, mask = state_tile(d_states, p + 1, bh, BH, S, F, DV, W, 0, fb, GA, BC, BV, False)
@@ -142,6 +144,7 @@ def key_grads_kernel(
     for i in range(0, n_here):
         start = (p * SPAN + n_here - 1 - i) * BT
         base = token_base(b, h, start, seq_len, H)
+        share = token_base(b, h, start - phase_start, PHASE_T, H)
         mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT)
         qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
         kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
@@ -159,7 +162,7 @@ def key_grads_kernel(
             back = read_state(xb, vc, PRECISION) + nb[:, None]
             dkc += over_terms(back, k_dec * cs, BT, GB, BC)
             d_coef = k_dec * per_term(back, kc, BT, GB, BC)
-            _store_terms(dcoef, fb, rows_total, base, H, S, GA, d_coef, mask_t, GB, BT)
+            _store_terms(dcoef, fb, rows_total, share, H, S, GA, d_coef, mask_t, GB, BT)
             q_dec = read_decays(ll, reads, BT)
             decay = chunk_decay(ll, n, carry, GB, BC)
             scaled = scaled_rows(q_dec.to(qc.dtype), qc, BT, GB, BC)
@@ -170,7 +173,7 @@ def key_grads_kernel(
         back = read_state(xa, vc, PRECISION) + na[:, None]
         dkc += over_terms(back, k_dec * cs, BT, GA, BC)
         d_coef = k_dec * per_term(back, kc, BT, GA, BC)
-        _store_terms(dcoef, fb, rows_total, base, H, S, 0, d_coef, mask_t, GA, BT)
+        _store_terms(dcoef, fb, rows_total, share, H, S, 0, d_coef, mask_t, GA, BT)
         q_dec = read_decays(ll, reads, BT)
         decay = chunk_decay(ll, n, carry, GA, BC)
         scaled = scaled_rows(q_dec.to(qc.dtype), qc, BT, GA, BC)
@@ -260,17 +263,18 @@ def query_grads_kernel(
 @triton.jit
 def coef_grads_kernel(
     q, k, v, coef, log_lam, docs, d_out, d_z, shares, dcoef, dll,
-    seq_len, BH, H, S, F, DV, PARTS, centre,
+    seq_len, BH, H, S, F, DV, PARTS, C0, PHASE_T, centre,
     BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, GN: tl.constexpr, NEED_DLL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dcoef of one chunk (grid axis 0: chunk x batch x head), stored once in its dtype: the PARTS
-    feature-block shares of the key walks (the writes to the states leaving the chunk), added in a fixed
-    order, plus the pairs inside the chunk, sum_i (dO_i . v_j + dz_i)(q_i . k_j) lam_s^(i-j). And the
-    chunk's decay-gradient row ([n_chunks * B*H, S]): the writer sums -(t - centre) coef dcoef of the
-    shares and the intra-chunk sums of (i - j) times the pairs' terms (with NEED_DLL)."""
+    """dcoef of one chunk (chunk C0 + grid axis 0's chunk x batch x head), stored once in its dtype: the
+    PARTS feature-block shares of the key walks (the writes to the states leaving the chunk; the shares
+    buffer holds the PHASE_T tokens from chunk C0 on), added in a fixed order, plus the pairs inside the
+    chunk, sum_i (dO_i . v_j + dz_i)(q_i . k_j) lam_s^(i-j). With NEED_DLL also the chunk's
+    decay-gradient row ([n_chunks * B*H, S]): the writer sums -(t - centre) coef dcoef of the shares and
+    the intra-chunk sums of (i - j) times the pairs' terms."""
     pid = tl.program_id(0)
-    c = pid // BH
+    c = pid // BH + C0
     bh = pid % BH
     b = bh // H
     h = bh % H
@@ -278,10 +282,11 @@ def coef_grads_kernel(
     base = token_base(b, h, start, seq_len, H)
     mask_t, _n, _reads, _writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT)
     terms = tl.arange(0, GN)
-    rows_total = seq_len * BH
+    share = token_base(b, h, start - C0 * BT, PHASE_T, H)
+    rows_total = PHASE_T * BH
     cross = tl.zeros([BT, GN], dtype=tl.float32)
     for part in range(0, PARTS):
-        cross += load_tile(shares + part * rows_total.to(tl.int64) * S, base, H, S, terms, mask_t, BT)
+        cross += load_tile(shares + part * rows_total.to(tl.int64) * S, share, H, S, terms, mask_t, BT)
     offs_f = tl.arange(0, BF)
     offs_v = tl.arange(0, BV)
     qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
@@ -300,4 +305,4 @@ def coef_grads_kernel(
         _ll, cs = term_loads(log_lam, coef, base, h, H, S, 0, mask_t, GN, BT)
         centred = (start + tl.arange(0, BT)).to(tl.float32) - centre
         d_ll = tl.sum((d_decay - cross * centred[:, None]) * cs, axis=0)
-        tl.store(dll + pid.to(tl.int64) * S + terms, d_ll, mask=terms < S)
+        tl.store(dll + (c * BH + bh).to(tl.int64) * S + terms, d_ll, mask=terms < S)

@@ -3,6 +3,8 @@ states, and the gradient walks (kernels/soe/gpu/launches.py lists the launches i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
@@ -105,18 +107,29 @@ class SoeScanTriton(torch.autograd.Function):
         launches["bwd_pass"].run(d_states, ll, carry, *pass_args)
         n_features = triton.cdiv(feat, launches["bwd_keys"].constexprs["BC"])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        shares = torch.empty(n_features, *coef.shape, dtype=f32, device=dev)  # dcoef per feature block
         # the decay gradient's partials (left unwritten without decay_grad): reader sums per feature block and
         # span, writer and intra-chunk sums per chunk
         dll = torch.empty(n_features, n_spans * batch, heads, n_terms, dtype=f32, device=dev)
-        dll_chunks = torch.empty(triton.cdiv(seq_len, chunk) * batch, heads, n_terms, dtype=f32, device=dev)
+        n_chunks = triton.cdiv(seq_len, chunk)
+        dll_chunks = torch.empty(n_chunks * batch, heads, n_terms, dtype=f32, device=dev)
         centre = (seq_len - 1) / 2.0
         grads_in = (q, k, v, coef, ll, docs)
         launches["bwd_values"].run(*grads_in, d_states, d_out, dv, *ints)
-        launches["bwd_keys"].run(*grads_in, d_states, d_out, d_zz, dk, shares, *ints)
         launches["bwd_queries"].run(*grads_in, states, d_out, d_zz, dq, dll, *ints, centre)
         dcoef = torch.empty_like(coef)
-        launches["bwd_coef"].run(*grads_in, d_out, d_zz, shares, dcoef, dll_chunks, *ints[:6], n_features, centre)
+        # the key walk and the coefficient kernel run a phase of spans at a time (launches.phase_spans), so
+        # the coefficient gradient's fp32 shares [feature blocks, B x phase x H, S] stay bounded
+        phase = launches["bwd_keys"].grid[0] // (batch * heads * n_features)
+        phase_t = phase * span * chunk
+        shares = torch.empty(n_features, batch, phase_t, heads, n_terms, dtype=f32, device=dev)
+        for first in range(0, n_spans, phase):
+            spans = min(phase, n_spans - first)
+            chunks = min(spans * span, n_chunks - first * span)
+            keys = dataclasses.replace(launches["bwd_keys"], grid=(spans * batch * heads * n_features, 1, 1))
+            keys.run(*grads_in, d_states, d_out, d_zz, dk, shares, *ints, first, phase_t)
+            coefs = dataclasses.replace(launches["bwd_coef"], grid=(chunks * batch * heads, 1, 1))
+            coefs.run(*grads_in, d_out, d_zz, shares, dcoef, dll_chunks, *ints[:6], n_features, first * span, phase_t,
+                      centre)  # fmt: skip
         d_log_lam = None
         if decay_grad:
             # boundary terms: the final state is read at position T - 1 and the initial state written at -1,

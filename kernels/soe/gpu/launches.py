@@ -43,6 +43,7 @@ class Tiles:
 TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
+SHARES_BYTES = 2**30  # the most the coefficient gradient's fp32 shares of one phase of the backward take
 
 
 def chunk_block(chunk_size: int, capability: int) -> int:
@@ -66,6 +67,14 @@ def span_size(batch: int, seq_len: int, heads: int, chunk: int) -> int:
     does). Every span adds a state slot that the passes read and write, so no more spans than that."""
     n_chunks = triton.cdiv(seq_len, chunk)
     return triton.cdiv(n_chunks, min(n_chunks, triton.cdiv(MIN_PROGRAMS, batch * heads)))
+
+
+def phase_spans(batch: int, heads: int, n_terms: int, n_features: int, span_tokens: int, n_spans: int) -> int:
+    """Spans per phase of the key walk and the coefficient kernel: the backward runs them over this many
+    spans at a time, so that the fp32 coefficient shares, [feature blocks, B x phase tokens x H, S],
+    stay within SHARES_BYTES (one phase for the whole sequence up to about 150k tokens at vort-125m)."""
+    per_span = n_features * batch * span_tokens * heads * n_terms * 4
+    return max(1, min(n_spans, SHARES_BYTES // per_span))
 
 
 def soe_launches(
@@ -104,7 +113,9 @@ def soe_launches(
     value_grid = (n_spans * batch * heads * triton.cdiv(width, tiles.block), 1, 1)
     smallest = gb if has_b else ga
     fblock = min(bf, max(tiles.feature_block, 16 // smallest))  # a group's state rows GS x block: >= 16 for tl.dot
-    feature_grid = (n_spans * batch * heads * triton.cdiv(feat, fblock), 1, 1)
+    n_features = triton.cdiv(feat, fblock)
+    feature_grid = (n_spans * batch * heads * n_features, 1, 1)
+    phase = phase_spans(batch, heads, n_terms, n_features, span * bt, n_spans)
     by_value = {"BT": bt, "BF": bf, "BD": tiles.block}
     by_feature = {"BT": bt, "BC": fblock, "BV": bv}
 
@@ -123,8 +134,9 @@ def soe_launches(
         "bwd_states": walk(span_states_kernel, states_in | {"y_norm": "fp32"}, ints, by_value | {"REVERSE": True},
                            value_grid),
         "bwd_values": walk(value_grads_kernel, d_state_in | {"dv": operand}, ints, by_value, value_grid),
-        "bwd_keys": walk(key_grads_kernel, d_state_in | {"d_z": "fp32", "dk": operand, "dcoef": "fp32"}, ints,
-                         by_feature, feature_grid),
+        "bwd_keys": walk(key_grads_kernel, d_state_in | {"d_z": "fp32", "dk": operand, "dcoef": "fp32"},
+                         ints | {"SPAN0": "i32", "PHASE_T": "i32"}, by_feature,
+                         (phase * batch * heads * n_features, 1, 1)),
         "bwd_queries": walk(query_grads_kernel, qkv | base | {"states": "fp32"} | grads_in
                             | {"dq": operand, "dll": "fp32"}, ints | {"centre": "fp32"},
                             by_feature | {"NEED_DLL": decay_grad}, feature_grid),
@@ -132,9 +144,9 @@ def soe_launches(
     coef_in = qkv | base | grads_in | {"shares": "fp32", "dcoef": operand, "dll": "fp32"}
     launches["bwd_coef"] = Launch(
         coef_grads_kernel, coef_in,
-        dict.fromkeys(("seq_len", "BH", "H", "S", "F", "DV", "PARTS"), "i32") | {"centre": "fp32"},
+        dict.fromkeys(("seq_len", "BH", "H", "S", "F", "DV", "PARTS", "C0", "PHASE_T"), "i32") | {"centre": "fp32"},
         {"BT": bt, "BF": bf, "BV": bv, "GN": gn, "NEED_DLL": decay_grad, "PRECISION": precision(dtype)},
-        (triton.cdiv(seq_len, bt) * batch * heads, 1, 1), tiles.coef_warps, tiles.stages,
+        (min(phase * span, triton.cdiv(seq_len, bt)) * batch * heads, 1, 1), tiles.coef_warps, tiles.stages,
         wide=frozenset(coef_in) - {"docs", "log_lam"},
     )  # fmt: skip
     n_state = batch * heads * n_terms * feat * (width + 1)
