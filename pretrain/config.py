@@ -143,7 +143,7 @@ class TrainSection:
     hang_timeout_s: float | None = None
     # a rank whose time per step outside communication exceeds this many times the median rank's is
     # named at each log step (pretrain/straggler.py)
-    straggler_factor: float = 1.3
+    straggler_factor: float = 1.5
     spike: SpikeSection = dataclasses.field(default_factory=SpikeSection)
 
     def __post_init__(self) -> None:

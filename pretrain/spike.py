@@ -76,14 +76,20 @@ class SpikeDetector:
         values = all_reduce_mean(torch.stack(losses).float().tolist())
         spike = None
         for step, loss, end in zip(steps, values, ends, strict=True):
-            if not math.isfinite(loss):
-                continue  # a non-finite step is train.nan_policy's
-            if spike is None and len(self.history) == self.cfg.window:
-                median = statistics.median(self.history)
-                if loss > self.cfg.factor * median:
-                    spike = Spike(step, loss, median, end)
-            self.history.append(loss)
+            median = self.observe(loss)
+            if spike is None and median is not None and loss > self.cfg.factor * median:
+                spike = Spike(step, loss, median, end)
         return spike
+
+    def observe(self, loss: float) -> float | None:
+        """Judge one global mean loss and add it to the history: returns the median of the `window`
+        losses before it (None while fewer are known, or for a non-finite loss, which is
+        train.nan_policy's and stays out of the history)."""
+        if not math.isfinite(loss):
+            return None
+        median = statistics.median(self.history) if len(self.history) == self.cfg.window else None
+        self.history.append(loss)
+        return median
 
     def forget_pending(self) -> None:
         """Drop recorded losses not yet checked (the steps a rollback undoes)."""

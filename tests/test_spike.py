@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.spike_ratios import ratios
 from data_pipeline.build import build_shards
 from pretrain.config import SpikeSection
 from pretrain.spike import SpikeDetector
@@ -63,13 +64,15 @@ def records(run_dir: Path) -> list[dict]:
 
 def test_the_rule_flags_a_rise_over_the_median_of_the_window() -> None:
     detector = SpikeDetector(SpikeSection(window=4, factor=2.0, max_rollbacks=1))
-    for step, loss in enumerate([9.0, 5.0, 4.0, 3.5, 3.0, math.nan, 3.25, 6.125, 7.0], start=1):
+    losses = list(enumerate([9.0, 5.0, 4.0, 3.5, 3.0, math.nan, 3.25, 6.125, 7.0], start=1))
+    for step, loss in losses:
         detector.record(step, torch.tensor(loss), end_sample=8 * step)
     spike = detector.check()
     # the medians before steps 5, 7 (the NaN of step 6 is passed over), 8 and 9 are 4.5, 3.75, 3.375 and
     # 3.375: step 8's 6.125 stays under 2 x 3.375, step 9's 7.0 does not
     assert spike is not None and (spike.step, spike.loss, spike.median, spike.end_sample) == (9, 7.0, 3.375, 72)
     assert list(detector.history) == [3.0, 3.25, 6.125, 7.0]
+    assert ratios(losses, 4) == [(5, 3.0 / 4.5), (7, 3.25 / 3.75), (8, 6.125 / 3.375), (9, 7.0 / 3.375)]
     saved = detector.state_dict()
     detector.rollbacks = 1
     detector.load_state_dict(saved, keep_rollbacks=True)

