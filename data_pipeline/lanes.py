@@ -10,10 +10,12 @@ windows", gives the layout; with `doc_boundaries` the model resets at document s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from data_pipeline.skips import SkipRanges
 from data_pipeline.stream import PackedStream
 
 STATE_VERSION = 1
@@ -36,6 +38,9 @@ class LaneStream:
         expected_tokenizer: as in `PackedStream` (a mismatch raises TokenizerMismatchError).
         doc_boundaries: add `doc_start` [micro_batch, seq_len] to each micro-batch, True where a token
             starts a document (as `PackedStream`'s; a window's first token only after an EOS).
+        skip_samples: `[[first, end), ...]` global sample numbers not trained on, where step k's samples
+            are numbers k * lanes .. (k + 1) * lanes - 1: a step with any of its samples in a range is
+            skipped whole (every lane moves on together), its windows unread.
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class LaneStream:
         world_size: int = 1,
         expected_tokenizer: str | dict[str, Any] | None = None,
         doc_boundaries: bool = False,
+        skip_samples: Sequence[Sequence[int]] = (),
     ) -> None:
         if lanes % (world_size * micro_batch):
             raise LaneError(
@@ -76,7 +82,14 @@ class LaneStream:
                 f"{lanes} lanes of the global batch; lower train.global_batch or data.seq_len"
             )
         self.windows_per_epoch = windows
-        self.step = 0
+        self.skips = SkipRanges(skip_samples)
+        self.step = self._unskipped(0)
+
+    def _unskipped(self, step: int) -> int:
+        """The first step at or after `step` none of whose samples is skipped."""
+        while self.skips.nth(step * self.lanes, self.lanes - 1) != (step + 1) * self.lanes - 1:
+            step += 1
+        return step
 
     @property
     def rows_per_rank(self) -> int:
@@ -104,14 +117,16 @@ class LaneStream:
             batch: dict[str, Any] = {key: torch.stack([s[key] for s in samples])
                                      for key in ("input_ids", "labels", "doc_start") if key in samples[0]}
             batches.append({**batch, "lanes": lanes, "reset": self.step % self.steps_per_epoch == 0})
-        self.step += 1
+        self.step = self._unskipped(self.step + 1)
         return batches
 
     def state_dict(self) -> dict[str, Any]:
-        """Steps consumed, plus the settings that define the layout (checked on resume)."""
+        """The next step to read and the skipped ranges, plus the settings that define the layout
+        (checked on resume)."""
         return {
             "version": STATE_VERSION,
             "step": self.step,
+            "skip": self.skips.to_list(),
             "lanes": self.lanes,
             "seq_len": self.seq_len,
             "seed": self.seed,
@@ -119,7 +134,8 @@ class LaneStream:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue after the steps `state` says were consumed; the layout must be the same."""
+        """Continue after the steps `state` says were consumed, skipping its ranges too; the layout must
+        be the same."""
         if state.get("version") != STATE_VERSION:
             raise LaneError(f"unsupported lane stream state version {state.get('version')!r}")
         mine = self.state_dict()
@@ -130,4 +146,15 @@ class LaneStream:
                     f"cannot resume the carried streams exactly: the checkpoint has {key}={state.get(key)!r}, "
                     f"this run {mine[key]!r} ({what} must not change under train.carry_state)"
                 )
-        self.step = int(state["step"])
+        for first, end in state.get("skip", []):
+            self.skips.add(first, end)
+        self.step = self._unskipped(int(state["step"]))
+
+    def position(self) -> int:
+        """Global number of the next sample to read: the first of the next step's."""
+        return self.step * self.lanes
+
+    def skip(self, first: int, end: int) -> None:
+        """Skip the steps holding any of global samples `first .. end - 1`."""
+        self.skips.add(first, end)
+        self.step = self._unskipped(self.step)

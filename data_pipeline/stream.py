@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from data_pipeline.order import Mixture, SourceOrder
 from data_pipeline.shard_reader import ReadPolicy, ReadStats, ShardReader
 from data_pipeline.shards import Manifest, ShardError, load_manifest
+from data_pipeline.skips import SkipRanges
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 
 STATE_VERSION = 1
@@ -97,6 +98,8 @@ class PackedStream(IterableDataset):
             index, so a rank reads ~1/world_size of the data. sha256 needs whole files, so
             ``"range"`` requires ``verify=False`` (structure and counts are still checked; verify the
             set once with ``python -m data_pipeline.verify``).
+        skip_samples: ``[[first, end), ...]`` global sample numbers never read (data_pipeline/skips.py);
+            the ranges are part of the state, so a resumed stream skips them too.
 
     Each sample is a dict: ``input_ids`` (int64 ``[seq_len]``), ``labels`` (int64 ``[seq_len]``,
     ``labels[t] = input_ids[t + 1]`` within the packed stream), ``index`` (global sample number),
@@ -121,6 +124,7 @@ class PackedStream(IterableDataset):
         read_retries: int = 2,
         prefetch: bool = True,
         read: str = "shard",
+        skip_samples: Sequence[Sequence[int]] = (),
     ) -> None:
         super().__init__()
         if seq_len < 1:
@@ -143,6 +147,7 @@ class PackedStream(IterableDataset):
         self.shuffle = shuffle
         self._read_stats = ReadStats()
         self._samples = 0
+        self._skips = SkipRanges(skip_samples)
         self._sources = [
             _Source(url, seq_len, seed, shuffle_buffer, shuffle, policy, self._read_stats) for url, _ in sources
         ]
@@ -161,7 +166,7 @@ class PackedStream(IterableDataset):
         self._mixture = Mixture(self.weights, mix_block, seed)
         self._origin = 0
         self._offsets = np.zeros(len(self._sources), dtype=np.int64)
-        self._start = 0
+        self._start = self._skips.nth(0, 0)
         self._yielded = 0
 
     @property
@@ -227,10 +232,10 @@ class PackedStream(IterableDataset):
         In-process (no workers), a new iteration continues after the samples already yielded.
         """
         if get_worker_info() is None:
-            self._start += self._yielded * self.world_size
+            self._start = self._skips.nth(self._start, self._yielded * self.world_size)
         self._yielded = 0
         for j in self._local_indices():
-            g = self._start + self.rank + j * self.world_size
+            g = self._skips.nth(self._start, self.rank + j * self.world_size)
             if self.max_samples is not None and g >= self.max_samples:
                 return
             sample = self.get(g)
@@ -250,7 +255,9 @@ class PackedStream(IterableDataset):
 
         All ranks hold the same state at a step boundary, so saving rank 0's is enough. Format::
 
-            {"version": 1, "consumed": <global samples consumed>, "seq_len", "seed",
+            {"version": 1, "consumed": <global number of the next sample to read (samples before it
+                                        were consumed or skipped)>,
+             "skip": [[first, end], ...] (skipped ranges, data_pipeline/skips.py), "seq_len", "seed",
              "shuffle_buffer", "shuffle", "mix_block",
              "mixture": {"origin": <global sample where the current weights took effect>,
                          "sources": [fingerprint, ...], "urls": [...], "weights": [...],
@@ -259,7 +266,8 @@ class PackedStream(IterableDataset):
         n = self._yielded if local_consumed is None else local_consumed
         return {
             "version": STATE_VERSION,
-            "consumed": self._start + n * self.world_size,
+            "consumed": self._skips.nth(self._start, n * self.world_size),
+            "skip": self._skips.to_list(),
             "seq_len": self.seq_len,
             "seed": self.seed,
             "shuffle_buffer": self.shuffle_buffer,
@@ -280,7 +288,8 @@ class PackedStream(IterableDataset):
         Seq len, seed and shuffle settings must match (they define the order). If the mixture
         changed (per-block quotas, or sources added/removed), the new weights apply from the saved
         point on and each source that was in the old mixture continues where it stopped; new
-        sources start at 0. Weights that normalize to the same quotas are no change.
+        sources start at 0. Weights that normalize to the same quotas are no change. The saved
+        skipped ranges are added to this stream's own (a state without them skips none more).
         """
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported stream state version {state.get('version')!r}")
@@ -290,6 +299,8 @@ class PackedStream(IterableDataset):
                 raise ValueError(
                     f"cannot resume exactly: the saved stream had {key}={state[key]!r}, this one has {mine!r}"
                 )
+        for first, end in state.get("skip", []):
+            self._skips.add(first, end)
         consumed = int(state["consumed"])
         mix = state["mixture"]
         fingerprints = [s.fingerprint for s in self._sources]
@@ -306,7 +317,7 @@ class PackedStream(IterableDataset):
             by_fingerprint = dict(zip(mix["sources"], old_positions.tolist()))
             self._origin = consumed
             self._offsets = np.array([by_fingerprint.get(f, 0) for f in fingerprints], dtype=np.int64)
-        self._start = consumed
+        self._start = self._skips.nth(consumed, 0)
         self._yielded = 0
 
 
@@ -346,6 +357,15 @@ class StreamLoader:
         """Resume from a state saved by any ``StreamLoader`` / ``PackedStream`` of the same data."""
         self.stream.load_state_dict(state)
         self._consumed_local = 0
+
+    def position(self) -> int:
+        """Global number of the next sample to read (what the state calls ``consumed``)."""
+        return int(self.state_dict()["consumed"])
+
+    def skip(self, first: int, end: int) -> None:
+        """Never read global samples ``first .. end - 1``; a new iterator starts past them."""
+        state = self.state_dict()
+        self.load_state_dict({**state, "skip": [*state["skip"], [first, end]]})
 
     def stats(self) -> dict[str, int]:
         """The stream's I/O counters (see ``PackedStream.stats``)."""

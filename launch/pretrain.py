@@ -3,7 +3,8 @@
 Also runs under `torchrun ... engine.kind=fsdp`, as one `srun` task per GPU (ranks from SLURM's
 variables; launch/slurm/) and as a plain `python launch/pretrain.py` in one process. Bad
 configuration or data stops here, before any compute, with a message naming the key or file.
-Exit codes: 0 done, 2 bad input, 3 preempted (saved; requeue), 4 diverged (docs/cluster.md).
+Exit codes: 0 done, 2 bad input, 3 preempted (saved) or a rank hung (requeue either), 4 diverged
+(docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--preempted-marker", default=None, metavar="FILE",
-        help="after a preemption save (exit code 3), rank 0 writes FILE: the batch script requeues on it",
+        help="after a preemption save (exit code 3), rank 0 writes FILE; a rank's hang watchdog writes it "
+        "before exiting 3: the batch script requeues on it",
     )
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 model.n_layers=4")

@@ -115,6 +115,14 @@ class StateCarrier:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lanes.load_state_dict(state)
 
+    def position(self) -> int:
+        """Global number of the next sample the lanes read (data_pipeline/lanes.py numbers them)."""
+        return self.lanes.position()
+
+    def skip(self, first: int, end: int) -> None:
+        """Never train on global samples `first .. end - 1` (their steps are skipped whole)."""
+        self.lanes.skip(first, end)
+
     def _lanes_of(self) -> list[list[int]]:
         return [self.lanes.lane_ids(micro) for micro in range(self.n_micro)]
 
@@ -163,6 +171,6 @@ def make_carrier(cfg: RunConfig, model: CausalLM, rank: int, world: int, device:
     lanes = LaneStream(
         cfg.data.train[0].path, cfg.data.seq_len, cfg.train.global_batch, cfg.train.micro_batch,
         seed=cfg.run.seed, rank=rank, world_size=world, expected_tokenizer=cfg.data.tokenizer,
-        doc_boundaries=cfg.data.doc_boundaries,
+        doc_boundaries=cfg.data.doc_boundaries, skip_samples=cfg.data.skip_samples,
     )
     return StateCarrier(lanes, model, device)

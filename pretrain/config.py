@@ -15,7 +15,13 @@ from data_pipeline import synthetic
 from model import family
 from model.config import ModelConfig
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
-from model.config_loader import build_config, check_range, dump_yaml, read_tree, to_plain
+from model.config_loader import build_config, check_range, dump_yaml, read_tree, short, to_plain
+
+
+def check_hang_timeout(value: float | None) -> None:
+    """A section's `hang_timeout_s`: seconds > 0, or null for the watchdog's derived deadline."""
+    if value is not None:
+        check_range("hang_timeout_s", value, low=0, low_open=True, note=" (or null: derived from measured times)")
 
 
 @dataclasses.dataclass
@@ -73,6 +79,9 @@ class DataSection:
     shuffle_buffer: int = 1024
     doc_boundaries: bool = False
     num_workers: int = 0
+    # global sample numbers never trained on, as [first, end) pairs (data_pipeline/skips.py); a loss-spike
+    # rollback adds its range to the data state itself, so this is for skipping data by hand
+    skip_samples: list[list[int]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.task is not None and self.train:
@@ -80,6 +89,29 @@ class DataSection:
         check_range("seq_len", self.seq_len, low=2)
         check_range("shuffle_buffer", self.shuffle_buffer, low=1)
         check_range("num_workers", self.num_workers, low=0)
+        for i, pair in enumerate(self.skip_samples):
+            if len(pair) != 2 or not 0 <= pair[0] < pair[1]:
+                raise ValueError(
+                    f"skip_samples: item {i} must be [first, end) global sample numbers with 0 <= first < end, "
+                    f"got {short(pair)}"
+                )
+
+
+@dataclasses.dataclass
+class SpikeSection:
+    """Loss-spike rollback (pretrain/spike.py): a step whose global mean loss exceeds `factor` times the
+    median of the `window` finite losses before it is a spike; the run restores the newest checkpoint
+    from before it and skips the samples read since. docs/training.md, "Loss spikes", gives the reason
+    for each default."""
+
+    window: int = 50
+    factor: float = 2.0
+    max_rollbacks: int = 3  # 0 turns the detector off; one more spike after this many saves and exits 4
+
+    def __post_init__(self) -> None:
+        check_range("window", self.window, low=1)
+        check_range("factor", self.factor, low=1, low_open=True)
+        check_range("max_rollbacks", self.max_rollbacks, low=0, note=" (0 turns spike rollback off)")
 
 
 @dataclasses.dataclass
@@ -106,6 +138,13 @@ class TrainSection:
     carry_state: bool = False  # truncated BPTT: each batch row continues its text (pretrain/carry.py)
     log_every: int = 10
     max_runtime: float | None = None
+    # the hang watchdog's deadline for each phase of a step (pretrain/watchdog.py); null: derived from
+    # the measured step time, at least HANG_FLOOR_S
+    hang_timeout_s: float | None = None
+    # a rank whose time per step outside communication exceeds this many times the median rank's is
+    # named at each log step (pretrain/straggler.py)
+    straggler_factor: float = 1.5
+    spike: SpikeSection = dataclasses.field(default_factory=SpikeSection)
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch", "micro_batch", "log_every"):
@@ -125,6 +164,8 @@ class TrainSection:
             )
         if self.max_runtime is not None and self.max_runtime <= 0:
             raise ValueError(f"max_runtime: must be > 0 seconds or null, got {self.max_runtime}")
+        check_hang_timeout(self.hang_timeout_s)
+        check_range("straggler_factor", self.straggler_factor, low=1, low_open=True)
 
 
 @dataclasses.dataclass
@@ -155,11 +196,13 @@ class CheckpointSection:
     milestone_every: int = 0
     async_save: bool = True
     resume: str = "auto"
+    hang_timeout_s: float | None = None  # the watchdog's deadline for a save or restore; null: derived
 
     def __post_init__(self) -> None:
         check_range("every", self.every, low=0, note=" (0 disables periodic saves)")
         check_range("keep_last", self.keep_last, low=1)
         check_range("milestone_every", self.milestone_every, low=0)
+        check_hang_timeout(self.hang_timeout_s)
 
 
 @dataclasses.dataclass
@@ -187,8 +230,10 @@ class EvalSection:
     task_len: int = 512
     task_examples: int = 16
     haystack: str | None = None
+    hang_timeout_s: float | None = None  # the watchdog's deadline for one evaluation; null: derived
 
     def __post_init__(self) -> None:
+        check_hang_timeout(self.hang_timeout_s)
         unknown = sorted(set(self.tasks) - set(synthetic.TASKS))
         if unknown:
             raise ValueError(f"tasks: unknown {unknown}; known: {', '.join(sorted(synthetic.TASKS))}")
@@ -247,6 +292,15 @@ def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunCo
     if problem:
         source = sources.get("data.doc_boundaries", sources.get("data", "<defaults>"))
         raise ConfigError(f"{source}: data.doc_boundaries=true: {problem}")
+    for key in ("train.hang_timeout_s", "eval.hang_timeout_s", "checkpoint.hang_timeout_s"):
+        section, field = key.split(".")
+        value = getattr(getattr(config, section), field)
+        if value is not None and value >= config.engine.dist_timeout_s:
+            raise ConfigError(
+                f"{sources.get(key, '<defaults>')}: {key}={value}: must be below engine.dist_timeout_s="
+                f"{config.engine.dist_timeout_s}, or a collective times out (exit 1, no requeue) before the "
+                "hang watchdog fires"
+            )
     return config
 
 

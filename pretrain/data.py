@@ -19,7 +19,8 @@ from pretrain.protocols import Batch
 
 def make_task_data(cfg: RunConfig, rank: int, world: int) -> TaskBatches:
     """Batches of the configured synthetic task (token ids must fit the model's vocabulary)."""
-    return TaskBatches(task_generator(cfg), cfg.data.seq_len, cfg.train.micro_batch, rank, world)
+    return TaskBatches(task_generator(cfg), cfg.data.seq_len, cfg.train.micro_batch, rank, world,
+                       skip_samples=cfg.data.skip_samples)
 
 
 def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBatches:
@@ -36,6 +37,7 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
         doc_boundaries=cfg.data.doc_boundaries,
         batch_size=cfg.train.micro_batch,
         expected_tokenizer=cfg.data.tokenizer,
+        skip_samples=cfg.data.skip_samples,
     )
     # pinned batches copy to the GPU without making the host wait (the loop's non_blocking copies)
     return StreamLoader(stream, num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available())
@@ -76,7 +78,18 @@ class StepBatches:
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; batches drawn before are forgotten (a rollback reloads mid-run)."""
         self.loader.load_state_dict(state)
+        self._batches = None
+
+    def position(self) -> int:
+        """Global number of the next sample to read (the same on every rank at a step boundary)."""
+        return self.loader.position()
+
+    def skip(self, first: int, end: int) -> None:
+        """Never train on global samples `first .. end - 1`."""
+        self.loader.skip(first, end)
+        self._batches = None
 
     def stats(self) -> dict[str, float]:
         return self.loader.stats()

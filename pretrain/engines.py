@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model import CausalLM, SequenceParallel
+from pretrain import watchdog
 from pretrain.carry import detach_state
 from pretrain.checkpoint.dcp_format import load_dcp_state, save_dcp_state
 from pretrain.checkpoint.deepspeed_format import load_deepspeed, save_deepspeed
@@ -198,6 +199,7 @@ class _TorchOptimizerEngine:
             losses.append(loss.detach())
             states.append(state)
         local_loss = torch.stack(losses).mean()
+        watchdog.phase("optimizer")
         params = self._stepped()
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
@@ -375,9 +377,11 @@ class DeepSpeedEngine:
             # a non-finite loss poisons the gradients so that the step is dropped: by ZeRO's overflow
             # check at stages 1-3, by the found_inf flag below at stage 0
             self.engine.backward(_poisoned(loss))
-            if self.engine.is_gradient_accumulation_boundary() and self.cfg.engine.zero_stage == 0:
-                own_norm = self._grad_norm()
-                self.optimizer.found_inf = _skip_flag(own_norm)
+            if self.engine.is_gradient_accumulation_boundary():
+                watchdog.phase("optimizer")
+                if self.cfg.engine.zero_stage == 0:
+                    own_norm = self._grad_norm()
+                    self.optimizer.found_inf = _skip_flag(own_norm)
             self.engine.step()
         local_loss = torch.stack(losses).mean()
         norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm

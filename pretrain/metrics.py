@@ -88,6 +88,14 @@ class MetricsLogger:
             payload.update({k: histogram(v) for k, v in (histograms or {}).items()})
             self._wandb.log(payload, step=step)
 
+    def event(self, record: dict[str, Any], message: str) -> None:
+        """A line of its own in metrics.jsonl (a record with an "event" key, not a step's metrics),
+        said on the console too."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        get_logger().warning(message)
+
     def console(self, message: str) -> None:
         if self.enabled:
             get_logger().info(message)

@@ -3,14 +3,14 @@
 Read top to bottom: `train()` sets a run up (`_start`) and steps it (`_loop`); each step's data is
 pretrain/data.py's, the engine behind pretrain/protocols.py's interface, the start-up rules
 pretrain/preflight.py's, the periodic evaluation pretrain/validate.py's and everything on disk
-pretrain/checkpoint/'s.
+pretrain/checkpoint/'s. Three guards watch the loop through small hooks: the hang watchdog
+(pretrain/watchdog.py, told each phase), the straggler report (pretrain/straggler.py, at log steps) and
+the loss-spike rollback (pretrain/spike.py and `_roll_back`, at log and checkpoint steps).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import signal
 import time
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from model import CausalLM, build_model
-from pretrain import carry
+from pretrain import carry, straggler, watchdog
 from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.run_lock import RunLock, RunLockedError
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
@@ -36,6 +36,7 @@ from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
 from pretrain.preflight import DataError, check_data, check_start
 from pretrain.protocols import Engine
+from pretrain.spike import Spike, SpikeDetector
 from pretrain.validate import periodic_evaluation
 
 __all__ = ["EXIT_DIVERGED", "EXIT_PREEMPTED", "DataError", "RunLockedError", "train"]
@@ -128,6 +129,7 @@ class Run:
     state: TrainerState
     flops_per_token: float
     peak_flops: float
+    spikes: SpikeDetector
 
     @property
     def carrier(self) -> carry.StateCarrier | None:
@@ -188,12 +190,10 @@ def _start(cfg: RunConfig, resume: str | None) -> Run:
     model, engine, batches = _build(cfg, rank, world, dims, gas, device)
     n_params = model.num_parameters()  # before sharding engines partition the weights
     state = TrainerState()
+    spikes = SpikeDetector(cfg.train.spike)
     restored = checkpointer.resume(resume if resume is not None else cfg.checkpoint.resume, engine)
     if restored is not None:
-        state = TrainerState(**restored["trainer"])
-        batches.load_state_dict(restored["data"])
-        if isinstance(batches, carry.StateCarrier):  # its lanes' states, saved beside the checkpoint
-            batches.load(Path(restored["path"]))
+        state = _restored_state(batches, spikes, restored)
         get_logger().info("resumed from %s at step %d", restored["path"], state.step)
     metrics = MetricsLogger(run_dir, config_to_dict(cfg), rank == 0, cfg.log.wandb, cfg.log.wandb_project)
     peak = (cfg.log.peak_tflops * 1e12) if cfg.log.peak_tflops else all_reduce_mean([measure_peak_flops()])[0]
@@ -205,21 +205,65 @@ def _start(cfg: RunConfig, resume: str | None) -> Run:
         "data-parallel rank per step"
     )
     return Run(cfg, rank, world, dims, device, model, engine, batches, checkpointer, lock, metrics, state, flops,
-               peak)
+               peak, spikes)
+
+
+def _restored_state(batches: StepBatches | carry.StateCarrier, spikes: SpikeDetector, restored: dict[str, Any],
+                    rollback: bool = False) -> TrainerState:
+    """Put a restored checkpoint's data position (and carried states) and spike history in place; returns
+    its trainer state. A rollback keeps its count of rollbacks (SpikeDetector.load_state_dict)."""
+    batches.load_state_dict(restored["data"])
+    if isinstance(batches, carry.StateCarrier):  # its lanes' states, saved beside the checkpoint
+        batches.load(Path(restored["path"]))
+    spikes.load_state_dict(restored.get("spike"), keep_rollbacks=rollback)
+    return TrainerState(**restored["trainer"])
 
 
 def _save(run: Run, pending: list[tuple[int, torch.Tensor]]) -> None:
+    watchdog.phase("checkpoint_save")
     account_skips(run.state, pending, run.cfg.train)
-    trainer_state = {"trainer": vars(run.state), "data": run.batches.state_dict()}
+    trainer_state = {"trainer": vars(run.state), "data": run.batches.state_dict(), "spike": run.spikes.state_dict()}
     run.checkpointer.save(run.state.step, run.engine, trainer_state, config_text(run.cfg),
                           run.carrier.save if run.carrier else None)
     run.metrics.console(f"checkpoint of step {run.state.step} written (async={run.cfg.checkpoint.async_save})")
 
 
-def _log_step(run: Run, info: Any, lr: float, window: tuple[float, int]) -> None:
+def _roll_back(run: Run, pending: list[tuple[int, torch.Tensor]], spike: Spike) -> int | None:
+    """Collective: answer a loss spike. Restore the newest checkpoint from before it in these processes,
+    skip the global samples read from that checkpoint through the spike's batch (kept in the data state,
+    so every later resume skips them too) and go on; returns None. After train.spike.max_rollbacks
+    rollbacks, save and return EXIT_DIVERGED instead."""
+    cfg = run.cfg.train.spike
+    said = (f"loss spike at step {spike.step}: {spike.loss:.4f} > train.spike.factor={cfg.factor} x the median "
+            f"{spike.median:.4f} of the {cfg.window} steps before")
+    if run.spikes.exhausted:
+        get_logger().warning("%s; train.spike.max_rollbacks=%d rollbacks made: saving and stopping", said,
+                             cfg.max_rollbacks)
+        _save(run, pending)
+        return EXIT_DIVERGED
+    watchdog.phase("checkpoint_load")
+    restored = run.checkpointer.restore_before(spike.step, run.engine)
+    if restored is None:
+        get_logger().warning("%s; no checkpoint from before it to roll back to: going on", said)
+        return None
+    pending.clear()
+    run.state = _restored_state(run.batches, run.spikes, restored, rollback=True)
+    run.spikes.rollbacks += 1
+    first = run.batches.position()
+    run.batches.skip(first, spike.end_sample)
+    skipped = [first, spike.end_sample]
+    run.metrics.event(
+        {"event": "rollback", "step": spike.step, "to_step": run.state.step, "skipped_samples": skipped},
+        f"{said}; rolled back to step {run.state.step}, skipping global samples [{first}, {spike.end_sample}) "
+        f"(rollback {run.spikes.rollbacks} of train.spike.max_rollbacks={cfg.max_rollbacks})",
+    )
+    return None
+
+
+def _log_step(run: Run, info: Any, lr: float, window: tuple[float, int], times: straggler.StepTimes) -> None:
     """Report step `run.state.step`: the global mean loss (a collective, only on steps that report
     it), throughput and MFU over the window (start time, tokens) since the last report, memory, the
-    data's and the model's own statistics."""
+    data's and the model's own statistics, and with several ranks the straggler report."""
     cfg, state = run.cfg, run.state
     loss_value = all_reduce_mean([float(info.loss)])[0]
     tokens_per_s = window[1] / max(time.time() - window[0], 1e-9)
@@ -236,30 +280,46 @@ def _log_step(run: Run, info: Any, lr: float, window: tuple[float, int]) -> None
         **{f"data/{k}": v for k, v in run.batches.stats().items()},
     }
     model_scalars, model_hists = model_statistics(run.model)
+    named = None
+    if run.world > 1:
+        rank_scalars, per_rank, named = straggler.report(times, run.rank, run.world, cfg.train.straggler_factor)
+        scalars.update(rank_scalars)
+        model_hists.update(per_rank)
     run.metrics.log(state.step, {**scalars, **model_scalars}, model_hists)
     run.metrics.console(
         f"step {state.step}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
         f"grad {scalars['train/grad_norm']:.3f} {tokens_per_s:,.0f} tok/s mfu {scalars['perf/mfu']:.1%}"
     )
+    if named:
+        run.metrics.console(named)
 
 
 def _evaluate(run: Run) -> None:
+    watchdog.phase("evaluation")
     results = periodic_evaluation(run.cfg, run.engine, run.rank, run.world, run.device)
     run.metrics.log(run.state.step, results)
     run.metrics.console("eval " + " ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in results.items()))
 
 
-def _loop(run: Run, started: float, stop: StopFlag) -> int:
+def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) -> int:
     """Step until train.steps, a divergence or a stop; returns the exit code. The host waits for the
     device only at log and checkpoint steps (every step under nan_policy "stop"); every rank reads
     the same flags, so every rank agrees to stop."""
-    cfg, state = run.cfg, run.state
+    cfg = run.cfg
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     pending: list[tuple[int, torch.Tensor]] = []  # (step, applied) flags the host has not read yet
     window_start, window_tokens = time.time(), 0
-    while state.step < cfg.train.steps:
+    while run.state.step < cfg.train.steps:
+        state = run.state  # a rollback replaces it
         lr = lr_at(state.step, cfg.train)
-        info = run.engine.train_step(run.batches.next_step(), lr)
+        watchdog.phase("data", state.step + 1)
+        times.step_begins()
+        micro_batches = run.batches.next_step()
+        times.data_ready()
+        watchdog.phase("forward_backward")
+        info = run.engine.train_step(micro_batches, lr)
+        watchdog.phase("step_end")
+        times.step_ends()
         if run.carrier is not None:
             run.carrier.update(info.states)
         run.checkpointer.poll()
@@ -267,6 +327,7 @@ def _loop(run: Run, started: float, stop: StopFlag) -> int:
         state.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
         pending.append((state.step, info.applied))
+        run.spikes.record(state.step, info.loss, run.batches.position())
         log_step = state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps
         checkpoint_step = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0
         if log_step or checkpoint_step or cfg.train.nan_policy == "stop":
@@ -276,11 +337,21 @@ def _loop(run: Run, started: float, stop: StopFlag) -> int:
                                      diverged_at, cfg.train.nan_policy, cfg.train.max_skipped_steps)
                 _save(run, pending)
                 return EXIT_DIVERGED
+            spike = run.spikes.check()
+            if spike is not None:
+                exit_code = _roll_back(run, pending, spike)
+                if exit_code is not None:
+                    return exit_code
+                if run.state is not state:  # rolled back: the next step is the checkpoint's
+                    window_start, window_tokens = time.time(), 0
+                    times.take()
+                    continue
         if log_step:
-            _log_step(run, info, lr, (window_start, window_tokens))
+            _log_step(run, info, lr, (window_start, window_tokens), times)
             window_start, window_tokens = time.time(), 0
         if cfg.eval.every and state.step % cfg.eval.every == 0:
             _evaluate(run)
+            watchdog.phase("step_end")
         out_of_time = cfg.train.max_runtime is not None and _projected_past(started, state.step, cfg)
         if _any_rank(stop.signal is not None or out_of_time):
             _save(run, pending)
@@ -298,9 +369,12 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
     batch script checks to requeue the job."""
     started = time.time()
     run = _start(cfg, resume)
+    watchdog.start_for(cfg, run.rank, Path(preempted_marker) if preempted_marker else None)
+    times = straggler.StepTimes(run.world)
     try:
         stop = StopFlag()
-        exit_code = _loop(run, started, stop)
+        exit_code = _loop(run, started, stop, times)
+        watchdog.phase("checkpoint_save")  # the last commit, and the other ranks' wait for it
         run.checkpointer.wait()
         if exit_code == EXIT_PREEMPTED and preempted_marker and run.rank == 0:
             write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed,
@@ -310,6 +384,8 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
         # rank exits (srun --kill-on-bad-exit) would otherwise interrupt the commit.
         barrier()
     finally:
+        watchdog.stop()
+        times.stop()
         if run.lock is not None:
             run.lock.release()
     return exit_code
@@ -317,11 +393,8 @@ def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | Non
 
 def write_preempted_marker(path: Path, step: int, checkpoint: str | None, signum: int | None) -> None:
     """Atomically write the JSON note that asks the batch script to requeue this job."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     reason = signal.Signals(signum).name if signum else "max_runtime"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "checkpoint": checkpoint, "reason": reason}) + "\n")
-    os.replace(tmp, path)
+    watchdog.write_requeue_marker(path, {"step": step, "checkpoint": checkpoint, "reason": reason})
 
 
 def _projected_past(started: float, steps_done: int, cfg: RunConfig) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from data_pipeline.skips import SkipRanges
 from data_pipeline.synthetic.example import IGNORE_INDEX, Example
 from data_pipeline.synthetic.registry import Task
 
@@ -17,8 +18,9 @@ from data_pipeline.synthetic.registry import Task
 class TaskStream(IterableDataset):
     """A synthetic task as an ``IterableDataset`` for training: rank ``r`` of ``world_size`` gets
     examples ``start + r + k * world_size`` (resume by passing the number of examples consumed
-    globally as ``start``), each right-padded to ``pad_to`` tokens when given (inputs with
-    ``pad_id``, labels with ``IGNORE_INDEX``) so the default collate can stack them.
+    globally as ``start``), numbered past the ranges of ``skips`` when given, each right-padded to
+    ``pad_to`` tokens when given (inputs with ``pad_id``, labels with ``IGNORE_INDEX``) so the default
+    collate can stack them.
 
     Yields ``{"input_ids", "labels", "index"}``. Generation is cheap, so use it with
     ``num_workers=0``; more data-loader workers would repeat examples and are refused.
@@ -33,9 +35,11 @@ class TaskStream(IterableDataset):
         num_examples: int | None = None,
         pad_to: int | None = None,
         pad_id: int = 0,
+        skips: SkipRanges | None = None,
     ) -> None:
         super().__init__()
         self.task = task
+        self.skips = skips or SkipRanges()
         self.rank = rank
         self.world_size = world_size
         self.start = start
@@ -47,7 +51,8 @@ class TaskStream(IterableDataset):
         info = get_worker_info()
         if info is not None and info.num_workers > 1:
             raise RuntimeError("TaskStream would repeat examples across data-loader workers; use num_workers=0")
-        for i in itertools.count(self.start + self.rank, self.world_size):
+        for k in itertools.count():
+            i = self.skips.nth(self.start, self.rank + k * self.world_size)
             if self.num_examples is not None and i >= self.num_examples:
                 return
             e = self.task.example(i)
@@ -64,27 +69,44 @@ class TaskStream(IterableDataset):
 class TaskBatches:
     """Micro-batches of a synthetic task for the trainer, with the loader interface it uses.
 
-    Each example is padded to ``seq_len``; ``state_dict`` counts the examples consumed by all ranks
-    so that a resumed run continues with the next unseen example.
+    Each example is padded to ``seq_len``; ``state_dict`` holds the global number of the next example
+    to read and the skipped ranges (``skip_samples``, data_pipeline/skips.py), so that a resumed run
+    continues with the next unseen example.
     """
 
-    def __init__(self, task: Task, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, task: Task, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
+        skip_samples: Sequence[Sequence[int]] = (),
+    ) -> None:
         self.task, self.seq_len, self.batch_size = task, seq_len, batch_size
         self.rank, self.world_size = rank, world_size
-        self.consumed = 0
+        self.skips = SkipRanges(skip_samples)
+        self.consumed = self.skips.nth(0, 0)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
-            stream = TaskStream(self.task, self.rank, self.world_size, start=self.consumed, pad_to=self.seq_len)
+            stream = TaskStream(self.task, self.rank, self.world_size, start=self.consumed, pad_to=self.seq_len,
+                                skips=self.skips)
             rows = list(itertools.islice(iter(stream), self.batch_size))
-            self.consumed += self.batch_size * self.world_size
+            self.consumed = self.skips.nth(self.consumed, self.batch_size * self.world_size)
             yield {key: torch.stack([row[key] for row in rows]) for key in ("input_ids", "labels")}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed}
+        return {"consumed": self.consumed, "skip": self.skips.to_list()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.consumed = int(state["consumed"])
+        for first, end in state.get("skip", []):
+            self.skips.add(first, end)
+        self.consumed = self.skips.nth(int(state["consumed"]), 0)
+
+    def position(self) -> int:
+        """Global number of the next example to read."""
+        return self.consumed
+
+    def skip(self, first: int, end: int) -> None:
+        """Never read examples ``first .. end - 1``."""
+        self.skips.add(first, end)
+        self.consumed = self.skips.nth(self.consumed, 0)
 
     def stats(self) -> dict[str, int]:
         return {"examples": self.consumed}

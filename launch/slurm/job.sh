@@ -32,10 +32,16 @@ srun --kill-on-bad-exit=1 "$PYTHON" launch/pretrain.py --config "$CONFIG" --resu
   --preempted-marker "$MARKER" "${ENGINE_ARGS[@]}" "$@"
 STATUS=$?
 
-# Requeue on the trainer's note, not on srun's exit status: the note exists only once the
-# checkpoint has committed, whatever status the ranks or srun ended with.
+# Requeue on the trainer's note, not on srun's exit status (whatever status the ranks or srun ended
+# with). Rank 0 writes it once a preemption checkpoint has committed; a rank's hang watchdog writes it
+# (reason "hang") when that rank stayed in one phase past its deadline, and srun --kill-on-bad-exit
+# then ends the other ranks. Either way the requeued job resumes from the newest verified checkpoint.
 if [ -f "$MARKER" ]; then
-  echo "preempted after a committed checkpoint ($(cat "$MARKER")): requeueing job $SLURM_JOB_ID"
+  if grep -q '"reason": "hang"' "$MARKER"; then
+    echo "a rank hung ($(cat "$MARKER")): requeueing job $SLURM_JOB_ID"
+  else
+    echo "preempted after a committed checkpoint ($(cat "$MARKER")): requeueing job $SLURM_JOB_ID"
+  fi
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi

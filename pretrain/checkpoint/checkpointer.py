@@ -267,7 +267,18 @@ class Checkpointer:
             if state is None:
                 raise CheckpointError(f"{directory}: verified but does not load into this run: {error}")
             return state
-        candidates = self.list() if distributed.rank() == 0 else []
+        return self._restore_newest(engine, self.list() if distributed.rank() == 0 else [])
+
+    def restore_before(self, step: int, engine: Engine) -> dict[str, Any] | None:
+        """Collective: restore the newest checkpoint of a step before `step` that verifies and loads
+        (a loss-spike rollback, in the running processes); as `resume`'s return, or None if none."""
+        self.wait()
+        candidates = [n for n in self.list() if step_number(n) < step] if distributed.rank() == 0 else []
+        return self._restore_newest(engine, candidates)
+
+    def _restore_newest(self, engine: Engine, candidates: list[str]) -> dict[str, Any] | None:
+        """Collective: the first of `candidates` (rank 0's list, newest first) that verifies and loads
+        on every rank; the others are reported and skipped."""
         while True:
             chosen = self._verified(candidates) if distributed.rank() == 0 else None
             choice = share_text(str(chosen or ""))

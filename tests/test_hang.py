@@ -1,0 +1,162 @@
+"""The hang watchdog (pretrain/watchdog.py) against hangs made from outside the trainer: one rank of a
+2-rank run stopped with SIGSTOP mid-training. The other rank, blocked in a collective, must end the job
+within `train.hang_timeout_s` plus a margin, with the stacks of every thread in the log and the requeue
+marker saying "hang"; the rerun resumes from the newest checkpoint and logs the uninterrupted run's
+losses, bitwise. The SLURM case goes through the templates on the stand-ins of tests/slurm_standins.py
+and must be requeued."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pretrain.watchdog import EXIT_HANG, FIRST_TIME_FACTOR, HANG_FLOOR_S, MEASURED_FACTOR, Deadlines
+from tests.launchers import REPO, kill_tree, run_training
+from tests.test_preemption import start, wait_for_step
+from tests.test_resume import STEPS, config_args, step_losses
+from tests.test_slurm import requeues, submit
+
+HANG_TIMEOUT_S = 20.0
+"""Long enough for a step of the test's config on a loaded 2-core machine, short enough for a test."""
+MARGIN_S = 60.0
+"""What the issue allows beyond the timeout: the watchdog's poll, the write, and the launcher's teardown
+of the stopped rank (the DeepSpeed launcher and torchrun give it 30 s after SIGTERM, then SIGKILL)."""
+
+
+def test_watchdog_fires_while_the_main_thread_is_blocked_in_a_c_call(tmp_path: Path) -> None:
+    """The main thread blocks in os.read on a pipe nobody writes to (a C call: no Python signal handler
+    runs there); the watchdog thread reports the phase, the step and every thread's stack, writes the
+    marker and exits with 3."""
+    marker = tmp_path / "marker.json"
+    script = textwrap.dedent(f"""
+        import os
+        from pretrain import watchdog
+        from pretrain.config import load_config
+        cfg = load_config({str(REPO / 'configs' / 'tiny.yaml')!r}, ["run.dir={tmp_path}", "train.hang_timeout_s=1"])
+        watchdog.start_for(cfg, 0, __import__("pathlib").Path({str(marker)!r}))
+        watchdog.phase("data", 7)
+        watchdog.phase("forward_backward")
+        read_end, _ = os.pipe()
+        os.read(read_end, 1)
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == EXIT_HANG, done.stderr[-3000:]
+    assert time.monotonic() - started < 30
+    assert json.loads(marker.read_text()) == {"step": 7, "reason": "hang", "phase": "forward_backward", "rank": 0}
+    for log in (done.stderr, (tmp_path / "hang_rank0.log").read_text()):
+        assert "rank 0 has been in phase 'forward_backward' of step 7" in log
+        assert "train.hang_timeout_s" in log
+        assert 'Thread 0x' in log and "os.read(read_end, 1)" not in log  # faulthandler names lines, not code
+        assert "line 10 in <module>" in log  # the main thread's frame: the os.read line
+        assert "in _fire" in log  # and the watchdog's own thread
+
+
+def test_deadlines_come_from_the_config_or_the_measured_times() -> None:
+    deadlines = Deadlines({"step": None, "eval": 42.0, "checkpoint": None}, collective_timeout_s=1800.0)
+    assert deadlines("eval") == 42.0
+    assert deadlines("step") == FIRST_TIME_FACTOR * HANG_FLOOR_S  # nothing measured yet
+    deadlines.observe("step", 2.0)
+    assert deadlines("step") == HANG_FLOOR_S  # 10 x 2 s is under the floor
+    deadlines.observe("step", 45.0)
+    deadlines.observe("step", 3.0)
+    assert deadlines("step") == MEASURED_FACTOR * 45.0  # the longest step so far
+    deadlines.observe("step", 400.0)
+    assert deadlines("step") == 0.9 * 1800.0  # capped below the collectives' own timeout
+    assert Deadlines({"step": None}, collective_timeout_s=100.0)("step") == 90.0
+
+
+def _rank_process(launcher_pid: int, rank: int) -> psutil.Process:
+    """The training process of `rank` below a launcher (found by its RANK variable)."""
+    for proc in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if any(a.endswith("launch/pretrain.py") for a in proc.cmdline()[:3]) and proc.environ().get(
+                    "RANK", proc.environ().get("SLURM_PROCID")) == str(rank):
+                return proc
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no process of rank {rank} under {launcher_pid}")
+
+
+def _stopped_job_ends(proc: subprocess.Popen, run_dir: Path, log: Path, rank: int = 1) -> tuple[float, int]:
+    """SIGSTOP `rank` once step 5 is logged; returns how long the job took to end after it, and the last
+    step logged."""
+    wait_for_step(proc, run_dir, 5, log)
+    victim = _rank_process(proc.pid, rank)
+    victim.suspend()  # SIGSTOP: the process stops where it is, as a rank whose device stopped answering
+    stopped_at = time.monotonic()
+    proc.wait(timeout=HANG_TIMEOUT_S + MARGIN_S + 60)
+    return time.monotonic() - stopped_at, max(step_losses(run_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_a_stopped_rank_ends_the_job_marked_for_requeue_and_the_rerun_is_exact(
+    launcher: str, demo_shards: dict[str, str], tmp_path: Path
+) -> None:
+    engine = "engine.kind=deepspeed" if launcher == "deepspeed" else "engine.kind=fsdp"
+    straight, hung = tmp_path / "straight", tmp_path / "hung"
+    run_training(launcher, 2, config_args(demo_shards, straight, [engine]))
+    expected = {step: values[0] for step, values in step_losses(straight).items()}
+
+    marker, log = tmp_path / "marker.json", tmp_path / "log.txt"
+    args = [*config_args(demo_shards, hung, [engine, f"train.hang_timeout_s={HANG_TIMEOUT_S}"]),
+            "--preempted-marker", str(marker)]
+    with start(launcher, 2, args, log) as proc:
+        took, reached = _stopped_job_ends(proc, hung, log)
+    output = log.read_text()
+    print(f"{launcher}: the job ended {took:.1f} s after SIGSTOP (hang_timeout_s={HANG_TIMEOUT_S})")
+    assert reached < STEPS, "the run finished before the stop: nothing was tested"
+    assert took < HANG_TIMEOUT_S + MARGIN_S, output[-3000:]
+    # torchrun reports 1 for any failed worker; the DeepSpeed launcher passes the rank's code on
+    assert proc.returncode == (EXIT_HANG if launcher == "deepspeed" else 1), output[-3000:]
+    note = json.loads(marker.read_text())
+    assert note["reason"] == "hang" and note["rank"] == 0 and note["step"] >= 5, note
+    assert "rank 0 has been in phase" in output and "Stacks of every thread" in output
+    assert "Thread 0x" in output and "most recent call first" in output
+    assert "distributed_c10d.py" in (hung / "hang_rank0.log").read_text()  # blocked in a collective
+
+    run_training(launcher, 2, [*config_args(demo_shards, hung, [engine]), "--resume", "auto"])
+    got = step_losses(hung)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, values in got.items():
+        assert all(v == expected[step] for v in values), (launcher, step, values, expected[step])
+
+
+def test_slurm_job_with_a_stopped_rank_is_requeued_and_resumes(demo_shards: dict[str, str], tmp_path: Path) -> None:
+    """The templates on the stand-ins, 1 node x 2 DeepSpeed ranks: rank 1 stopped mid-run; rank 0's
+    watchdog exits 3 with the marker, srun kills the stopped rank at once (--kill-on-bad-exit) and the
+    batch script requeues; the requeued job resumes and finishes."""
+    job = tmp_path / "job"
+    overrides = config_args(demo_shards, job, ["engine.kind=deepspeed", "train.hang_timeout_s=10"])[1:]
+    log = tmp_path / "job.log"
+    first = submit("deepspeed", overrides, tmp_path, 0, log)
+    try:
+        took, reached = _stopped_job_ends(first, job, log)
+    finally:
+        kill_tree(first.pid)
+    output = log.read_text()
+    print(f"slurm: the job ended {took:.1f} s after SIGSTOP (hang_timeout_s=10)")
+    assert first.returncode == 0, output[-3000:]  # the batch script requeued and exited 0
+    assert requeues(tmp_path) == ["777"], output[-3000:]
+    assert took < 10 + MARGIN_S
+    assert "a rank hung" in output and "requeueing job 777" in output and '"reason": "hang"' in output
+    assert reached < STEPS
+
+    second = submit("deepspeed", overrides, tmp_path, 1, log)
+    try:
+        second.wait(timeout=600)
+    finally:
+        kill_tree(second.pid)
+    assert second.returncode == 0, log.read_text()[-3000:]
+    assert requeues(tmp_path) == ["777"]
+    assert sorted(step_losses(job)) == list(range(1, STEPS + 1))

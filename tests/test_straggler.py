@@ -1,0 +1,70 @@
+"""The straggler report (pretrain/straggler.py): the judgment on given times, and a 2-rank run in which
+one rank is slowed from outside by a SIGSTOP/SIGCONT duty cycle and must be the rank named."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pretrain.straggler import judge
+from tests.launchers import logged
+from tests.test_hang import _rank_process
+from tests.test_preemption import start, wait_for_step
+from tests.test_resume import config_args, step_losses
+
+
+def test_a_rank_slower_than_the_median_by_the_factor_is_named() -> None:
+    # (data, communication, rest) per rank: rank 2 computes 0.9 s a step while the others wait for it
+    shared = [0.01, 0.50, 0.40, 0.02, 0.48, 0.42, 0.01, 0.00, 0.90, 0.01, 0.49, 0.41]
+    scalars, per_rank, message = judge(shared, factor=1.5)
+    assert scalars["perf/straggler_rank"] == 2
+    assert scalars["perf/straggler_slowdown"] == pytest.approx(0.91 / 0.42)  # against the lower median
+    assert per_rank["perf/rank_other_s"].tolist() == pytest.approx([0.40, 0.42, 0.90, 0.41])
+    assert message is not None and message.startswith("straggler: rank 2 spends 2.17x")
+    calm, _, quiet = judge(shared, factor=2.5)
+    assert calm["perf/straggler_rank"] == -1 and quiet is None
+    two = judge([0.0, 0.3, 0.2, 0.0, 0.0, 0.5], factor=1.5)[0]  # two ranks: compared with the faster one
+    assert two["perf/straggler_rank"] == 1 and two["perf/straggler_slowdown"] == pytest.approx(2.5)
+
+
+def duty_cycle(process: psutil.Process, stopped_s: float, running_s: float, until: threading.Event) -> None:
+    """SIGSTOP `process` for `stopped_s`, SIGCONT it for `running_s`, until `until` is set."""
+    while not until.is_set():
+        process.suspend()
+        time.sleep(stopped_s)
+        process.resume()
+        time.sleep(running_s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp"])
+def test_a_rank_slowed_from_outside_is_the_one_named(engine: str, demo_shards: dict[str, str],
+                                                     tmp_path: Path) -> None:
+    launcher = "deepspeed" if engine == "deepspeed" else "torchrun"
+    args = config_args(demo_shards, tmp_path, [f"engine.kind={engine}", "train.steps=100000", "checkpoint.every=0",
+                                                "train.log_every=10"])
+    log = tmp_path / "log.txt"
+    with start(launcher, 2, args, log) as proc:
+        wait_for_step(proc, tmp_path, 30, log)  # three windows of the undisturbed run
+        slowed_from = max(step_losses(tmp_path))
+        done = threading.Event()
+        cycle = threading.Thread(target=duty_cycle, args=(_rank_process(proc.pid, 1), 0.15, 0.1, done))
+        cycle.start()
+        try:
+            wait_for_step(proc, tmp_path, slowed_from + 60, log)
+        finally:
+            done.set()
+            cycle.join()
+    steps = logged(tmp_path, "step")
+    named = dict(zip(steps, logged(tmp_path, "perf/straggler_rank")))
+    slowdown = dict(zip(steps, logged(tmp_path, "perf/straggler_slowdown")))
+    print({s: (named[s], round(slowdown[s], 2)) for s in steps})
+    during = [named[s] for s in steps if s > slowed_from + 10]  # windows wholly inside the duty cycle
+    assert len(during) >= 5
+    assert 0 not in during, during  # the rank that waits for it is never blamed
+    assert during.count(1) >= 2 / 3 * len(during), during
+    assert "straggler: rank 1 spends" in log.read_text()
