@@ -63,7 +63,12 @@ class TaskSource:
 
 @dataclasses.dataclass
 class DataSection:
-    """Training and validation data: shard sets (`train`) or one synthetic task (`task`)."""
+    """Training and validation data: shard sets (`train`) or one synthetic task (`task`).
+
+    `mixture_change: true` declares that `train` differs on purpose from what the run's checkpoint
+    was reading (sources added, removed or reweighted, or a source's shards rebuilt): the resume then
+    continues with the new mixture from the saved position. Without it such a resume is refused
+    (pretrain/resume_rules.py); set it on the command line of the one start that changes the data."""
 
     train: list[DataSource] = dataclasses.field(default_factory=list)
     task: TaskSource | None = None
@@ -73,6 +78,7 @@ class DataSection:
     shuffle_buffer: int = 1024
     doc_boundaries: bool = False
     num_workers: int = 0
+    mixture_change: bool = False
 
     def __post_init__(self) -> None:
         if self.task is not None and self.train:

@@ -94,6 +94,16 @@ def _needs_universal(path: Path, zero_stage: int, world: int) -> bool:
     return saved["zero_stage"] != zero_stage or saved["data_parallel_size"] != world
 
 
+def deepspeed_layout_problem(path: Path, zero_stage: int, world: int) -> str | None:
+    """Why the checkpoint at `path` cannot load at this ZeRO stage and size (None when it can,
+    directly or through the universal format): asked at start-up, before an engine is built."""
+    try:
+        _needs_universal(path, zero_stage, world)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
 def to_universal(path: Path, out: Path) -> None:
     """Convert the DeepSpeed checkpoint under `path` into the universal format in `out/ds`
     (DeepSpeed's ds_to_universal, run in this process, serially, weights-only)."""
