@@ -222,3 +222,22 @@ def test_plot_draws_loss_throughput_and_eval_curves_from_a_real_run(finished: Pa
     assert image.shape[0] > 200 and image.shape[1] > 400 and torch.from_numpy(image).std() > 0
     for drawn in ("train/loss (6 steps)", "perf/tokens_per_s (6 steps)", "eval/bits_per_token@64 (2 steps)"):
         assert drawn in proc.stdout, proc.stdout
+
+
+def test_a_file_only_one_rank_reads_stops_every_rank_before_the_engine_loads(
+    tmp_path: Path, demo_shards: dict[str, str]
+) -> None:
+    """Rank 1's RNG file does not load: both ranks stop (rank 0 must not enter the collective engine
+    load alone, where it would wait for rank 1 until the timeout), and the directory is unchanged."""
+    run = tmp_path / "run"
+    fsdp = [*args(demo_shards["train"], run, "engine.kind=fsdp", "train.steps=3"), "engine.dist_timeout_s=120"]
+    run_training("torchrun", 2, fsdp)
+    newest = run / "checkpoints" / "step_00000003"
+    (newest / "rng" / "rank_1.json").write_text(json.dumps({"python": [], "numpy": []}))
+    reseal(newest)
+    before = tree(run)
+    proc = run_training("torchrun", 2, [*fsdp, "train.steps=6"], check=False, timeout=100)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "rank_1.json: not the RNG states this program saves" in output, output[-3000:]
+    assert "another rank failed to load it" in output and "Traceback" not in proc.stdout, output[-3000:]
+    assert tree(run) == before

@@ -286,29 +286,38 @@ class Checkpointer:
 
     def _load_everywhere(self, directory: Path, engine: Engine) -> tuple[dict[str, Any] | None, str]:
         """Collective: load `directory` on every rank; (state, "") when every rank succeeded, else
-        (None, this rank's error or a note that another rank failed)."""
-        error = ""
-        try:
-            state = self._load(directory, engine)
-        except Exception as err:  # engines' loaders raise many types; each means "cannot use this one"
-            get_logger().debug("loading %s failed", directory, exc_info=True)
-            state, error = None, f"{type(err).__name__}: {err}"
-        failed = distributed.all_reduce_sum([1.0 if state is None else 0.0])[0]
-        if failed:
-            return None, error or "another rank failed to load it"
+        (None, this rank's error or a note that another rank failed). Two steps, every rank agreeing
+        after each: this rank's own files (no collective), then the engine's payload, a collective
+        load that no rank may enter while another has stopped."""
+        state: dict[str, Any] = {}
+        steps = (
+            lambda: state.update(self._own_files(directory)),
+            lambda: engine.load(str(directory / "engine"), self.staging / "scratch"),
+        )
+        for step in steps:
+            error = ""
+            try:
+                step()
+            except Exception as err:  # engines' loaders raise many types; each means "cannot use this one"
+                get_logger().debug("loading %s failed", directory, exc_info=True)
+                error = f"{type(err).__name__}: {err}"
+            if distributed.all_reduce_sum([1.0 if error else 0.0])[0]:
+                return None, error or "another rank failed to load it (its log names the file)"
         self.restored_step = step_number(directory.name)
+        state["path"] = str(directory)
         return state, ""
 
-    def _load(self, directory: Path, engine: Engine) -> dict[str, Any]:
-        """This rank's part of restoring `directory`: trainer state and RNG first (a file of theirs that
-        does not read stops the load before the engine is touched), then the engine payload."""
+    def _own_files(self, directory: Path) -> dict[str, Any]:
+        """This rank's part of `directory` outside the engine, read and applied before the engine
+        is touched: the trainer state (returned) and this rank's RNG states (set)."""
         state = saved_trainer_state(directory)
         plain = directory / "rng" / f"rank_{distributed.rank()}.json"
         if plain.is_file():  # a rank that did not exist when saving keeps its fresh seed
-            tensors_file = plain.with_suffix(".safetensors")
-            set_rng_state(_read_json(plain), _read_safetensors(tensors_file))
-        engine.load(str(directory / "engine"), self.staging / "scratch")
-        state["path"] = str(directory)
+            saved = _read_json(plain), _read_safetensors(plain.with_suffix(".safetensors"))
+            try:
+                set_rng_state(*saved)
+            except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as err:
+                raise CheckpointError(f"{plain}: not the RNG states this program saves: {err!r}") from err
         return state
 
 
