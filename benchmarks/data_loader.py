@@ -67,12 +67,13 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     byte_dir, sp_dir, sp_prefix = str(work / "bytes"), str(work / "sp"), str(work / "sp_tok")
     t = time.perf_counter()
-    mb = build_shards(args.input, byte_dir, shard_tokens=args.shard_tokens, workers=args.workers)
+    mb = build_shards(args.input, byte_dir, shard_tokens=args.shard_tokens, workers=args.workers, overwrite=True)
     build_bytes_s = time.perf_counter() - t
     train_sentencepiece(args.input, args.vocab_size, sp_prefix, sample_bytes=args.sp_sample_bytes)
     t = time.perf_counter()
     ms = build_shards(
-        args.input, sp_dir, tokenizer=sp_prefix + ".model", shard_tokens=args.shard_tokens, workers=args.workers
+        args.input, sp_dir, tokenizer=sp_prefix + ".model", shard_tokens=args.shard_tokens, workers=args.workers,
+        overwrite=True,
     )
     build_sp_s = time.perf_counter() - t
     rows = []

@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import queue
+import re
 import sys
 import threading
 from collections import deque
@@ -43,7 +44,16 @@ from fsspec.core import url_to_fs
 from tqdm import tqdm
 
 from data_pipeline.errors import DATA_ERRORS, report_data_error
-from data_pipeline.shards import MANIFEST_NAME, Manifest, encode_shard, join_url, save_manifest, sha256_hex
+from data_pipeline.shards import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    encode_shard,
+    join_url,
+    load_manifest,
+    save_manifest,
+    sha256_hex,
+)
 from data_pipeline.sources import Document, Unit, expand_inputs, read_unit, split_units
 from data_pipeline.tokenizer import Tokenizer, load_tokenizer
 
@@ -54,6 +64,8 @@ _SHARDS_PER_PART = 1_000_000
 _BATCH_BYTES = 4 << 20
 _QUEUE_DEPTH = 64
 _WRITES_IN_FLIGHT = 2
+_SHARD_FILE = re.compile(r"shard-\d{6,}\.tar")
+_PART_RECORD = re.compile(r"part-(\d{6})\.json")
 
 T = TypeVar("T")
 
@@ -278,18 +290,30 @@ def _finished(plan: BuildPlan, part: int) -> dict[str, Any] | None:
     return record
 
 
+def _read_units(units: list[Unit], text_field: str, bar: tqdm) -> Iterator[Document]:
+    """The documents of `units`, advancing `bar` (input bytes) by each document's bytes up to its unit's
+    size and by the rest of the unit when it is read: a compressed file reaches its end early."""
+    for unit in units:
+        done = 0
+        for doc in read_unit(unit, text_field):
+            step = min(len(doc.data), unit.size - done)
+            bar.update(step)
+            done += step
+            yield doc
+        bar.update(unit.size - done)
+
+
 def _build_part(plan: BuildPlan, part: int, pool: Executor | None, workers: int, writer: Executor, bar: tqdm) -> None:
     """Read, tokenize and write one part, then its record."""
     shards = _ShardWriter(plan.output, part, plan.tokenizer.storage_dtype, plan.build["shard_tokens"], writer)
     stats = {"empty_documents": 0, "invalid_utf8_documents": 0}
-    docs = _in_thread(d for unit in plan.parts[part] for d in read_unit(unit, plan.build["text_field"]))
+    docs = _in_thread(_read_units(plan.parts[part], plan.build["text_field"], bar))
     for _, ids, invalid in _encoded(plan.tokenizer, docs, pool, workers):
         stats["invalid_utf8_documents"] += int(invalid)
         if ids.size == 0:
             stats["empty_documents"] += 1
             continue
         shards.add(ids)
-        bar.update(int(ids.size))
     record = {"plan": plan.digest, "part": part, "shards": shards.entries(), "stats": stats}
     with fsspec.open(plan.record_url(part), "w") as f:
         f.write(json.dumps(record, sort_keys=True, indent=1) + "\n")
@@ -322,7 +346,9 @@ def build_parts(
     mine = [p for p in range(task_index, len(plan.parts), num_tasks) if _finished(plan, p) is None]
     pool = _tokenizer_pool(workers) if workers > 1 and mine else None
     tag = f" (task {task_index}/{num_tasks})" if num_tasks > 1 else ""
-    bar = tqdm(unit="tok", unit_scale=True, desc=f"build shards{tag}", disable=not progress, file=sys.stderr)
+    total = sum(unit.size for part in mine for unit in plan.parts[part])  # input bytes; 0 where sizes are unknown
+    bar = tqdm(total=total or None, unit="B", unit_scale=True, desc=f"build shards{tag}", disable=not progress,
+               file=sys.stderr)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="build-writer") as writer:
         try:
             for i, part in enumerate(mine):
@@ -335,13 +361,66 @@ def build_parts(
     return mine
 
 
+class OutputInUseError(ValueError):
+    """The output already holds the shards of another build, and replacing them was not asked for."""
+
+
+def _records(plan: BuildPlan) -> list[dict[str, Any] | None]:
+    """Each part's record under this plan (None for a part not finished with it)."""
+    return [_finished(plan, p) for p in range(len(plan.parts))]
+
+
+def check_output(plan: BuildPlan, overwrite: bool) -> Manifest | None:
+    """Whether ``plan`` may build into its output. Returns the manifest there when it is this very
+    build (same inputs, sizes, tokenizer and flags, every part finished): nothing is left to do. Returns
+    None when the output holds no manifest, or holds another build's and ``overwrite`` replaces it.
+    Raises ``OutputInUseError`` for another build's shards without ``overwrite``: a run training on
+    them would otherwise find other data under the same path."""
+    fs, out_path = url_to_fs(plan.output)
+    if not fs.exists(join_url(out_path, MANIFEST_NAME)):
+        return None
+    try:
+        existing = load_manifest(plan.output)
+    except ManifestError as err:
+        existing, held = None, f"a {MANIFEST_NAME} that does not load ({err})"
+    else:
+        held = f"{len(existing.shards)} shards, {existing.total_tokens:,} tokens from {existing.build.get('inputs')}"
+        records = _records(plan)
+        if all(records) and [e for r in records for e in r["shards"]] == existing.shards:
+            return existing
+    if overwrite:
+        return None
+    raise OutputInUseError(
+        f"{plan.output}: already holds the shards of another build ({held}); replacing them would change the data "
+        "under any run that trains on them. Pass --overwrite to replace them (nothing stale is left), or choose "
+        "another --output"
+    )
+
+
+def _remove_stale(plan: BuildPlan, manifest: Manifest) -> None:
+    """Delete the shards and part records in the output that ``manifest`` does not use: what an
+    overwritten build leaves behind. Only files named as this module names them are touched."""
+    fs, out_path = url_to_fs(plan.output)
+    listed = {entry["path"] for entry in manifest.shards}
+    for path in fs.ls(out_path, detail=False):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if _SHARD_FILE.fullmatch(name) and name not in listed:
+            fs.rm(path)
+    parts_dir = join_url(out_path, PARTS_DIR)
+    for path in fs.ls(parts_dir, detail=False) if fs.exists(parts_dir) else []:
+        match = _PART_RECORD.fullmatch(path.rstrip("/").rsplit("/", 1)[-1])
+        if match and int(match.group(1)) >= len(plan.parts):
+            fs.rm(path)
+
+
 def merge_parts(plan: BuildPlan) -> Manifest:
-    """Write ``manifest.json`` from the records of every part of ``plan``; returns it.
+    """Write ``manifest.json`` from the records of every part of ``plan``, then delete the shards it
+    does not list (an earlier build's); returns it.
 
     Raises ``FileNotFoundError`` listing the parts not yet built (with this plan), and
     ``ValueError`` when no non-empty document was found.
     """
-    records = [_finished(plan, p) for p in range(len(plan.parts))]
+    records = _records(plan)
     missing = [p for p, r in enumerate(records) if r is None]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
@@ -365,6 +444,7 @@ def merge_parts(plan: BuildPlan) -> Manifest:
         url=join_url(plan.output, MANIFEST_NAME),
     )
     save_manifest(manifest, plan.output)
+    _remove_stale(plan, manifest)
     return manifest
 
 
@@ -378,15 +458,20 @@ def build_shards(
     progress: bool = False,
     part_bytes: int = DEFAULT_PART_BYTES,
     follow_symlinks: bool = False,
+    overwrite: bool = False,
 ) -> Manifest:
     """Tokenize ``inputs`` into shards under ``output`` and write ``output/manifest.json`` in one process.
 
     ``inputs``: files, directories, globs or fsspec URLs (formats in ``data_pipeline.sources``).
     ``tokenizer``: ``"bytes"`` or a sentencepiece model path/URL. Parts finished by an earlier,
-    interrupted build with the same plan are reused. Returns the written manifest. Raises
-    ``ValueError`` when no non-empty document was found.
+    interrupted build with the same plan are reused, and an output that already holds this build is
+    returned as it is. Another build's output is refused unless ``overwrite`` (``check_output``).
+    Returns the manifest. Raises ``ValueError`` when no non-empty document was found.
     """
     plan = plan_build(inputs, output, tokenizer, shard_tokens, text_field, part_bytes, follow_symlinks)
+    done = check_output(plan, overwrite)
+    if done is not None:
+        return done
     build_parts(plan, workers, progress=progress)
     return merge_parts(plan)
 
@@ -406,6 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true", help="only write the manifest from finished parts")
     parser.add_argument("--follow-symlinks", action="store_true",
                         help="read files that symlinks in an input directory lead to outside it")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the shards of another build in --output (refused without it)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -418,6 +505,11 @@ def _run(args: argparse.Namespace) -> int:
     """The build `main` asks for, raising on bad input."""
     plan = plan_build(args.input, args.output, args.tokenizer, args.shard_tokens, args.text_field,
                       args.part_bytes, args.follow_symlinks)
+    done = check_output(plan, args.overwrite)
+    if done is not None:
+        print(f"{done.url}: already holds this build ({len(done.shards)} shards, {done.total_tokens} tokens; same "
+              "inputs, tokenizer and flags): nothing to do")
+        return 0
     if args.num_tasks > 1 and not args.merge:
         built = build_parts(plan, args.workers, args.num_tasks, args.task_index, progress=not args.no_progress)
         print(f"task {args.task_index}/{args.num_tasks}: built parts {built} of {len(plan.parts)}; merge with --merge")

@@ -25,6 +25,11 @@ class LaneError(ValueError):
     """A layout that cannot be built or resumed; the message names the setting."""
 
 
+def recorded_source(state: dict[str, Any]) -> str | None:
+    """The fingerprint of the one source a saved state (`LaneStream.state_dict`) was reading."""
+    return state.get("source")
+
+
 class LaneStream:
     """Per optimizer step, this rank's micro-batches of consecutive windows, one lane per row.
 

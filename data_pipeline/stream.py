@@ -321,6 +321,13 @@ class PackedStream(IterableDataset):
         self._yielded = 0
 
 
+def recorded_sources(state: dict[str, Any]) -> dict[str, str]:
+    """``{manifest URL: fingerprint}`` of the sources a saved state (``PackedStream.state_dict``) was
+    reading: a source whose manifest now has another fingerprint was rebuilt since."""
+    mixture = state.get("mixture") or {}
+    return dict(zip(mixture.get("urls") or [], mixture.get("sources") or []))
+
+
 class StreamLoader:
     """A ``DataLoader`` over a ``PackedStream`` that knows how many samples were consumed.
 
@@ -372,4 +379,4 @@ class StreamLoader:
         return self.stream.stats()
 
 
-__all__ = ["PackedStream", "ShardError", "StreamLoader", "TokenizerMismatchError", "tokenizer_info"]
+__all__ = ["PackedStream", "ShardError", "StreamLoader", "TokenizerMismatchError", "recorded_sources", "tokenizer_info"]

@@ -2,9 +2,10 @@
 
 Also runs under `torchrun ... engine.kind=fsdp`, as one `srun` task per GPU (ranks from SLURM's
 variables; launch/slurm/) and as a plain `python launch/pretrain.py` in one process. Bad
-configuration or data stops here, before any compute, with a message naming the key or file.
-Exit codes: 0 done, 2 bad input, 3 preempted (saved) or a rank hung (requeue either), 4 diverged
-(docs/cluster.md).
+configuration or data stops here, before any compute, with a message naming the key or file, and
+so does a start the run directory cannot take (another run's config, changed data; pretrain/run_dir.py).
+Exit codes: 0 done (or nothing left to do), 2 bad input, 3 preempted or interrupted (saved) or a rank
+hung (requeue either), 4 diverged, 130 a second Ctrl-C (stopped at once, unsaved) (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pretrain.distributed.process_group import adopt_slurm_environment
 from pretrain.log import setup_logging
 
 EXIT_BAD_INPUT = 2
+EXIT_ABORTED = 130  # the shell's code for a process ended by SIGINT: a second Ctrl-C, nothing saved
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume", default=None, help="auto (newest valid checkpoint), none, or a checkpoint directory; "
         "default: checkpoint.resume from the config"
+    )
+    parser.add_argument(
+        "--start-over", action="store_true",
+        help="start afresh in a run directory that holds a previous run, after moving that run aside to "
+        "<run dir>.old-<n> (nothing is deleted); implies --resume none",
     )
     parser.add_argument(
         "--preempted-marker", default=None, metavar="FILE",
@@ -53,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     log = setup_logging()
+    if args.start_over and args.resume not in (None, "none"):
+        log.error("--start-over starts afresh, so it cannot be combined with --resume %s", args.resume)
+        return EXIT_BAD_INPUT
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -61,14 +71,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from data_pipeline.shards import ManifestError, ShardError
     from pretrain.checkpoint.layout import CheckpointError
+    from pretrain.run_dir import RunRefusedError
     from pretrain.trainer import DataError, RunLockedError, train
 
+    resume = "none" if args.start_over else args.resume
     try:
-        return train(cfg, resume=args.resume, preempted_marker=args.preempted_marker)
-    except (DataError, ConfigError, RunLockedError, CheckpointError, ManifestError, ShardError) as err:
+        return train(cfg, resume=resume, preempted_marker=args.preempted_marker, start_over=args.start_over)
+    except (DataError, ConfigError, RunLockedError, RunRefusedError, CheckpointError, ManifestError, ShardError) as err:
         log.debug("stopped on bad input", exc_info=True)
         log.error("%s", " ".join(str(err).split()))
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        log.debug("aborted", exc_info=True)
+        log.error("interrupted: stopped at once without saving (a second Ctrl-C, or one before training began); "
+                  "the run resumes from its last checkpoint")
+        return EXIT_ABORTED
 
 
 if __name__ == "__main__":

@@ -139,13 +139,30 @@ def _apply_override(tree: dict, item: str, sources: dict[str, str]) -> None:
     except yaml.YAMLError as err:
         raise ConfigError(f"{COMMAND_LINE}: override {key}: cannot parse value {short(raw)}: {err}") from err
     node = tree
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
+        section = ".".join(parts[: depth + 1])
+        if part not in node:  # a section the command line creates: a mistake in it is the command line's
+            sources.setdefault(section, COMMAND_LINE)
         child = node.setdefault(part, {})
+        if isinstance(child, list):
+            raise ConfigError(
+                f"{COMMAND_LINE}: override {key}: {section} is a list, not a section; set the whole list, "
+                f"e.g. {section}='{_list_example(child)}'"
+            )
         if not isinstance(child, dict):
             raise ConfigError(f"{COMMAND_LINE}: override {key}: {part!r} is a value, not a section")
         node = child
     node[parts[-1]] = value
     _record_sources(value, ".".join(parts), sources, COMMAND_LINE)
+
+
+def _list_example(items: list[Any]) -> str:
+    """A list override in YAML flow style, built from the list's first item (the shape its items
+    take), for the message that shows how to set a list on the command line."""
+    if not items:
+        return "[a, b]"
+    first = yaml.safe_dump(items[0], default_flow_style=True, width=1 << 16).strip().removesuffix("...").strip()
+    return f"[{first}]" if len(first) <= 100 else "[...]"
 
 
 def to_overrides(tree: dict[str, Any], prefix: str = "") -> list[str]:

@@ -69,7 +69,12 @@ class TaskSource:
 
 @dataclasses.dataclass
 class DataSection:
-    """Training and validation data: shard sets (`train`) or one synthetic task (`task`)."""
+    """Training and validation data: shard sets (`train`) or one synthetic task (`task`).
+
+    `mixture_change: true` declares that `train` differs on purpose from what the run's checkpoint
+    was reading (sources added, removed or reweighted, or a source's shards rebuilt): the resume then
+    continues with the new mixture from the saved position. Without it such a resume is refused
+    (pretrain/resume_rules.py); set it on the command line of the one start that changes the data."""
 
     train: list[DataSource] = dataclasses.field(default_factory=list)
     task: TaskSource | None = None
@@ -82,6 +87,7 @@ class DataSection:
     # global sample numbers never trained on, as [first, end) pairs (data_pipeline/skips.py); a loss-spike
     # rollback adds its range to the data state itself, so this is for skipping data by hand
     skip_samples: list[list[int]] = dataclasses.field(default_factory=list)
+    mixture_change: bool = False
 
     def __post_init__(self) -> None:
         if self.task is not None and self.train:

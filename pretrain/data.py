@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from data_pipeline.stream import PackedStream, StreamLoader
+from data_pipeline.lanes import recorded_source
+from data_pipeline.shards import load_manifest
+from data_pipeline.stream import PackedStream, StreamLoader, recorded_sources
 from data_pipeline.synthetic import TaskBatches
 from model import SequenceParallel
 from pretrain.config import RunConfig
@@ -41,6 +43,22 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
     )
     # pinned batches copy to the GPU without making the host wait (the loop's non_blocking copies)
     return StreamLoader(stream, num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available())
+
+
+def rebuilt_sources(cfg: RunConfig, saved: dict[str, Any]) -> list[str]:
+    """The data.train sources whose shards are not those the saved loader state `saved` was reading
+    (the same manifest URL with another fingerprint: rebuilt in place), one line each."""
+    if cfg.data.task is not None:
+        return []
+    manifests = [load_manifest(source.path) for source in cfg.data.train]
+    if cfg.train.carry_state:  # one source, recorded by its fingerprint alone
+        recorded = {manifests[0].url: recorded_source(saved)} if manifests else {}
+    else:
+        recorded = recorded_sources(saved)
+    return [
+        f"data.train[{i}] ({cfg.data.train[i].path}): fingerprint {recorded[m.url][:12]} -> {m.fingerprint[:12]}"
+        for i, m in enumerate(manifests) if recorded.get(m.url) not in (None, m.fingerprint)
+    ]
 
 
 class StepBatches:

@@ -26,6 +26,7 @@ import datetime
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -35,8 +36,9 @@ from torch import nn
 from model import CausalLM, SequenceParallel
 from pretrain import watchdog
 from pretrain.carry import detach_state
+from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.dcp_format import load_dcp_state, save_dcp_state
-from pretrain.checkpoint.deepspeed_format import load_deepspeed, save_deepspeed
+from pretrain.checkpoint.deepspeed_format import deepspeed_layout_problem, load_deepspeed, save_deepspeed
 from pretrain.checkpoint.torch_format import load_torch_state, save_torch_state
 from pretrain.config import RunConfig
 from pretrain.distributed.parallel_dims import sequence_parallel_loss
@@ -138,6 +140,8 @@ class _TorchOptimizerEngine:
     """Whether the engine runs in one process only (no data or sequence parallelism)."""
     group_of_one: ClassVar[bool] = False
     """Whether a plain `python` run (no launcher) still needs a process group (of one)."""
+    payload: ClassVar[ModuleType]
+    """The module of pretrain/checkpoint/ that writes and reads the engine's checkpoint payload."""
 
     @classmethod
     def sharding_stage(cls, cfg: RunConfig) -> int:
@@ -162,6 +166,12 @@ class _TorchOptimizerEngine:
     @staticmethod
     def joined(backend: str, timeout: datetime.timedelta) -> None:
         """The engine's own set-up once the process group exists."""
+
+    @classmethod
+    def checkpoint_problem(cls, cfg: RunConfig, engine_dir: Path, world: int) -> str | None:
+        """Why this engine cannot restore the payload in `engine_dir` at `world` ranks, asked before
+        one is built (None when it can): another engine's format, or a layout it cannot convert."""
+        return None if cls.payload.holds(engine_dir) else _foreign_payload(cfg, engine_dir)
 
     def __init__(self, cfg: RunConfig, module: TrainModule, gas: int, stepped: nn.Module | None = None):
         """``stepped``: the module whose parameters the optimizer updates, ``module`` itself unless given."""
@@ -226,6 +236,7 @@ class SingleEngine(_TorchOptimizerEngine):
     """
 
     one_process = True
+    payload = torch_format
 
     @classmethod
     def parameter_bytes(cls, cfg: RunConfig) -> ParameterBytes:
@@ -278,6 +289,8 @@ class FSDPEngine(_TorchOptimizerEngine):
 
     Under bf16 the shards and their gradients stay fp32 (they are the master weights); only the block
     gathered for compute is bf16, so it keeps the fp32 figures of `parameter_bytes`."""
+
+    payload = dcp_format
 
     @classmethod
     def sharding_stage(cls, cfg: RunConfig) -> int:
@@ -333,6 +346,13 @@ class DeepSpeedEngine:
         if cfg.engine.precision == "bf16":
             return ParameterBytes(weights=2, grads=2, optimizer=8 + 4)
         return FP32_ADAMW
+
+    @classmethod
+    def checkpoint_problem(cls, cfg: RunConfig, engine_dir: Path, world: int) -> str | None:
+        """As the other engines'; and a ZeRO stage DeepSpeed cannot convert the checkpoint's to."""
+        return deepspeed_layout_problem(engine_dir, cfg.engine.zero_stage, world) or (
+            None if deepspeed_format.holds(engine_dir) else _foreign_payload(cfg, engine_dir)
+        )
 
     @staticmethod
     def joined(backend: str, timeout: datetime.timedelta) -> None:
@@ -404,6 +424,11 @@ class DeepSpeedEngine:
 
     def load(self, path: str, scratch: Path) -> None:
         load_deepspeed(self.engine, path, self.cfg.engine.zero_stage, scratch)
+
+
+def _foreign_payload(cfg: RunConfig, engine_dir: Path) -> str:
+    return (f"{engine_dir}: not a checkpoint that engine.kind={cfg.engine.kind} writes (another engine's payload); "
+            "resume with the engine that wrote it, or start this config from its weights with init.from")
 
 
 DEEPSPEED_MAX_BUCKET = 500_000_000

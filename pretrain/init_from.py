@@ -17,6 +17,7 @@ import torch
 
 from model import CausalLM
 from pretrain.checkpoint.consolidate import load_newest
+from pretrain.checkpoint.fit import misfit, specs
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.config import ConfigError
 from pretrain.export import CONFIG, ExportError, load_exported
@@ -38,19 +39,15 @@ def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_initial_weights(model: CausalLM, source: str) -> None:
     """Copy the parameters of `source` into `model` (before an engine shards it); every parameter
-    must be there with the same shape, so a different architecture fails here, naming the key."""
+    must be there with the same shape (pretrain/checkpoint/fit.py; the dtype may differ, the copy
+    converts it), so a different architecture fails here, naming the keys, before anything is copied."""
     weights = read_initial_weights(source)
     own = dict(model.named_parameters())
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    if missing or unexpected:
+    problem = misfit(specs(weights, dtype=False), specs(own, dtype=False))
+    if problem is not None:
         raise ConfigError(
-            f"init.from: {source}: its weights do not fit model.kind={model.config.kind!r} "
-            f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
+            f"init.from: {source}: its weights do not fit this run's model.kind={model.config.kind!r}: {problem} "
+            "(model sizes must agree; only seq_len-like settings may change)"
         )
     for name, param in own.items():
-        if weights[name].shape != param.shape:
-            raise ConfigError(
-                f"init.from: {source}: {name} has shape {tuple(weights[name].shape)}, this run's model "
-                f"expects {tuple(param.shape)} (model sizes must agree; only seq_len-like settings may change)"
-            )
         param.copy_(weights[name])

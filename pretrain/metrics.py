@@ -56,6 +56,23 @@ def histogram(values: torch.Tensor) -> Any:
     return wandb.Histogram(np_histogram=(counts, list(range(len(counts) + 1))))
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of `<run dir>/metrics.jsonl` in the order they were logged (a resumed run logs the
+    steps after its checkpoint again); a last line cut short by a killed process is left out."""
+    records = []
+    for line in (run_dir / METRICS_FILE).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 class MetricsLogger:
     """Writes metrics to `<run dir>/metrics.jsonl`, to a wandb run (offline unless credentials
     are set), and a one-line summary to the console."""
@@ -66,7 +83,7 @@ class MetricsLogger:
         self._file = None
         if not enabled:
             return
-        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._file = open(run_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115 - closed in close()
         if use_wandb:
             import wandb
 

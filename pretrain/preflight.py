@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data_pipeline.shards import ManifestError, load_manifest
+from data_pipeline.shards import MANIFEST_NAME, Manifest, ManifestError, load_manifest
 from data_pipeline.synthetic import Task, make_task
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
 from model import family
@@ -41,13 +41,24 @@ def task_generator(cfg: RunConfig) -> Task:
     return generator
 
 
+def _manifest(key: str, path: str, tokenizer: str) -> Manifest:
+    """The manifest of the shard set `path` (config key `key`); a missing one is refused with the
+    command that builds it."""
+    try:
+        return load_manifest(path)
+    except (ManifestError, FileNotFoundError, OSError) as err:
+        if isinstance(err, FileNotFoundError) or isinstance(err.__cause__, FileNotFoundError):
+            raise DataError(
+                f"{key}: no shards at {path!r} (no {MANIFEST_NAME} there); build them with `python -m "
+                f"data_pipeline.build --input <your text files> --output {path} --tokenizer {tokenizer}`"
+            ) from err
+        raise DataError(f"{key}: {err}") from err
+
+
 def _check_shards(cfg: RunConfig) -> None:
     """Every training source: its manifest, its tokenizer and its vocabulary size."""
     for i, source in enumerate(cfg.data.train):
-        try:
-            manifest = load_manifest(source.path)
-        except (ManifestError, FileNotFoundError, OSError) as err:
-            raise DataError(f"data.train[{i}].path: {err}") from err
+        manifest = _manifest(f"data.train[{i}].path", source.path, cfg.data.tokenizer)
         try:
             check_tokenizer(manifest.tokenizer, cfg.data.tokenizer, where=f"shards of {source.path!r}")
         except TokenizerMismatchError as err:
@@ -77,10 +88,7 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.eval.haystack and not Path(cfg.eval.haystack).is_file():
         raise DataError(f"eval.haystack: {cfg.eval.haystack}: no such file")
     for i, path in enumerate(cfg.data.valid):
-        try:
-            load_manifest(path)
-        except (ManifestError, FileNotFoundError, OSError) as err:
-            raise DataError(f"data.valid[{i}]: {err}") from err
+        _manifest(f"data.valid[{i}]", path, cfg.data.tokenizer)
 
 
 def check_carry(cfg: RunConfig) -> None:

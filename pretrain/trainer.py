@@ -11,6 +11,7 @@ the loss-spike rollback (pretrain/spike.py and `_roll_back`, at log and checkpoi
 from __future__ import annotations
 
 import math
+import os
 import random
 import signal
 import time
@@ -35,13 +36,15 @@ from pretrain.log import get_logger
 from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
 from pretrain.preflight import DataError, check_data, check_start
+from pretrain.progress import Pace
 from pretrain.protocols import Engine
+from pretrain.run_dir import RunComplete, claim_run
 from pretrain.spike import Spike, SpikeDetector
 from pretrain.validate import periodic_evaluation
 
 __all__ = ["EXIT_DIVERGED", "EXIT_PREEMPTED", "DataError", "RunLockedError", "train"]
 
-EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1 or the wall-clock limit: requeue me
+EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1/SIGINT or the wall-clock limit: requeue me
 EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
 
 
@@ -56,14 +59,21 @@ class TrainerState:
 
 
 class StopFlag:
-    """Set by SIGTERM / SIGUSR1; checked (and agreed on by all ranks) at step boundaries."""
+    """Set by SIGTERM / SIGUSR1, and by a first SIGINT (Ctrl-C): checked (and agreed on by all ranks)
+    at step boundaries, where the run saves and exits with EXIT_PREEMPTED. A second SIGINT raises
+    KeyboardInterrupt at once: stop without saving."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self.signal == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.write(2, b"Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: stop now, "
+                        b"unsaved)\n")
         self.signal = signum
 
 
@@ -130,6 +140,7 @@ class Run:
     flops_per_token: float
     peak_flops: float
     spikes: SpikeDetector
+    pace: Pace | None = None  # the loop's elapsed time and time left, from its first step
 
     @property
     def carrier(self) -> carry.StateCarrier | None:
@@ -171,30 +182,38 @@ def _lock_run(rank: int, run_dir: Path, checkpoint_root: str) -> RunLock | None:
     return lock
 
 
-def _start(cfg: RunConfig, resume: str | None) -> Run:
-    """Check, join the process group, take the run, build, and restore the newest checkpoint when
-    resuming."""
+def _start(cfg: RunConfig, resume: str | None, start_over: bool = False) -> Run:
+    """Check, join the process group, take the run and settle what it continues (pretrain/run_dir.py),
+    build, and restore the chosen checkpoint; config.yaml and the metrics are written only then, so
+    that a refused start leaves the run directory as it was."""
     check_data(cfg)
     rank, world = join_process_group(cfg)
     dims, gas = check_start(cfg, world)
     run_dir = Path(cfg.run.dir)
     checkpoint_root = cfg.checkpoint.dir or str(run_dir / "checkpoints")
     lock = _lock_run(rank, run_dir, checkpoint_root)
-    checkpointer = Checkpointer(
-        checkpoint_root, run_dir / ".checkpoint_staging",
-        cfg.checkpoint.keep_last, cfg.checkpoint.milestone_every, cfg.checkpoint.async_save,
-    )
-    if rank == 0:
-        dump_config(cfg, run_dir / "config.yaml")
-    device = device_for_rank()
-    model, engine, batches = _build(cfg, rank, world, dims, gas, device)
-    n_params = model.num_parameters()  # before sharding engines partition the weights
-    state = TrainerState()
-    spikes = SpikeDetector(cfg.train.spike)
-    restored = checkpointer.resume(resume if resume is not None else cfg.checkpoint.resume, engine)
-    if restored is not None:
-        state = _restored_state(batches, spikes, restored)
-        get_logger().info("resumed from %s at step %d", restored["path"], state.step)
+    try:
+        checkpointer = Checkpointer(
+            checkpoint_root, run_dir / ".checkpoint_staging",
+            cfg.checkpoint.keep_last, cfg.checkpoint.milestone_every, cfg.checkpoint.async_save,
+        )
+        checkpoint = claim_run(cfg, checkpointer, resume if resume is not None else cfg.checkpoint.resume, start_over,
+                               world)
+        device = device_for_rank()
+        model, engine, batches = _build(cfg, rank, world, dims, gas, device)
+        n_params = model.num_parameters()  # before sharding engines partition the weights
+        state = TrainerState()
+        spikes = SpikeDetector(cfg.train.spike)
+        if checkpoint is not None:
+            restored = checkpointer.restore(checkpoint, engine)
+            state = _restored_state(batches, spikes, restored)
+            get_logger().info("resumed from %s at step %d", restored["path"], state.step)
+        if rank == 0:
+            dump_config(cfg, run_dir / "config.yaml")
+    except BaseException:
+        if lock is not None:  # given back as taken: a refused start leaves the lock file as it found it
+            lock.release()
+        raise
     metrics = MetricsLogger(run_dir, config_to_dict(cfg), rank == 0, cfg.log.wandb, cfg.log.wandb_project)
     peak = (cfg.log.peak_tflops * 1e12) if cfg.log.peak_tflops else all_reduce_mean([measure_peak_flops()])[0]
     flops = model.flops_per_token(cfg.data.seq_len)
@@ -278,6 +297,7 @@ def _log_step(run: Run, info: Any, lr: float, window: tuple[float, int], times: 
         "perf/mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * run.world),
         **memory_stats(),
         **{f"data/{k}": v for k, v in run.batches.stats().items()},
+        **_times(run.pace, state.step),
     }
     model_scalars, model_hists = model_statistics(run.model)
     named = None
@@ -289,9 +309,18 @@ def _log_step(run: Run, info: Any, lr: float, window: tuple[float, int], times: 
     run.metrics.console(
         f"step {state.step}/{cfg.train.steps} loss {loss_value:.4f} lr {lr:.2e} "
         f"grad {scalars['train/grad_norm']:.3f} {tokens_per_s:,.0f} tok/s mfu {scalars['perf/mfu']:.1%}"
+        + (f" | {run.pace.report(state.step)}" if run.pace else "")
     )
     if named:
         run.metrics.console(named)
+
+
+def _times(pace: Pace | None, step: int) -> dict[str, float]:
+    """Seconds since the process started and the estimate of the seconds left, for metrics.jsonl."""
+    if pace is None:
+        return {}
+    left = pace.left(step)
+    return {"time/elapsed_s": pace.elapsed(), **({"time/left_s": left} if left is not None else {})}
 
 
 def _evaluate(run: Run) -> None:
@@ -309,6 +338,7 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     pending: list[tuple[int, torch.Tensor]] = []  # (step, applied) flags the host has not read yet
     window_start, window_tokens = time.time(), 0
+    run.pace = Pace(cfg.train.steps, run.state.step, started)
     while run.state.step < cfg.train.steps:
         state = run.state  # a rollback replaces it
         lr = lr_at(state.step, cfg.train)
@@ -363,12 +393,19 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
     return 0
 
 
-def train(cfg: RunConfig, resume: str | None = None, preempted_marker: str | None = None) -> int:
+def train(
+    cfg: RunConfig, resume: str | None = None, preempted_marker: str | None = None, start_over: bool = False
+) -> int:
     """Run (or continue) the configured training; returns the process exit code. After a
     preemption save has committed, rank 0 writes `preempted_marker` (when given): the file a
-    batch script checks to requeue the job."""
+    batch script checks to requeue the job. `start_over` moves a previous run in the directory aside
+    first (pretrain/run_dir.py)."""
     started = time.time()
-    run = _start(cfg, resume)
+    try:
+        run = _start(cfg, resume, start_over)
+    except RunComplete as done:
+        get_logger().info("%s", done)
+        return 0
     watchdog.start_for(cfg, run.rank, Path(preempted_marker) if preempted_marker else None)
     times = straggler.StepTimes(run.world)
     try:

@@ -39,26 +39,27 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-def launch_command(launcher: str, ranks: int) -> list[str]:
-    """The command prefix for `launcher` in {"python", "deepspeed", "torchrun"} with `ranks` ranks."""
+def launch_command(launcher: str, ranks: int, entry: str = ENTRY) -> list[str]:
+    """The command prefix for `launcher` in {"python", "deepspeed", "torchrun"} with `ranks` ranks,
+    running the script `entry` (the trainer's entry point unless given)."""
     if launcher == "python":
-        return [sys.executable, ENTRY]
+        return [sys.executable, entry]
     if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()), ENTRY]
+        return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()), entry]
     if launcher == "torchrun":
         return [
             str(BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), ENTRY,
+            "--master_port", str(free_port()), entry,
         ]
     raise ValueError(launcher)
 
 
 def run_training(
-    launcher: str, ranks: int, args: list[str], timeout: float = 600, check: bool = True
+    launcher: str, ranks: int, args: list[str], timeout: float = 600, check: bool = True, entry: str = ENTRY
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with subprocess.Popen(
-        [*launch_command(launcher, ranks), *args], cwd=REPO, env=env, text=True, start_new_session=True,
+        [*launch_command(launcher, ranks, entry), *args], cwd=REPO, env=env, text=True, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     ) as popen:
         try:

@@ -1,12 +1,12 @@
 """Checkpoints from files we did not write: a code-executing pickle planted in any file of a
 checkpoint (its manifest rewritten to match) runs nothing through export, init.from or resume,
 and each refuses naming the file; verification needs the manifest to list exactly the files there;
-`latest` is only a hint; a checkpoint that verifies but does not load is skipped."""
+`latest` is only a hint; a checkpoint that verifies but does not load stops a resume, and is skipped
+by export and init.from."""
 
 from __future__ import annotations
 
 import json
-import logging
 import pickle
 import re
 import shutil
@@ -134,10 +134,9 @@ def test_planted_payload_runs_nowhere_and_is_named(
         resume_fsdp_payload(step_dir / "engine", tmp_path)
     if not fsdp:
         ckpt = Checkpointer(str(copy / "checkpoints"), tmp_path / "stage", 5, 0, False)
-        with pytest.raises(CheckpointError, match=re.escape(str(step_dir / plant))):
-            ckpt.resume(str(step_dir), make_engine(1))
-        state = ckpt.resume("auto", make_engine(1))  # skipped with a warning: step 1 is used
-        assert state["trainer"]["step"] == 1
+        for mode in (str(step_dir), "auto"):  # "auto" too: it verifies, so it is refused, not skipped
+            with pytest.raises(CheckpointError, match=re.escape(str(step_dir / plant))):
+                ckpt.resume(mode, make_engine(1))
     assert not marker.exists(), "the planted payload ran"
 
 
@@ -233,21 +232,19 @@ def test_export_of_a_foreign_checkpoint_exits_2_with_one_line(run_dir: Path, tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped(
-    run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_checkpoint_that_verifies_but_does_not_load_is_refused_not_skipped(run_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     step_dir = copy / "checkpoints" / "step_00000002"
     (step_dir / "trainer_state.json").write_text("[]")  # valid JSON, not a trainer state
     reseal(step_dir)
     ckpt = Checkpointer(str(copy / "checkpoints"), tmp_path / "stage", 5, 0, False)
-    with caplog.at_level(logging.WARNING, logger="recurrent"):
-        state = ckpt.resume("auto", make_engine(1))
-    assert state["trainer"]["step"] == 1
-    assert "step_00000002" in caplog.text and "does not load" in caplog.text
-    with pytest.raises(CheckpointError, match=r"trainer_state\.json: expected a JSON object"):
-        ckpt.resume(str(step_dir), make_engine(1))
+    engine, fresh = make_engine(1), make_engine(1)
+    for mode in ("auto", str(step_dir)):
+        with pytest.raises(CheckpointError, match=r"step_00000002: verified but does not load .*nothing was loaded: "
+                                                  r".*trainer_state\.json: expected a JSON object"):
+            ckpt.resume(mode, engine)
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), fresh.model.parameters()))
 
 
 def test_init_from_and_export_fall_back_past_a_checkpoint_that_does_not_load(run_dir: Path, tmp_path: Path) -> None:

@@ -220,3 +220,21 @@ def test_bad_key_in_a_command_line_list_item_blames_the_command_line(tmp_path: P
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path / "inline.yaml", "data:\n  train:\n    - path: a\n      bogus: 1\n"))
     assert str(err.value).startswith(str(tmp_path / "inline.yaml")), str(err.value)
+
+
+def test_a_list_set_item_by_item_gets_an_example_of_the_list_syntax(tmp_path: Path) -> None:
+    path = write(tmp_path / "base.yaml", "data:\n  train:\n    - path: shards/a\n      weight: 2.0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["data.train.0.path=shards/b"])
+    message = str(err.value)
+    assert message.startswith("<command line>: override data.train.0.path: data.train is a list"), message
+    example = message.split("e.g. ")[1]
+    assert example == "data.train='[{path: shards/a, weight: 2.0}]'", message
+    fixed = example.replace("'", "").replace("shards/a", "shards/b")  # the example, as the shell passes it
+    assert load_config(path, [fixed]).data.train[0].path == "shards/b"
+
+
+def test_a_misspelled_section_on_the_command_line_blames_the_command_line(base: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(base, ["trian.lr=3e-4"])
+    assert str(err.value).startswith("<command line>: trian: unknown key"), str(err.value)

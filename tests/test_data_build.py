@@ -5,6 +5,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,8 @@ from data_pipeline.shards import decode_shard, load_manifest
 from data_pipeline.stream import PackedStream
 from data_pipeline.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, load_tokenizer, train_sentencepiece
 
-DEMO = Path(__file__).resolve().parents[1] / "data" / "demo"
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "data" / "demo"
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
@@ -139,3 +143,40 @@ def test_sentencepiece_linewise_encoding_equals_whole_text(tmp_path: Path) -> No
     text = book.read_bytes()[:60_000]
     ids, invalid = tok.encode(text)
     assert not invalid and ids.tolist() == sp.encode(text.decode())
+
+
+def _build_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m data_pipeline.build ARGS` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "data_pipeline.build", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_a_built_output_is_replaced_only_with_overwrite_and_nothing_stale_is_left(tmp_path: Path) -> None:
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    plays = [str(DEMO / "train" / name) for name in ("macbeth.txt", "sonnets.txt", "tempest.txt", "hamlet.txt")]
+    flags = ["--shard-tokens", "20000", "--no-progress"]  # a shard per play: documents are never split
+    assert _build_cli("--input", *plays, "--output", str(out), *flags).returncode == 0
+    built = _tree_bytes(out)
+    assert sum(name.endswith(".tar") for name in built) == 4
+
+    again = _build_cli("--input", *plays, "--output", str(out), *flags)  # the same build: nothing to do
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr
+    assert _tree_bytes(out) == built
+
+    other = ["--input", plays[1], "--output", str(out), *flags]
+    refused = _build_cli(*other)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert lines[0].startswith(f"error: {out}: already holds the shards of another build") and "--overwrite" in lines[0]
+    assert _tree_bytes(out) == built  # byte for byte
+
+    assert _build_cli(*other, "--overwrite").returncode == 0
+    assert _build_cli("--input", plays[1], "--output", str(fresh), *flags).returncode == 0
+    assert _tree_bytes(out) == _tree_bytes(fresh)  # no shard or part record of the first build is left
+
+
+def test_the_progress_bar_counts_input_bytes_against_their_total(tmp_path: Path) -> None:
+    proc = _build_cli("--input", str(DEMO / "train" / "sonnets.txt"), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    size = (DEMO / "train" / "sonnets.txt").stat().st_size
+    assert "100%|" in proc.stderr and f"{size / 1000:.1f}k/{size / 1000:.1f}k" in proc.stderr, proc.stderr

@@ -101,7 +101,7 @@ def test_parquet_without_the_text_column_names_file_and_columns(tmp_path: Path) 
     assert m.total_tokens == 1
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
     with pytest.raises(ValueError, match=r"n\.parquet: column 'text' holds int64, expected strings"):
-        build_shards([str(tmp_path / "n.parquet")], str(tmp_path / "out"))
+        build_shards([str(tmp_path / "n.parquet")], str(tmp_path / "out_n"))  # "out" holds c.parquet's build
 
 
 def test_null_parquet_values_are_counted_as_empty(tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ def test_interrupted_build_redoes_only_unfinished_parts(tmp_path: Path, monkeypa
     assert built == list(range(len(finished), parts))  # parts are built in order, so the first ones are done
     assert _tree(out) == _tree(tmp_path / "ref") and resumed.fingerprint == reference.fingerprint
     built.clear()
-    build_shards(inputs, str(out), shard_tokens=30_000, part_bytes=FLAGS["part_bytes"])  # another plan: no reuse
+    build_shards(inputs, str(out), shard_tokens=30_000, part_bytes=FLAGS["part_bytes"], overwrite=True)  # another plan
     assert built == list(range(parts))
 
 

@@ -92,7 +92,9 @@ def test_doc_boundaries_score_each_file_as_if_alone(exports: dict[str, Path], tm
     assert reset["bits_per_token"] != pytest.approx(read_across["bits_per_token"], rel=1e-5)
 
 
-def test_cli_report_plot_and_tasks(exports: dict[str, Path], text_file: Path, tmp_path: Path) -> None:
+def test_cli_report_plot_and_tasks(
+    exports: dict[str, Path], text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out_json, out_png = tmp_path / "report.json", tmp_path / "loss.png"
     code = ev.main([
         "--model", str(exports["vort"]), "--data", str(text_file), "--context", "256,1024,100000",
@@ -100,6 +102,10 @@ def test_cli_report_plot_and_tasks(exports: dict[str, Path], text_file: Path, tm
         "--tasks", "copy,needle,zipf", "--task-len", "200", "--task-examples", "2",
     ])  # fmt: skip
     assert code == 0
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert [line.split("]")[1] for line in progress] == [" context 256", " context 1024", " context 100000",
+                                                         " tasks copy, needle, zipf"], progress
+    assert progress[0].startswith("[0/4 elapsed") and "left ~" in progress[-1]
     report = json.loads(out_json.read_text())
     assert report["family"] == "vort" and report["tokenizer"] == "bytes"
     assert report["text_bytes"] == 3000 and report["text_tokens"] == 3001  # one EOS after the file

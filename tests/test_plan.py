@@ -46,7 +46,10 @@ def test_plan_command_shards_state_and_says_whether_it_fits(capsys: pytest.Captu
     overrides = ["engine.zero_stage=1", "data.seq_len=4096", "train.global_batch=2"]
     args = ["--config", SP_VORT, "--world", "4", "--probe-tokens", "256", *overrides]
     assert plan.main([*args, "--gpu-mem", "80GiB"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert re.search(r"^\[0/(\d) elapsed 0:\d\d, left ~\?\] memory probe: train, 1 x 256 tokens", err, re.M), err
+    assert re.search(r"^\[1/(\d) elapsed \d+:\d\d, left ~\d+:\d\d\] memory probe", err, re.M), err
+    assert re.search(r"^\[(\d)/\1 elapsed \d+:\d\d, left ~0:00\] probes done$", err, re.M), err
     assert "2048 tokens per rank" in out and "world 4" in out
     torch.manual_seed(0)
     n_params = sum(p.numel() for p in build_model(load_config(SP_VORT, overrides).model).parameters())

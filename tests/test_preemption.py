@@ -1,9 +1,11 @@
-"""Preemption and failure: SIGTERM/SIGUSR1 save and exit with EXIT_PREEMPTED, the wall-clock
-limit saves before it is reached, and a dead rank takes the whole job down in bounded time."""
+"""Preemption and failure: SIGTERM/SIGUSR1 and a first Ctrl-C (SIGINT) save and exit with
+EXIT_PREEMPTED (a resumed run then equals an uninterrupted one bitwise), a second Ctrl-C stops at once,
+the wall-clock limit saves before it is reached, and a dead rank takes the whole job down in bounded time."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -14,9 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launch.pretrain import EXIT_ABORTED
 from pretrain.trainer import EXIT_PREEMPTED
 from tests.launchers import REPO, kill_tree, launch_command, run_training
-from tests.test_resume import config_args, step_losses
+from tests.test_resume import STEPS, config_args, step_losses
 
 
 @contextlib.contextmanager
@@ -87,3 +90,44 @@ def test_dead_rank_ends_the_job_in_bounded_time(launcher: str, demo_shards, tmp_
         time.sleep(2)
         leftover = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not leftover, f"processes left behind: {[p.cmdline()[:3] for p in leftover]}"
+
+
+def test_ctrl_c_saves_and_the_resumed_run_equals_an_uninterrupted_one(demo_shards, tmp_path: Path) -> None:
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    run_training("python", 1, config_args(demo_shards, straight, ["checkpoint.every=0"]))
+    expected = {step: values[0] for step, values in step_losses(straight).items()}
+    marker, log = tmp_path / "requeue.json", tmp_path / "log.txt"
+    args = config_args(demo_shards, interrupted, ["checkpoint.every=0"])
+    with start("python", 1, [*args, "--preempted-marker", str(marker)], log) as proc:
+        wait_for_step(proc, interrupted, 3, log)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        proc.wait(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, log.read_text()[-3000:]
+    stopped_at = max(step_losses(interrupted))
+    assert 3 <= stopped_at < STEPS
+    assert (interrupted / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}"
+    assert json.loads(marker.read_text()) == {"step": stopped_at, "checkpoint": f"step_{stopped_at:08d}",
+                                              "reason": "SIGINT"}
+    assert "Ctrl-C: saving a checkpoint after this step" in log.read_text() and "Traceback" not in log.read_text()
+    run_training("python", 1, [*args, "--resume", "auto"])
+    got = step_losses(interrupted)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(values == [expected[step]] for step, values in got.items()), got  # once each, bitwise equal
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving(demo_shards, tmp_path: Path) -> None:
+    log = tmp_path / "log.txt"
+    args = config_args(demo_shards, tmp_path, ["checkpoint.every=0", "train.steps=400", "model.d_model=256"])
+    with start("python", 1, args, log) as proc:
+        wait_for_step(proc, tmp_path, 2, log)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.time() + 60
+        while "Ctrl-C: saving" not in log.read_text():  # the first one is being handled: the step goes on
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if " ERROR " in line]
+    assert proc.returncode == EXIT_ABORTED and len(errors) == 1 and "stopped at once without saving" in errors[0], text
+    assert not (tmp_path / "checkpoints" / "latest").exists()

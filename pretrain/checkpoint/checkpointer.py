@@ -4,7 +4,8 @@ A checkpoint is written to a local staging area, copied under a temporary name t
 and committed by its manifest and a rename, so a crash at any point leaves the previous one usable;
 a step that exists already is renamed aside (`.old-<n>`, still restorable) before its replacement is
 renamed in, and the step a run resumed from is not saved again. A directory that does not match its
-manifest is never loaded; one that matches but fails to load is skipped under resume "auto".
+manifest is never loaded (resume "auto" falls back to the one before); one that matches but does not
+load into this run is a refusal, and the engines' loaders leave the engine as it was.
 Loading never unpickles code (JSON and safetensors here; engine payloads are the format modules
 beside this one). docs/training.md, "Checkpoints", gives the layout (pretrain/checkpoint/layout.py),
 the commit order and retention.
@@ -30,6 +31,7 @@ from pretrain.checkpoint.layout import (
     MANIFEST,
     OLD_SUFFIX,
     TMP_SUFFIX,
+    TRAINER_STATE,
     CheckpointError,
     step_dir_name,
     step_number,
@@ -57,7 +59,8 @@ def _old_number(names: list[str], name: str) -> int:
     return max(taken, default=0) + 1
 
 
-def _next_old(root: Path, name: str) -> int:
+def next_old_number(root: Path, name: str) -> int:
+    """The next free n for `<root>/<name>.old-<n>`, the name of a directory renamed aside."""
     return _old_number([p.name for p in root.iterdir()], name)
 
 
@@ -106,7 +109,7 @@ class Checkpointer:
             rank_writer(stage, rank)
         if rank == 0:
             state = {**trainer_state, "world_size": distributed.world_size()}
-            fsync_write(stage / "trainer_state.json", json.dumps(state, indent=1, sort_keys=True))
+            fsync_write(stage / TRAINER_STATE, json.dumps(state, indent=1, sort_keys=True))
             fsync_write(stage / "config.yaml", config_yaml)
         distributed.barrier()
         if rank != 0:
@@ -140,7 +143,7 @@ class Checkpointer:
     def _commit_local(self, stage: Path, name: str) -> None:
         final = self.staging / name
         if final.exists():
-            os.replace(final, self.staging / f"{name}{OLD_SUFFIX}{_next_old(self.staging, name)}")
+            os.replace(final, self.staging / f"{name}{OLD_SUFFIX}{next_old_number(self.staging, name)}")
         os.replace(stage, final)
         fsync_dir(self.staging)
         for old in sorted(self.staging.glob(f"{name}{OLD_SUFFIX}*")):
@@ -242,79 +245,95 @@ class Checkpointer:
         verify_local(local)
         return local
 
-    def resume(self, mode: str, engine: Engine) -> dict[str, Any] | None:
-        """Restore according to `mode`: "none", "auto" (the newest checkpoint that verifies and
-        loads; corrupt or partial ones, and ones that fail to load, are reported and the next older
-        one is tried) or an explicit checkpoint path/URL (which must verify and load).
-
-        Rank 0 chooses and verifies; every rank then loads the same directory (which must be
-        visible to all ranks). Returns the saved trainer state plus "path", or None.
-        """
+    def choose(self, mode: str) -> Path | None:
+        """Rank 0 alone (it reads and hashes; nothing is loaded): the verified local copy of the
+        checkpoint `mode` names. "none": None. "auto": the newest that verifies, corrupt or partial
+        ones reported and skipped (None when none verifies). A path or URL: that one, or a
+        CheckpointError."""
         if mode == "none":
             return None
-        if mode != "auto":
-            problem = ""
-            if distributed.rank() == 0:
-                try:
-                    problem, choice = "", str(self._explicit(mode))
-                except CheckpointError as err:
-                    problem, choice = str(err), ""
-            problem = share_text(problem)
-            if problem:
-                raise CheckpointError(problem)
-            directory = Path(share_text(choice if distributed.rank() == 0 else ""))
-            state, error = self._load_everywhere(directory, engine)
-            if state is None:
-                raise CheckpointError(f"{directory}: verified but does not load into this run: {error}")
-            return state
-        return self._restore_newest(engine, self.list() if distributed.rank() == 0 else [])
+        if mode == "auto":
+            return self._verified(self.list())
+        return self._explicit(mode)
+
+    def restore(self, directory: Path, engine: Engine) -> dict[str, Any]:
+        """Collective: load `directory` (chosen by rank 0, visible to every rank) on every rank;
+        returns the saved trainer state plus "path". A checkpoint that verifies but does not load
+        into this run raises a CheckpointError on every rank, naming the mismatch; no rank's model
+        or optimizer has been changed by it (pretrain/checkpoint/fit.py)."""
+        state, error = self._load_everywhere(directory, engine)
+        if state is None:
+            raise CheckpointError(
+                f"{directory}: verified but does not load into this run, so nothing was loaded: {error} "
+                f"(if it is not this run's checkpoint, move it out of {self.root} to resume from the one before)"
+            )
+        return state
+
+    def resume(self, mode: str, engine: Engine) -> dict[str, Any] | None:
+        """Collective `choose` (on rank 0) and `restore` (everywhere): the saved state, or None when
+        `mode` chooses nothing."""
+        problem, choice = "", ""
+        if distributed.rank() == 0:
+            try:
+                choice = str(self.choose(mode) or "")
+            except CheckpointError as err:
+                problem = str(err)
+        problem = share_text(problem)
+        if problem:
+            raise CheckpointError(problem)
+        choice = share_text(choice)
+        return self.restore(Path(choice), engine) if choice else None
 
     def restore_before(self, step: int, engine: Engine) -> dict[str, Any] | None:
-        """Collective: restore the newest checkpoint of a step before `step` that verifies and loads
-        (a loss-spike rollback, in the running processes); as `resume`'s return, or None if none."""
+        """Collective: restore the newest checkpoint of a step before `step` that verifies (a loss-spike
+        rollback, in the running processes); as `resume`'s return, or None if there is none."""
         self.wait()
-        candidates = [n for n in self.list() if step_number(n) < step] if distributed.rank() == 0 else []
-        return self._restore_newest(engine, candidates)
-
-    def _restore_newest(self, engine: Engine, candidates: list[str]) -> dict[str, Any] | None:
-        """Collective: the first of `candidates` (rank 0's list, newest first) that verifies and loads
-        on every rank; the others are reported and skipped."""
-        while True:
-            chosen = self._verified(candidates) if distributed.rank() == 0 else None
-            choice = share_text(str(chosen or ""))
-            if not choice:
-                return None
-            state, error = self._load_everywhere(Path(choice), engine)
-            if state is not None:
-                return state
-            get_logger().warning("skipping checkpoint %s: verified but does not load: %s", choice, error)
+        chosen = None
+        if distributed.rank() == 0:
+            chosen = self._verified([n for n in self.list() if step_number(n) < step])
+        choice = share_text(str(chosen or ""))
+        return self.restore(Path(choice), engine) if choice else None
 
     def _load_everywhere(self, directory: Path, engine: Engine) -> tuple[dict[str, Any] | None, str]:
         """Collective: load `directory` on every rank; (state, "") when every rank succeeded, else
-        (None, this rank's error or a note that another rank failed)."""
-        error = ""
-        try:
-            state = self._load(directory, engine)
-        except Exception as err:  # engines' loaders raise many types; each means "cannot use this one"
-            get_logger().debug("loading %s failed", directory, exc_info=True)
-            state, error = None, f"{type(err).__name__}: {err}"
-        failed = distributed.all_reduce_sum([1.0 if state is None else 0.0])[0]
-        if failed:
-            return None, error or "another rank failed to load it"
+        (None, this rank's error or a note that another rank failed). Two steps, every rank agreeing
+        after each: this rank's own files (no collective), then the engine's payload, a collective
+        load that no rank may enter while another has stopped."""
+        state: dict[str, Any] = {}
+        steps = (
+            lambda: state.update(self._own_files(directory)),
+            lambda: engine.load(str(directory / "engine"), self.staging / "scratch"),
+        )
+        for step in steps:
+            error = ""
+            try:
+                step()
+            except Exception as err:  # engines' loaders raise many types; each means "cannot use this one"
+                get_logger().debug("loading %s failed", directory, exc_info=True)
+                error = f"{type(err).__name__}: {err}"
+            if distributed.all_reduce_sum([1.0 if error else 0.0])[0]:
+                return None, error or "another rank failed to load it (its log names the file)"
         self.restored_step = step_number(directory.name)
+        state["path"] = str(directory)
         return state, ""
 
-    def _load(self, directory: Path, engine: Engine) -> dict[str, Any]:
-        """This rank's part of restoring `directory`: engine payload, RNG, trainer state."""
-        engine.load(str(directory / "engine"), self.staging / "scratch")
-        rank = distributed.rank()
-        plain = directory / "rng" / f"rank_{rank}.json"
+    def _own_files(self, directory: Path) -> dict[str, Any]:
+        """This rank's part of `directory` outside the engine, read and applied before the engine
+        is touched: the trainer state (returned) and this rank's RNG states (set)."""
+        state = saved_trainer_state(directory)
+        plain = directory / "rng" / f"rank_{distributed.rank()}.json"
         if plain.is_file():  # a rank that did not exist when saving keeps its fresh seed
-            tensors_file = directory / "rng" / f"rank_{rank}.safetensors"
-            set_rng_state(_read_json(plain), _read_safetensors(tensors_file))
-        state = _read_json(directory / "trainer_state.json")
-        state["path"] = str(directory)
+            saved = _read_json(plain), _read_safetensors(plain.with_suffix(".safetensors"))
+            try:
+                set_rng_state(*saved)
+            except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as err:
+                raise CheckpointError(f"{plain}: not the RNG states this program saves: {err!r}") from err
         return state
+
+
+def saved_trainer_state(directory: Path) -> dict[str, Any]:
+    """The trainer state a checkpoint directory holds (step, tokens, the data loader's state...)."""
+    return _read_json(directory / TRAINER_STATE)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

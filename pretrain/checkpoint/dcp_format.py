@@ -5,6 +5,12 @@ Nothing here unpickles code. DCP's own reader unpickles `.metadata` with plain p
 planner reads non-tensor items (the optimizer's hyperparameters) with torch.load(weights_only=False);
 `SafeReader` admits only DCP's metadata classes, torch.Size, dtypes and layouts, and `SafePlanner`
 reads those items weights-only. Tensors DCP already reads weights-only.
+
+Loading is all or nothing: the names, global shapes and dtypes in `.metadata` are checked against the
+model and optimizer first (pretrain/checkpoint/fit.py), and DCP then reads into copies of this rank's
+shards, which replace the live ones only once every rank has read everything. (DCP reads in place into
+the tensors it is given; a read failing midway would leave some of them overwritten.) The copies cost
+a second set of this rank's weights and optimizer state while the load runs.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from pretrain.checkpoint.fit import Spec, check_fit, specs
 from pretrain.checkpoint.layout import MODEL_PREFIX, CheckpointError, cause
 
 METADATA_CLASSES = {
@@ -125,12 +132,50 @@ def save_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def load_dcp_state(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective: model and optimizer from the DCP checkpoint at `path`, resharded to this world
+    size; a checkpoint that does not fit, or fails to read, changes neither (module docstring)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    safe_load(state, path)
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    fresh_optimizer = not optimizer.state  # get_state_dict gives it zero moments to have a shape to load into
+    try:
+        model_sd, optim_sd = get_state_dict(module, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        check_fit(path, _saved_specs(Path(path)), _tensor_specs(state), "this run's model and optimizer")
+        copies = _copied(state)
+        safe_load(copies, path)
+    except BaseException:
+        if fresh_optimizer:
+            optimizer.state.clear()
+        raise
+    set_state_dict(module, optimizer, model_state_dict=copies["model"], optim_state_dict=copies["optim"])
+
+
+def _tensor_specs(state: dict[str, Any]) -> dict[str, Spec]:
+    """Name (as DCP flattens it into the checkpoint) -> global shape and dtype of every tensor of `state`."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return specs(flatten_state_dict(state)[0])
+
+
+def _saved_specs(path: Path) -> dict[str, Spec]:
+    """Name -> global shape and dtype of every tensor a DCP checkpoint holds, from its `.metadata`."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata_file(path / ".metadata")
+    return {key: (tuple(meta.size), meta.properties.dtype) for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)}
+
+
+def _copied(value: Any) -> Any:
+    """`value` with every container rebuilt and every tensor (sharded DTensors included) cloned, so
+    that DCP can read into it without touching the model's or the optimizer's own tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value)
+    return value
 
 
 def holds(engine_dir: Path) -> bool:

@@ -5,6 +5,12 @@ size; stage changes between ZeRO-1 and ZeRO-2).
 
 Nothing here unpickles code: DeepSpeed's own loaders are run with torch.load forced to
 weights_only=True and the plain data classes its files hold allow-listed.
+
+DeepSpeed copies the module's weights before it reads the optimizer's partition, and its strict load
+copies every matching tensor before it raises for the rest. So before DeepSpeed is called, the saved
+module's names, shapes (ZeRO's recorded parameter shapes) and dtypes are checked against the engine's
+(pretrain/checkpoint/fit.py), and the optimizer partition this rank will read is read once,
+weights-only: a checkpoint that does not fit or does not read changes nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pretrain.checkpoint.fit import Spec, check_fit
 from pretrain.checkpoint.layout import CheckpointError, cause, strip_model_prefix
 from pretrain.distributed import process_group as distributed
 from pretrain.log import get_logger
@@ -87,6 +94,16 @@ def _needs_universal(path: Path, zero_stage: int, world: int) -> bool:
     return saved["zero_stage"] != zero_stage or saved["data_parallel_size"] != world
 
 
+def deepspeed_layout_problem(path: Path, zero_stage: int, world: int) -> str | None:
+    """Why the checkpoint at `path` cannot load at this ZeRO stage and size (None when it can,
+    directly or through the universal format): asked at start-up, before an engine is built."""
+    try:
+        _needs_universal(path, zero_stage, world)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
 def to_universal(path: Path, out: Path) -> None:
     """Convert the DeepSpeed checkpoint under `path` into the universal format in `out/ds`
     (DeepSpeed's ds_to_universal, run in this process, serially, weights-only)."""
@@ -108,6 +125,13 @@ def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> No
     under `scratch` (a directory every rank sees) and every rank loads its own partition of that."""
     source = Path(path)
     universal = _needs_universal(source, zero_stage, distributed.world_size())
+    problem = ""
+    try:
+        _check_fit(engine, source, read_partition=not universal)
+    except CheckpointError as err:
+        problem = str(err)
+    if distributed.all_reduce_sum([1.0 if problem else 0.0])[0]:  # all ranks stop, or none: the load is collective
+        raise CheckpointError(problem or f"{path}: another rank's part does not read (its log names the file)")
     load_dir = scratch if universal else source
     if universal:
         get_logger().info("%s: another ZeRO stage or data-parallel size: loading through a universal checkpoint", path)
@@ -130,6 +154,59 @@ def load_deepspeed(engine: Any, path: str, zero_stage: int, scratch: Path) -> No
         distributed.barrier()
         if distributed.rank() == 0:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _load_file(path: Path) -> Any:
+    """One of DeepSpeed's files, weights-only; raises CheckpointError naming it."""
+    try:
+        with deepspeed_weights_only():
+            return torch.load(path, map_location="cpu")
+    except Exception as err:  # torch.load raises many types, weights-only refusals among them
+        raise CheckpointError(f"{path}: cannot read it (weights-only): {cause(err)}") from err
+
+
+def _module_specs(engine: Any) -> dict[str, Spec]:
+    """The engine's module as its checkpoint records it: name -> (shape, dtype); under ZeRO-3 a
+    parameter's shape is its whole shape (`ds_shape`), not the empty placeholder the module holds."""
+    named = engine.module.named_parameters(remove_duplicate=False)  # tied weights under each of their names
+    shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in named}
+    return {name: (shapes.get(name, tuple(t.shape)), t.dtype) for name, t in engine.module.state_dict().items()}
+
+
+def _saved_module_specs(states: dict[str, Any], source: Path) -> dict[str, Spec]:
+    """The module a DeepSpeed model-states file holds: its tensors' names and dtypes, with the
+    parameters' whole shapes from ZeRO's recorded `param_shapes` and `shared_params` (its tensors are
+    placeholders at ZeRO-3)."""
+    module = states.get("module") if isinstance(states, dict) else None
+    if not isinstance(module, dict):
+        raise CheckpointError(f"{source}: holds no DeepSpeed module state")
+    recorded = states.get("param_shapes") or []
+    shapes = {name: tuple(shape) for group in recorded for name, shape in dict(group).items()}
+    for name, twin in dict(states.get("shared_params") or {}).items():  # a tied weight is recorded once
+        if twin in shapes:
+            shapes.setdefault(name, shapes[twin])
+    return {name: (shapes.get(name, tuple(t.shape)), t.dtype) for name, t in module.items()
+            if isinstance(t, torch.Tensor)}
+
+
+def _check_fit(engine: Any, path: Path, read_partition: bool) -> None:
+    """Before DeepSpeed copies anything: the saved module must have the engine module's names, shapes
+    and dtypes, and (when loading at the saved size and stage) this rank's optimizer partition must
+    read. Raises CheckpointError naming the file."""
+    tag_dir = path / DEEPSPEED_TAG
+    states_files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not states_files:
+        raise CheckpointError(f"{tag_dir}: no DeepSpeed model states (mp_rank_00_model_states.pt)")
+    states = _load_file(states_files[0])
+    check_fit(states_files[0], _saved_module_specs(states, states_files[0]), _module_specs(engine),
+              "this run's model")
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    if read_partition and group is not None:  # ZeRO 1-3 keep the optimizer in one file per data-parallel rank
+        import torch.distributed as dist
+
+        dp_rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+        for partition in sorted(tag_dir.glob(f"*zero_pp_rank_{dp_rank}_mp_rank_*optim_states.pt")):
+            _load_file(partition)
 
 
 def _repair_zero3_universal_load(optimizer: Any, hyperparameters: list[dict[str, Any]]) -> None:

@@ -32,6 +32,7 @@ from data_pipeline.stream import document_starts
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from model import CausalLM
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
+from pretrain.progress import Pace, announce
 from pretrain.validate import run_tasks
 
 
@@ -297,6 +298,7 @@ def evaluate(
     soe_horizon: int | None = None,
     temper: int | None = None,
     doc_boundaries: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Evaluate an export directory; returns the JSON-able report (see module docstring).
 
@@ -304,6 +306,7 @@ def evaluate(
     max(1, max_tokens // context) windows, so that all contexts score about the same tokens.
     `soe_horizon` and `temper` rebuild a VORT-family model's SOE tables (see `CausalLM.with_kernel`).
     `doc_boundaries` resets the model at each file's start, as data.doc_boundaries does in training.
+    `progress` announces each context and the tasks on stderr, with the time elapsed and left.
     """
     model_dir = Path(model_dir)
     check_options(model_dir, contexts, chunk, tasks, task_len, max_tokens)
@@ -326,7 +329,10 @@ def evaluate(
         "contexts": {},
     }
     doc_start = document_starts(text.ids, tok.eos_id) if doc_boundaries else None
-    for context in contexts:
+    pace = Pace(len(contexts) + (1 if tasks else 0)) if progress else None
+    for done, context in enumerate(contexts):
+        if pace is not None:
+            announce(pace, done, f"context {context}")
         limit = window_limit(context, max_windows, max_tokens)
         result = evaluate_context(model, text, context, chunk, limit, dev, doc_start)
         add_text_units(result, text, tok)
@@ -335,6 +341,8 @@ def evaluate(
             warnings.warn(message, ContextWarning, stacklevel=2)
         report["contexts"][str(context)] = result
     if tasks:
+        if pace is not None:
+            announce(pace, len(contexts), f"tasks {', '.join(tasks)}")
         report["tasks"] = score_tasks(model, data, tasks, tok, task_len, task_examples, chunk, dev)
     report["peak_rss_mb"] = peak_rss_mb()
     return report
@@ -386,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.soe_horizon,
             args.temper,
             args.doc_boundaries,
+            progress=True,
         )
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)

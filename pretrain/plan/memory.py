@@ -29,6 +29,7 @@ from model import CausalLM, build_model
 from pretrain.config import ConfigError, RunConfig, load_config
 from pretrain.engines import TrainModule, engine_class, eval_loss
 from pretrain.preflight import check_start
+from pretrain.progress import Pace, announce
 from pretrain.validate import eval_piece_tokens, streamed_loss
 
 GIB = 2**30
@@ -88,8 +89,11 @@ def parameter_plan(cfg: RunConfig, world: int, model: CausalLM) -> tuple[float, 
     return params, grads, optimizer
 
 
-def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int = PROBE_TOKENS) -> tuple[Plan, Plan]:
-    """(without, with) activation checkpointing, per rank, at `world` ranks."""
+def plan(
+    cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int = PROBE_TOKENS, progress: bool = False
+) -> tuple[Plan, Plan]:
+    """(without, with) activation checkpointing, per rank, at `world` ranks; with `progress`, each
+    memory probe (a fresh process, seconds to minutes at large sizes) is announced on stderr."""
     model = model if model is not None else build_model(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     weight_bytes = 2 if cfg.engine.precision == "bf16" else 4  # the dtype the model computes in
@@ -97,14 +101,15 @@ def plan(cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int =
     bucket = engine_class(cfg).comm_buffer_bytes(cfg, n_params, weight_bytes)
     tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.engine.sequence_parallel
     piece = max(eval_piece_tokens(cfg, model, context) for context in cfg.eval.contexts) if cfg.eval.every else 0
+    probes = Probes(4 + (2 if piece else 0), progress)
     evaluation = 0.0
     if piece:
-        evaluation = extrapolate(*(measure(cfg, False, probe * k, 1, "eval") for k in (1, 2)), probe, piece)
+        evaluation = extrapolate(*(probes.measure(cfg, False, probe * k, 1, "eval") for k in (1, 2)), probe, piece)
     states, buffers = model.state_bytes(cfg.train.micro_batch, cfg.engine.sequence_parallel)
     scans = model.scan_buffer_bytes(cfg.train.micro_batch, tokens)
     plans = []
     for checkpointing in (False, True):
-        short, long = (measure(cfg, checkpointing, probe * k, 1) for k in (1, 2))
+        short, long = (probes.measure(cfg, checkpointing, probe * k, 1) for k in (1, 2))
         activations = extrapolate(short, long, probe, tokens)
         plans.append(Plan(params, grads, optimizer, activations, evaluation, states, buffers, bucket, scans))
     return plans[0], plans[1]
@@ -199,6 +204,29 @@ def measure(
     return peak_growth(_model_step, cfg, checkpointing, tokens, batch, mode, context, what=what)
 
 
+class Probes:
+    """`measure` for a command that runs `total` probes: with `progress`, each one is announced on
+    stderr (which, how many are done, elapsed time and time left), and the end of the last."""
+
+    def __init__(self, total: int, progress: bool) -> None:
+        self.pace = Pace(total) if progress else None
+        self.done = 0
+
+    def measure(
+        self, cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str = "train",
+        context: int | None = None,
+    ) -> float:
+        if self.pace is not None:
+            what = f"memory probe: {mode}, {batch} x {context or tokens} tokens" + (
+                f" in pieces of {tokens}" if context else f", activation checkpointing {checkpointing}")
+            announce(self.pace, self.done, what)
+        result = measure(cfg, checkpointing, tokens, batch, mode, context)
+        self.done += 1
+        if self.pace is not None and self.done == self.pace.total:
+            announce(self.pace, self.done, "probes done")
+        return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -223,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    plain, checkpointed = plan(cfg, world, model, args.probe_tokens)
+    plain, checkpointed = plan(cfg, world, model, args.probe_tokens, progress=True)
     n = cfg.engine.sequence_parallel
     engine = engine_class(cfg).describe(cfg)
     longest = max(cfg.eval.contexts)
@@ -243,13 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     fits = ["fits" if p.total <= capacity else "does NOT fit" for p in (plain, checkpointed)]
     print(f"{'in ' + args.gpu_mem:<28}{fits[0]:>18}{fits[1]:>16}")
     if args.measure:
+        probes = Probes(2 + (1 if cfg.eval.every else 0), progress=True)
         for label, chosen, flag in (("no checkpointing", plain, False), ("checkpointing", checkpointed, True)):
-            measured = measure(cfg, flag, cfg.data.seq_len // n, cfg.train.micro_batch)
+            measured = probes.measure(cfg, flag, cfg.data.seq_len // n, cfg.train.micro_batch)
             print(f"measured on this CPU, training ({label}): activations predicted "
                   f"{chosen.activations / GIB:.3f} GiB, peak growth {measured / GIB:.3f} GiB, "
                   f"error {chosen.activations / max(measured, 1) - 1:+.0%}")
         if cfg.eval.every:
-            measured = measure(cfg, False, piece, 1, "eval", context=longest)
+            measured = probes.measure(cfg, False, piece, 1, "eval", context=longest)
             predicted = plain.eval_activations
             print(f"measured on this CPU, evaluation of {longest} tokens in pieces of {piece}: predicted "
                   f"{predicted / GIB:.3f} GiB, peak growth {measured / GIB:.3f} GiB, "
