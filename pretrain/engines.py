@@ -13,7 +13,8 @@ Every engine offers the same operations to the trainer:
     (a format module each in pretrain/checkpoint/; the files around it, trainer state and RNG,
     are pretrain/checkpoint/checkpointer.py's).
 What the rest of pretrain/ must know about an engine before one exists (whether it runs in one
-process, how far it shards, what its communication buffers cost, how it joins the process group) is
+process, how far it shards, what its communication buffers cost, how it joins the process group,
+whether it can restore a given checkpoint) is
 a class attribute or class method of the engine class, looked up by `engine_class(cfg)`; the trainer,
 the preflight checks and the memory plan never branch on the engine kind. Adding an engine means a
 class here, an entry in ENGINES, and its checkpoint format in pretrain/checkpoint/.
