@@ -149,10 +149,10 @@ ACCESS: dict[str, dict[str, dict[str, str]]] = {
         "bwd_pass": _PASS,
         "bwd_values": {"q": SHARED, "k": SHARED, "v": UNUSED} | _WALK_IN | {"d_states": STATE, "d_out": ONCE,
                                                                            "dv": ONCE},
-        "bwd_keys": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"d_states": STATE, "d_out": SHARED,
-                                                                     "d_z": SHARED, "dk": ONCE, "dcoef": ONCE},
         "bwd_queries": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"states": STATE, "d_out": SHARED,
                                                                         "d_z": SHARED, "dq": ONCE, "dll": PARTIAL},
+        "bwd_keys": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"d_states": STATE, "d_out": SHARED,
+                                                                     "d_z": SHARED, "dk": ONCE, "dcoef": ONCE},
         "bwd_coef": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": ONCE}
         | dict.fromkeys(("d_out", "d_z", "shares", "dcoef"), ONCE) | {"dll": PARTIAL},
     },

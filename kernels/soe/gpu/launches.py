@@ -94,9 +94,10 @@ def soe_launches(
     ``span_size`` chunks. Forward: "fwd_states" (each span's own state, value blocks walked on chip),
     "fwd_pass" (the states entering the spans, one step per span), "fwd" (o, each span walked from its
     entering state) and "fwd_norm" (z, from the normalisers). Backward: "bwd_states" and "bwd_pass" (the
-    same for the state gradients, in reverse), then "bwd_values" (dv), "bwd_keys" (dk and the coefficient
-    gradient's feature-block shares), "bwd_queries" (dq, from the forward's saved span states) and
-    "bwd_coef" (dcoef, chunk parallel). ``decay_grad``: whether the backward makes the decays' gradient
+    same for the state gradients, in reverse), then "bwd_values" (dv), "bwd_queries" (dq, from the
+    forward's saved span states), "bwd_keys" (dk and the coefficient gradient's feature-block shares) and
+    "bwd_coef" (dcoef, chunk parallel), the last two over ``phase_spans`` spans at a time (their grids here
+    those of a full phase). ``decay_grad``: whether the backward makes the decays' gradient
     (not for decays that are buffers, as VORT's: their sums would only cost registers)."""
     tiles = TILES[capability >= 90]
     bt = chunk_block(chunk_size, capability)
@@ -152,6 +153,6 @@ def soe_launches(
     n_state = batch * heads * n_terms * feat * (width + 1)
     launches["fwd_pass"] = span_pass_launch(n_state, reverse=False, decay=True, wrap=False)
     launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
-    order = ("fwd_states", "fwd_pass", "fwd", "fwd_norm", "bwd_states", "bwd_pass", "bwd_values", "bwd_keys",
-             "bwd_queries", "bwd_coef")  # fmt: skip
+    order = ("fwd_states", "fwd_pass", "fwd", "fwd_norm", "bwd_states", "bwd_pass", "bwd_values", "bwd_queries",
+             "bwd_keys", "bwd_coef")  # fmt: skip
     return bt, {name: launches[name] for name in order}
