@@ -26,11 +26,11 @@ def unpack(slot: torch.Tensor, g_shape: torch.Size | tuple[int, ...]) -> tuple[t
     return slot[:, :n].reshape(g_shape).clone(), slot[:, n:].reshape(g_shape[:4]).clone()
 
 
-def slots(n_chunks: int, first: torch.Tensor, at_end: bool) -> torch.Tensor:
-    """A packed fp32 buffer [n_chunks + 1, B*H*S, W] holding ``first`` in slot 0 (or, ``at_end``, in slot
-    n_chunks); the chunk kernels write every other slot."""
-    out = first.new_empty(n_chunks + 1, *first.shape)
-    out[n_chunks if at_end else 0] = first
+def slots(n_spans: int, first: torch.Tensor, at_end: bool) -> torch.Tensor:
+    """A packed fp32 buffer [n_spans + 1, B*H*S, W] holding ``first`` in slot 0 (or, ``at_end``, in slot
+    n_spans); the span-state walks write every other slot."""
+    out = first.new_empty(n_spans + 1, *first.shape)
+    out[n_spans if at_end else 0] = first
     return out
 
 
