@@ -134,6 +134,8 @@ DECAYS = "decays"  # each program loads its head's S decays
 PARTIAL = "partial"  # fp32 partials: this launch's share of the buffer, then summed by torch
 OUTPUT = "output"  # an fp32 output, cast by torch to the operands' dtype when that is narrower
 UNUSED = "unused"  # passed but not loaded in this launch
+NORM_SHARE = "norm share"  # the coefficient shares [parts, ...]: the normalisers' program writes the last
+VALUE_SHARES = "value shares"  # ... and the value blocks' walks the others
 
 _PASS = {"states": PASS, "log_lam": ONCE, "carry": ONCE}
 _WALK_IN = {"coef": SHARED, "log_lam": DECAYS, "docs": SHARED}
@@ -141,18 +143,16 @@ ACCESS: dict[str, dict[str, dict[str, str]]] = {
     "soe": {
         "fwd_states": {"x": SHARED, "y": ONCE, "y_norm": UNUSED} | _WALK_IN | {"states": STATE},
         "fwd_pass": _PASS,
-        "fwd": {"q": SHARED, "k": SHARED, "v": ONCE} | _WALK_IN | {"states": STATE, "out": ONCE},
-        "fwd_norm": {"q": ONCE, "k": ONCE, "coef": ONCE, "log_lam": DECAYS, "docs": ONCE, "states": STATE,
-                     "z": ONCE},
+        "fwd": {"q": SHARED, "k": SHARED, "v": ONCE} | _WALK_IN | {"states": STATE, "out": ONCE, "z": ONCE},
         "bwd_states": {"x": SHARED, "y": ONCE, "y_norm": ONCE, "coef": UNUSED, "log_lam": DECAYS, "docs": SHARED,
                        "states": STATE},
         "bwd_pass": _PASS,
-        "bwd_values": {"q": SHARED, "k": SHARED, "v": UNUSED} | _WALK_IN | {"d_states": STATE, "d_out": ONCE,
-                                                                           "dv": ONCE},
         "bwd_queries": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"states": STATE, "d_out": SHARED,
                                                                         "d_z": SHARED, "dq": ONCE, "dll": PARTIAL},
-        "bwd_keys": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"d_states": STATE, "d_out": SHARED,
-                                                                     "d_z": SHARED, "dk": ONCE, "dcoef": ONCE},
+        "bwd_keys": {"q": SHARED, "k": SHARED, "v": SHARED} | _WALK_IN
+        | {"d_states": STATE, "d_out": SHARED, "d_z": SHARED, "dk": ONCE, "shares": NORM_SHARE},
+        "bwd_values": {"q": SHARED, "k": SHARED, "v": ONCE} | _WALK_IN | {"d_states": STATE, "d_out": ONCE,
+                                                                      "dv": ONCE, "shares": VALUE_SHARES},
         "bwd_coef": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": ONCE}
         | dict.fromkeys(("d_out", "d_z", "shares", "dcoef"), ONCE) | {"dll": PARTIAL},
     },
@@ -167,8 +167,16 @@ ACCESS: dict[str, dict[str, dict[str, str]]] = {
 }  # fmt: skip
 
 
-def _soe_flops(name: str, c: dict) -> int:
-    """tl.dot FLOPs of one SOE program on one chunk (padded tiles, as the tensor cores run them), from the
+def _column_programs(name: str, c: dict, named: dict) -> int:
+    """Programs of an SOE walk per span x batch x head: its column blocks, plus the normalisers' program
+    of the output and key-gradient launches."""
+    block = c.get("BD") or c["BC"]
+    return -(-(named["DV"] if "BD" in c else named["F"]) // block) + (name in ("fwd", "bwd_keys"))
+
+
+def _soe_flops(name: str, c: dict, named: dict) -> int:
+    """tl.dot FLOPs on one chunk of one SOE program (chunk-parallel kernels) or of all the column
+    programs of one span x batch x head (walks), padded tiles as the tensor cores run them, from the
     kernel bodies; a tf32 product (the decay table's, with fp32 operands) counts twice, so that all run
     at the bf16 rate. Walks: per term group a read X @ A^T and a write X += B^T @ A over the group's
     rows (terms x column block), the normalisers' [GN, R] tile in the state walks, and the intra-chunk
@@ -177,17 +185,20 @@ def _soe_flops(name: str, c: dict) -> int:
     block = c.get("BD") or c.get("BC") or 0
     rows = (c.get("GA", 0) + c.get("GB", 0) * c.get("HAS_B", False)) * block  # the groups' state rows
     cols = c.get("BF") if "BD" in c else c.get("BV")  # the state tiles' other side
+    n_blocks = _column_programs(name, c, named) - (name in ("fwd", "bwd_keys")) if block else 0
     mask = 2 * 2 * bt * gn * bt  # R = E^T @ coef^T in tf32
+    walk = 2 * bt * bt * cols + mask + 2 * bt * bt * block + 2 * 2 * rows * cols * bt  # intra part, read, write
     if name in ("fwd_states", "bwd_states"):
-        return 2 * bt * cols * (rows + gn)
-    if name == "fwd_norm":
-        return 2 * bt * bt * c["BF"] + mask + 2 * 2 * gn * c["BF"] * bt
-    if name in ("fwd", "bwd_values"):
-        return 2 * bt * bt * cols + mask + 2 * bt * bt * block + 2 * 2 * rows * cols * bt
-    if name in ("bwd_keys", "bwd_queries"):
-        return 2 * bt * bt * cols + mask + 2 * bt * bt * block + 2 * 2 * rows * cols * bt
+        return n_blocks * 2 * bt * cols * (rows + gn)
+    if name == "fwd":  # the value blocks' walks and the normalisers'
+        return n_blocks * walk + 2 * bt * bt * c["BF"] + mask + 2 * 2 * gn * c["BF"] * bt
+    if name in ("bwd_values", "bwd_queries"):
+        return n_blocks * walk
+    if name == "bwd_keys":  # the feature blocks' walks and the normalisers' (with the pairs: scores, spread)
+        pairs = c["PAIRS"] * (2 * bt * bt * (c["BV"] + c["BF"]) + 2 * 2 * bt * bt * gn)
+        return n_blocks * walk + 2 * 2 * gn * c["BF"] * bt + pairs
     if name == "bwd_coef":
-        return 2 * bt * bt * (c["BV"] + c["BF"]) + (1 + c["NEED_DLL"]) * mask
+        return c["NEED_DLL"] * (2 * bt * bt * (c["BV"] + c["BF"]) + 2 * mask)
     return 0
 
 
@@ -237,7 +248,8 @@ def launch_names(scan: str, captured: Sequence[tuple[Launch, tuple]]) -> list[st
         if scan == "soe" and "S" in named:
             x = next(named[n] for n in ("q", "x", "k") if n in named)
             b, t, h, f = x.shape
-            decay_grad = launch.constexprs.get("NEED_DLL", True)
+            c = launch.constexprs
+            decay_grad = c.get("NEED_DLL", not c.get("PAIRS", False))
             made = soe_launches(b, t, h, named["S"], f, named["DV"], launch.constexprs["BT"], x.dtype, CAPABILITY,
                                 decay_grad)[1]  # fmt: skip
         elif scan == "phasor" and "L" in named:
@@ -270,6 +282,8 @@ def pointer_bytes(mode: str, t: torch.Tensor, launch: Launch, sharers: Counter) 
         return launch.programs * t.shape[-1] * t.element_size()
     if mode == PARTIAL:
         return nbytes / sharers[id(t)]
+    if mode in (NORM_SHARE, VALUE_SHARES):
+        return nbytes / t.shape[0] * (1 if mode == NORM_SHARE else t.shape[0] - 1)
     return 0.0  # UNUSED
 
 
@@ -282,6 +296,8 @@ def launch_cost(scan: str, name: str, launch: Launch, args: tuple, sharers: Coun
         known = "nothing" if access is None else sorted(access)
         raise ValueError(f"{scan} {name}: ACCESS names {known}, the launch takes {sorted(launch.pointers)}")
     named, c = dict(zip(launch.argument_names(), args)), launch.constexprs
+    if name == "bwd_coef" and not c["NEED_DLL"]:  # the shares' sum alone (the pairs are in the shares)
+        access = {p: mode if p in ("shares", "dcoef", "docs") else UNUSED for p, mode in access.items()}
     traffic = sum(pointer_bytes(mode, named[p], launch, sharers) for p, mode in access.items())
     if scan == "phasor":  # programs x the chunks of a span (spans are whole chunks): every chunk once
         if "L" not in named:  # a sequence pass: no products
@@ -293,11 +309,12 @@ def launch_cost(scan: str, name: str, launch: Launch, args: tuple, sharers: Coun
     if "S" not in named:  # a span pass: no products
         return 0, traffic, "bf16"
     n_chunks = -(-named["seq_len"] // c["BT"])
-    if "SPAN" in named:  # a walk: its programs cover every chunk once per span x batch x head x column block
-        chunks = launch.programs // -(-n_chunks // named["SPAN"]) * n_chunks
+    if "SPAN" in named:  # a walk: the column programs of a span x batch x head cover its chunks once
+        spans = launch.programs // _column_programs(name, c, named) // named["BH"]
+        chunks = named["BH"] * min(spans * named["SPAN"], n_chunks)
     else:  # chunk parallel
         chunks = launch.programs
-    return chunks * _soe_flops(name, c), traffic, "fp32" if c.get("PRECISION") == "ieee" else "bf16"
+    return chunks * _soe_flops(name, c, named), traffic, "fp32" if c.get("PRECISION") == "ieee" else "bf16"
 
 
 def torch_sums(scan: str, captured: Sequence[tuple[Launch, tuple]], names: Sequence[str]) -> tuple[int, float]:

@@ -49,15 +49,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Checks known to fail, per scan, with the reason: "*" for every check. The gate test of a scan skips
 # only these, and fails as soon as a listed failure is gone, so that the entry is deleted with the fix.
-# The phasor kernels (their one-hot products on tensor cores through an exact three-piece tf32 split of
-# the fp32 operand, kernels/phasor/triton.py) pass every check. Of the SOE span walks (issue 46), one
-# launch spills on the A100 target: the key-gradient walk at the 125M/350M sizes holds the state gradient
-# of 18 terms x 8 features x 64 values on chip plus dk, the coefficient gradient's share and the
-# intra-chunk part, and sm_80's register layouts need 96 bytes more than 255 registers (0 on sm_90; every
-# other row passes on both: docs/kernels.md, "Compile gate").
-KNOWN_FAILURES: dict[str, dict[str, str]] = {
-    "soe": {"96 B spilled": "sm_80 key_grads_kernel at the 125M/350M sizes"},
-}
+# Empty: the phasor kernels (their one-hot products on tensor cores through an exact three-piece tf32
+# split of the fp32 operand, kernels/phasor/triton.py) and the SOE span walks (issue 46) pass every
+# check on both targets.
+KNOWN_FAILURES: dict[str, dict[str, str]] = {}
 
 
 @pytest.fixture(scope="module")

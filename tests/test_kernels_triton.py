@@ -64,14 +64,17 @@ def test_soe_triton_matches_reference(batch, seq_len, heads, feat, dim_v, n_term
     _check_soe(soe_inputs(batch, seq_len, heads, feat, dim_v, n_terms, with_state, seed=seq_len), chunk_size)
 
 
-def _spans_of(monkeypatch, batch, seq_len, heads, chunk, chunks_per_span):
+def _spans_of(monkeypatch, batch, seq_len, heads, chunk, chunks_per_span, n_terms, feat, width):
     """Patch the span sizing so that a scan of these sizes walks spans of ``chunks_per_span`` chunks (the
-    launches ask for MIN_PROGRAMS programs of the smallest walk, one per span x batch x head)."""
+    launches ask for MIN_PROGRAMS programs of the smallest walks, one per span x batch x head x column
+    block of the interpreter's (A100) tiles)."""
     import kernels.soe.gpu.launches as launches
 
     n_chunks = math.ceil(seq_len / chunk)
-    monkeypatch.setattr(launches, "MIN_PROGRAMS", batch * heads * math.ceil(n_chunks / chunks_per_span))
-    assert launches.span_size(batch, seq_len, heads, chunk) == chunks_per_span
+    values = math.ceil(width / launches.TILES[False].block)
+    blocks = min(values, math.ceil(feat / launches.feature_block(n_terms, feat, 80)))
+    monkeypatch.setattr(launches, "MIN_PROGRAMS", batch * heads * blocks * math.ceil(n_chunks / chunks_per_span))
+    assert launches.walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, 80) == chunks_per_span
     return math.ceil(n_chunks / chunks_per_span)
 
 
@@ -86,29 +89,31 @@ def test_soe_triton_spans_match_reference(monkeypatch, seq_len, chunk_size, batc
     v, coef, log_lam, G0, b0). The walks run one program per span x batch x head x column block."""
     from kernels.soe.triton import soe_launches
 
-    n_spans = _spans_of(monkeypatch, batch, seq_len, heads, chunk_size, per_span)
+    n_spans = _spans_of(monkeypatch, batch, seq_len, heads, chunk_size, per_span, 2, feat, dim_v)
     chunk, launches = soe_launches(batch, seq_len, heads, 2, feat, dim_v, chunk_size, torch.float32, 80)
     assert chunk == chunk_size
     blocks = {name: launches[name].constexprs.get("BD") or launches[name].constexprs.get("BC") for name in launches}
-    for name in ("fwd_states", "fwd", "bwd_states", "bwd_values"):
+    for name in ("fwd_states", "bwd_states", "bwd_values"):
         assert launches[name].grid[0] == n_spans * batch * heads * math.ceil(dim_v / blocks[name]), name
-    for name in ("bwd_keys", "bwd_queries"):
-        assert launches[name].grid[0] == n_spans * batch * heads * math.ceil(feat / blocks[name]), name
-    assert launches["fwd_norm"].grid[0] == n_spans * batch * heads
+    assert launches["bwd_queries"].grid[0] == n_spans * batch * heads * math.ceil(feat / blocks["bwd_queries"])
+    # the normalisers' walks are one more column block of the output and key-gradient launches
+    assert launches["fwd"].grid[0] == n_spans * batch * heads * (math.ceil(dim_v / blocks["fwd"]) + 1)
+    assert launches["bwd_keys"].grid[0] == n_spans * batch * heads * (math.ceil(feat / blocks["bwd_keys"]) + 1)
     inputs = soe_inputs(batch, seq_len, heads, feat, dim_v, 2, True, seed=7)
     inputs["log_lam"] = torch.tensor([[-0.01, -3.0]] * heads, dtype=torch.float64)
     _check_soe(inputs, chunk_size)
 
 
 def test_soe_triton_backward_in_phases_matches_reference(monkeypatch):
-    """The key walk and the coefficient kernel run over a few spans at a time when the coefficient
-    shares of the whole sequence would be large: with the budget cut to two spans' shares, 150 tokens in
-    spans of 2 chunks run as three phases of 2, 2 and 1 span, and every gradient still matches."""
+    """The key and value walks (which make the coefficient gradient's shares) and the coefficient kernel
+    run over a few spans at a time when the shares of the whole sequence would be large: with the budget cut to
+    two spans' shares, 150 tokens in spans of 2 chunks run as three phases of 2, 2 and 1 span, and every
+    gradient still matches."""
     import kernels.soe.gpu.launches as launches
 
-    n_spans = _spans_of(monkeypatch, 1, 150, 1, 16, 2)
+    n_spans = _spans_of(monkeypatch, 1, 150, 1, 16, 2, 2, 12, 5)
     assert n_spans == 5
-    monkeypatch.setattr(launches, "SHARES_BYTES", 2 * (2 * 32 * 2 * 4))  # 2 spans x blocks x tokens x S x 4
+    monkeypatch.setattr(launches, "SHARES_BYTES", 2 * (2 * 32 * 2 * 4))  # 2 spans x parts x tokens x S x 4
     assert launches.phase_spans(1, 1, 2, 2, 32, n_spans) == 2
     inputs = soe_inputs(1, 150, 1, 12, 5, 2, True, seed=8)
     inputs["reset"] = resets(150, [[40, 64, 97]])
@@ -123,7 +128,7 @@ def test_soe_triton_term_groups_match_reference(monkeypatch, n_terms):
 
     groups = term_groups(n_terms)
     assert groups[0] + groups[1] >= n_terms > groups[0] and groups[2]
-    _spans_of(monkeypatch, 1, 70, 1, 16, 2)
+    _spans_of(monkeypatch, 1, 70, 1, 16, 2, n_terms, 6, 9)
     inputs = soe_inputs(1, 70, 1, 6, 9, n_terms, True, seed=n_terms)
     inputs["reset"] = resets(70, RESET_ROWS[:1])
     _check_soe(inputs, 16)
@@ -132,7 +137,7 @@ def test_soe_triton_term_groups_match_reference(monkeypatch, n_terms):
 def test_soe_triton_without_a_decay_gradient(monkeypatch):
     """Decays that are buffers (VORT's): the backward skips the decay gradient's sums and returns None for
     log_lam, and every other gradient still matches the reference."""
-    _spans_of(monkeypatch, 2, 70, 2, 16, 2)
+    _spans_of(monkeypatch, 2, 70, 2, 16, 2, 18, 6, 9)
     inputs = soe_inputs(2, 70, 2, 6, 9, 18, True, seed=3)
     inputs["reset"] = resets(70, RESET_ROWS)
     got, want = ({} for _ in range(2))
@@ -174,7 +179,7 @@ def test_soe_triton_resets_match_reference(monkeypatch, chunk_size, dim_v, per_s
     """Resets in the Triton SOE scan inside chunks, on chunk borders and on span borders (spans of two
     chunks of 16: borders at 32 and 64; spans of one chunk; spans of three with several value blocks), an
     initial state and a fast-decaying term: outputs, final state and every gradient."""
-    _spans_of(monkeypatch, 2, 70, 1, chunk_size, per_span)
+    _spans_of(monkeypatch, 2, 70, 1, chunk_size, per_span, 2, 4, dim_v)
     inputs = soe_inputs(2, 70, 1, 4, dim_v, 2, True, seed=9)
     inputs["log_lam"] = torch.tensor([[-0.01, -3.0]], dtype=torch.float64)
     inputs["reset"] = resets(70, RESET_ROWS)
@@ -185,7 +190,7 @@ def test_soe_triton_runs_are_bitwise_equal(monkeypatch):
     """Two runs of the Triton SOE scan (resets, an initial state, several spans and value and feature
     blocks, so the coefficient gradient's shares and the decay gradient's partials are summed) give
     bitwise-equal outputs and gradients."""
-    _spans_of(monkeypatch, 2, 70, 2, 16, 2)
+    _spans_of(monkeypatch, 2, 70, 2, 16, 2, 3, 12, 20)
     inputs = soe_inputs(2, 70, 2, 12, 20, 3, True, seed=4)
     inputs["reset"] = resets(70, RESET_ROWS)
     first, second = (soe_run(inputs, "triton", device=DEVICE, chunk_size=16) for _ in range(2))
@@ -220,9 +225,9 @@ def test_soe_grids_fit_at_a_million_tokens():
         chunk, launches = soe_launches(1, 1 << 20, 12, 18, 64, 64, 64, torch.bfloat16, capability)
         short = soe_launches(1, 1 << 16, 12, 18, 64, 64, 64, torch.bfloat16, capability)[1]
         assert all(launches[n].grid == short[n].grid for n in launches if n.startswith(("fwd", "bwd_")) and
-                   n not in ("bwd_keys", "bwd_coef"))  # fmt: skip
-        # the key walk and the coefficient kernel run phases of spans whose shares stay within 1 GiB
-        assert launches["bwd_keys"].grid[0] < short["bwd_keys"].grid[0]
+                   n not in ("bwd_keys", "bwd_values", "bwd_coef"))  # fmt: skip
+        # the key and value walks and the coefficient kernel run phases of spans whose shares stay within 1 GiB
+        assert launches["bwd_values"].grid[0] < short["bwd_values"].grid[0]
         launches |= {f"entering_{n}": x for n, x in entering_launches(1, 1 << 20, 12, 18, 64, 64, torch.bfloat16,
                                                                         capability).items()}  # fmt: skip
         for launch in launches.values():

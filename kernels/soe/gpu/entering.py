@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kernels._common import Launch, check_triton_inputs, device_capability, triton_type
 from kernels.soe.gpu.function import pack, pass_sizes, slots, unpack
-from kernels.soe.gpu.launches import chunk_block, precision, soe_launches, span_size
+from kernels.soe.gpu.launches import chunk_block, precision, soe_launches, walk_span
 from kernels.soe.gpu.tiles import (
     chunk_program,
     first_block,
@@ -147,7 +147,7 @@ class SoeEnteringTriton(torch.autograd.Function):
         capability = device_capability(q)
         launches = entering_launches(batch, seq_len, heads, n_terms, feat, width, q.dtype, capability)
         chunk = launches["fwd"].constexprs["BT"]
-        span = span_size(batch, seq_len, heads, chunk)
+        span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
         n_spans, n_chunks = triton.cdiv(seq_len, span * chunk), triton.cdiv(seq_len, chunk)
         sizes = (seq_len, batch * heads, heads, n_terms, feat, width, state.shape[-1])
         docs = torch.zeros(batch, seq_len, dtype=torch.int32, device=dev)  # no resets inside the read

@@ -100,18 +100,37 @@ def span_states_kernel(
 
 @triton.jit
 def output_kernel(
-    q, k, v, coef, log_lam, docs, states, out,
+    q, k, v, coef, log_lam, docs, states, out, z,
+    seq_len, BH, H, S, F, DV, W, SPAN,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
+    HAS_B: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The forward's outputs of one span: column blocks 0 .. NB - 1 (NB value blocks) walk o by value
+    block, block NB walks z from the normalisers. One launch, so that the normalisers' walk reads its q
+    and k tiles beside the value blocks of its span and head (from L2 after the first), and its own
+    walk: the normalisers inside a value walk spilled on sm_90."""
+    n_blocks = tl.cdiv(DV, BD)
+    p, bh, b, h, blk = span_program(BH, H, n_blocks + 1)
+    n_here = span_chunk_count(p, seq_len, SPAN, BT)
+    if blk < n_blocks:
+        _value_walk(q, k, v, coef, log_lam, docs, states, out, p, bh, b, h, blk, n_here, seq_len, BH, H, S, F, DV,
+                    W, SPAN, BT, BF, BD, GA, GB, HAS_B, GN, PRECISION)  # fmt: skip
+    else:
+        _norm_walk(q, k, coef, log_lam, docs, states, z, p, bh, b, h, n_here, seq_len, BH, H, S, F, DV, W, SPAN,
+                   BT, BF, GN, PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _value_walk(
+    q, k, v, coef, log_lam, docs, states, out, p, bh, b, h, vb, n_here,
     seq_len, BH, H, S, F, DV, W, SPAN,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
     HAS_B: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """o of one span and value block: from the state entering the span (slot span), chunk by chunk,
     o_i = sum_j (q_i . k_j) Wc[i, j] v_j + sum_s lam_s^(i+1) q_i G_s, then the chunk's writes update the
-    on-chip state. Stored once, in its dtype. (The normalisers' read, z, is norm_output_kernel's: with it
-    in this walk the sm_90 compile spilled.) The order inside a chunk (intra-chunk part, then the small
+    on-chip state. Stored once, in its dtype. The order inside a chunk (intra-chunk part, then the small
     term group, then the large one) is the one that compiles without spills."""
-    p, bh, b, h, vb = span_program(BH, H, tl.cdiv(DV, BD))
-    n_here = span_chunk_count(p, seq_len, SPAN, BT)
     offs_f = tl.arange(0, BF)
     offs_d = vb * BD + tl.arange(0, BD)
     offs, mask = state_tile(states, p, bh, BH, S, F, DV, W, 0, vb, GA, BD, BF, True)
@@ -144,16 +163,13 @@ def output_kernel(
 
 
 @triton.jit
-def norm_output_kernel(
-    q, k, coef, log_lam, docs, states, z,
+def _norm_walk(
+    q, k, coef, log_lam, docs, states, z, p, bh, b, h, n_here,
     seq_len, BH, H, S, F, DV, W, SPAN,
     BT: tl.constexpr, BF: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """z of one span (grid axis 0: span x batch x head): from the normalisers entering the span, chunk by
-    chunk, z_i = sum_j (q_i . k_j) Wc[i, j] + sum_s lam_s^(i+1) q_i . b_s, then the writes update them.
-    Stored once, in its dtype."""
-    p, bh, b, h, _blk = span_program(BH, H, 1)
-    n_here = span_chunk_count(p, seq_len, SPAN, BT)
+    """z of one span: from the normalisers entering the span, chunk by chunk, z_i = sum_j (q_i . k_j)
+    Wc[i, j] + sum_s lam_s^(i+1) q_i . b_s, then the writes update them. Stored once, in its dtype."""
     offs_f = tl.arange(0, BF)
     offs, mask = norm_tile(states, p, bh, BH, S, F, DV, W, GN, BF)
     xn = tl.load(states + offs, mask=mask, other=0.0)

@@ -10,7 +10,7 @@ import triton
 
 from kernels._common import check_triton_inputs, device_capability, document_numbers
 from kernels.soe.gpu.forward import output_kernel
-from kernels.soe.gpu.launches import soe_launches, span_size
+from kernels.soe.gpu.launches import soe_launches, walk_span
 from kernels.span import span_carry
 
 
@@ -48,8 +48,9 @@ class SoeScanTriton(torch.autograd.Function):
     saves for the backward's query walk. ``reset`` (bool [B, T] or None) zeroes the state before each
     document's first token: the kernels get the document numbers, the span pass a per-span carry
     (kernels/span.py). No atomics: every output element is stored by one program, in its dtype; the
-    coefficient gradient's value-block shares are added in a fixed order by its own kernel and the decay
-    gradient's per-span and per-chunk partials by torch, so two runs give bitwise-equal results."""
+    coefficient gradient's shares (value blocks and the normalisers) are added in a fixed order by its
+    own kernel and the decay gradient's per-span and per-chunk partials by torch, so two runs give
+    bitwise-equal results."""
 
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
@@ -61,7 +62,7 @@ class SoeScanTriton(torch.autograd.Function):
         ll = log_lam.float().contiguous()
         capability = device_capability(q)
         chunk, launches = soe_launches(batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability)
-        span = span_size(batch, seq_len, heads, chunk)
+        span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
         n_spans = triton.cdiv(seq_len, span * chunk)
         docs = document_numbers(reset, batch, seq_len, q.device)
         carry = span_carry(docs, span * chunk)
@@ -72,8 +73,7 @@ class SoeScanTriton(torch.autograd.Function):
         launches["fwd_pass"].run(states, ll, carry, *pass_args)
         out = torch.empty(batch, seq_len, heads, width, dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
-        launches["fwd"].run(q, k, v, coef, ll, docs, states, out, *ints)
-        launches["fwd_norm"].run(q, k, coef, ll, docs, states, z, *ints)
+        launches["fwd"].run(q, k, v, coef, ll, docs, states, out, z, *ints)
         g_t, b_t = unpack(states[-1], g0.shape)
         ctx.save_for_backward(q, k, v, coef, ll, docs, carry, states)
         ctx.set_materialize_grads(False)
@@ -97,7 +97,7 @@ class SoeScanTriton(torch.autograd.Function):
         chunk, launches = soe_launches(
             batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad
         )
-        span = span_size(batch, seq_len, heads, chunk)
+        span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
         n_spans = states.shape[0] - 1
         ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1), span)
         final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
@@ -114,21 +114,23 @@ class SoeScanTriton(torch.autograd.Function):
         dll_chunks = torch.empty(n_chunks * batch, heads, n_terms, dtype=f32, device=dev)
         centre = (seq_len - 1) / 2.0
         grads_in = (q, k, v, coef, ll, docs)
-        launches["bwd_values"].run(*grads_in, d_states, d_out, dv, *ints)
         launches["bwd_queries"].run(*grads_in, states, d_out, d_zz, dq, dll, *ints, centre)
         dcoef = torch.empty_like(coef)
-        # the key walk and the coefficient kernel run a phase of spans at a time (launches.phase_spans), so
-        # the coefficient gradient's fp32 shares [feature blocks, B x phase x H, S] stay bounded
-        phase = launches["bwd_keys"].grid[0] // (batch * heads * n_features)
+        # the key and value walks (which make the coefficient gradient's shares [value blocks + 1, B x phase x
+        # H, S]) and the coefficient kernel run a phase of spans at a time (launches.phase_spans)
+        n_parts = triton.cdiv(width, launches["bwd_values"].constexprs["BD"]) + 1
+        phase = launches["bwd_values"].grid[0] // (batch * heads * (n_parts - 1))
         phase_t = phase * span * chunk
-        shares = torch.empty(n_features, batch, phase_t, heads, n_terms, dtype=f32, device=dev)
+        shares = torch.empty(n_parts, batch, phase_t, heads, n_terms, dtype=f32, device=dev)
         for first in range(0, n_spans, phase):
             spans = min(phase, n_spans - first)
             chunks = min(spans * span, n_chunks - first * span)
-            keys = dataclasses.replace(launches["bwd_keys"], grid=(spans * batch * heads * n_features, 1, 1))
-            keys.run(*grads_in, d_states, d_out, d_zz, dk, shares, *ints, first, phase_t)
+            keys = dataclasses.replace(launches["bwd_keys"], grid=(spans * batch * heads * (n_features + 1), 1, 1))
+            keys.run(*grads_in, d_states, d_out, d_zz, dk, shares, *ints, first, phase_t, n_parts - 1)
+            values = dataclasses.replace(launches["bwd_values"], grid=(spans * batch * heads * (n_parts - 1), 1, 1))
+            values.run(*grads_in, d_states, d_out, dv, shares, *ints, first, phase_t)
             coefs = dataclasses.replace(launches["bwd_coef"], grid=(chunks * batch * heads, 1, 1))
-            coefs.run(*grads_in, d_out, d_zz, shares, dcoef, dll_chunks, *ints[:6], n_features, first * span, phase_t,
+            coefs.run(*grads_in, d_out, d_zz, shares, dcoef, dll_chunks, *ints[:6], n_parts, first * span, phase_t,
                       centre)  # fmt: skip
         d_log_lam = None
         if decay_grad:

@@ -13,7 +13,7 @@ import triton
 
 from kernels._common import Launch, triton_type
 from kernels.soe.gpu.backward import coef_grads_kernel, key_grads_kernel, query_grads_kernel, value_grads_kernel
-from kernels.soe.gpu.forward import norm_output_kernel, output_kernel, span_states_kernel
+from kernels.soe.gpu.forward import output_kernel, span_states_kernel
 from kernels.span import MIN_PROGRAMS, span_pass_launch
 
 
@@ -61,19 +61,37 @@ def term_groups(n_terms: int) -> tuple[int, int, bool, int]:
     return first, second, rest > 0, max(16, triton.next_power_of_2(n_terms))
 
 
-def span_size(batch: int, seq_len: int, heads: int, chunk: int) -> int:
-    """Chunks per span: the fewest spans that give the smallest walk (the normalisers', one program per
+def span_size(batch: int, seq_len: int, heads: int, chunk: int, blocks: int) -> int:
+    """Chunks per span: the fewest spans that give the smallest walks (``blocks`` column programs per
     span x batch x head) MIN_PROGRAMS programs, so every walk fills an H100 (one span when the batch
     does). Every span adds a state slot that the passes read and write, so no more spans than that."""
     n_chunks = triton.cdiv(seq_len, chunk)
-    return triton.cdiv(n_chunks, min(n_chunks, triton.cdiv(MIN_PROGRAMS, batch * heads)))
+    return triton.cdiv(n_chunks, min(n_chunks, triton.cdiv(MIN_PROGRAMS, batch * heads * blocks)))
 
 
-def phase_spans(batch: int, heads: int, n_terms: int, n_features: int, span_tokens: int, n_spans: int) -> int:
-    """Spans per phase of the key walk and the coefficient kernel: the backward runs them over this many
-    spans at a time, so that the fp32 coefficient shares, [feature blocks, B x phase tokens x H, S],
-    stay within SHARES_BYTES (one phase for the whole sequence up to about 150k tokens at vort-125m)."""
-    per_span = n_features * batch * span_tokens * heads * n_terms * 4
+def feature_block(n_terms: int, feat: int, capability: int) -> int:
+    """The feature walks' column block: the target's, widened so that the smaller term group's state rows
+    (terms x block) reach 16, tl.dot's minimum, and at most the padded feature width."""
+    ga, gb, has_b, _gn = term_groups(n_terms)
+    smallest = gb if has_b else ga
+    return min(max(16, triton.next_power_of_2(feat)), max(TILES[capability >= 90].feature_block, 16 // smallest))
+
+
+def walk_span(batch: int, seq_len: int, heads: int, n_terms: int, feat: int, width: int, chunk: int,
+              capability: int) -> int:  # fmt: skip
+    """``span_size`` of a scan of these sizes on a GPU of compute capability ``capability``: its smallest
+    walks are the value-block ones or the feature-block ones, whichever have fewer blocks."""
+    values = triton.cdiv(width, TILES[capability >= 90].block)
+    blocks = min(values, triton.cdiv(feat, feature_block(n_terms, feat, capability)))
+    return span_size(batch, seq_len, heads, chunk, blocks)
+
+
+def phase_spans(batch: int, heads: int, n_terms: int, parts: int, span_tokens: int, n_spans: int) -> int:
+    """Spans per phase of the reverse walks that make the coefficient gradient's shares and of the
+    coefficient kernel: the backward runs them over this many spans at a time, so that the fp32 shares,
+    [parts, B x phase tokens x H, S], stay within SHARES_BYTES (one phase for the whole sequence up to
+    about 250k tokens at vort-125m on an H100)."""
+    per_span = parts * batch * span_tokens * heads * n_terms * 4
     return max(1, min(n_spans, SHARES_BYTES // per_span))
 
 
@@ -92,17 +110,19 @@ def soe_launches(
     """(chunk length, launches) of one scan for q, k, v, coef of ``dtype`` and value width ``width`` on a
     GPU of compute capability ``capability``, in the order they run. The sequence is cut into spans of
     ``span_size`` chunks. Forward: "fwd_states" (each span's own state, value blocks walked on chip),
-    "fwd_pass" (the states entering the spans, one step per span), "fwd" (o, each span walked from its
-    entering state) and "fwd_norm" (z, from the normalisers). Backward: "bwd_states" and "bwd_pass" (the
-    same for the state gradients, in reverse), then "bwd_values" (dv), "bwd_queries" (dq, from the
-    forward's saved span states), "bwd_keys" (dk and the coefficient gradient's feature-block shares) and
-    "bwd_coef" (dcoef, chunk parallel), the last two over ``phase_spans`` spans at a time (their grids here
-    those of a full phase). ``decay_grad``: whether the backward makes the decays' gradient
-    (not for decays that are buffers, as VORT's: their sums would only cost registers)."""
+    "fwd_pass" (the states entering the spans, one step per span), "fwd" (o by value block and z from the
+    normalisers, each span walked from its entering state, one launch). Backward: "bwd_states" and
+    "bwd_pass" (the same for the state gradients, in reverse), then "bwd_queries" (dq, from the forward's
+    saved span states), "bwd_keys" (dk, and the normalisers' share of the coefficient gradient),
+    "bwd_values" (dv and the value blocks' shares) and "bwd_coef" (dcoef, chunk parallel), the last three
+    over ``phase_spans`` spans at a time (their grids here those of a full phase). ``decay_grad``:
+    whether the backward makes the decays' gradient (not for decays that are buffers, as VORT's: the key
+    launch then adds the pairs inside each chunk to the normalisers' share, and the coefficient kernel
+    only sums the shares)."""
     tiles = TILES[capability >= 90]
     bt = chunk_block(chunk_size, capability)
     bf, bv = max(16, triton.next_power_of_2(feat)), max(16, triton.next_power_of_2(width))
-    span = span_size(batch, seq_len, heads, bt)
+    span = walk_span(batch, seq_len, heads, n_terms, feat, width, bt, capability)
     n_spans = triton.cdiv(triton.cdiv(seq_len, bt), span)
     ga, gb, has_b, gn = term_groups(n_terms)
     groups = {"GA": ga, "GB": gb, "HAS_B": has_b, "GN": gn, "PRECISION": precision(dtype)}
@@ -111,12 +131,12 @@ def soe_launches(
     base = {"coef": operand, "log_lam": "fp32", "docs": "i32"}
     qkv = dict.fromkeys(("q", "k", "v"), operand)
     grads_in = {"d_out": operand, "d_z": "fp32"}
-    value_grid = (n_spans * batch * heads * triton.cdiv(width, tiles.block), 1, 1)
-    smallest = gb if has_b else ga
-    fblock = min(bf, max(tiles.feature_block, 16 // smallest))  # a group's state rows GS x block: >= 16 for tl.dot
+    n_values = triton.cdiv(width, tiles.block)
+    value_grid = (n_spans * batch * heads * n_values, 1, 1)
+    fblock = feature_block(n_terms, feat, capability)
     n_features = triton.cdiv(feat, fblock)
     feature_grid = (n_spans * batch * heads * n_features, 1, 1)
-    phase = phase_spans(batch, heads, n_terms, n_features, span * bt, n_spans)
+    phase = phase_spans(batch, heads, n_terms, n_values + 1, span * bt, n_spans)
     by_value = {"BT": bt, "BF": bf, "BD": tiles.block}
     by_feature = {"BT": bt, "BC": fblock, "BV": bv}
 
@@ -129,15 +149,17 @@ def soe_launches(
     d_state_in = qkv | base | {"d_states": "fp32", "d_out": operand}
     launches = {
         "fwd_states": walk(span_states_kernel, states_in, ints, by_value | {"REVERSE": False}, value_grid),
-        "fwd": walk(output_kernel, qkv | base | {"states": "fp32", "out": operand}, ints, by_value, value_grid),
-        "fwd_norm": walk(norm_output_kernel, {"q": operand, "k": operand} | base | {"states": "fp32", "z": operand},
-                         ints, {"BT": bt, "BF": bf}, (n_spans * batch * heads, 1, 1)),
+        "fwd": walk(output_kernel, qkv | base | {"states": "fp32", "out": operand, "z": operand}, ints, by_value,
+                    (n_spans * batch * heads * (n_values + 1), 1, 1)),
         "bwd_states": walk(span_states_kernel, states_in | {"y_norm": "fp32"}, ints, by_value | {"REVERSE": True},
                            value_grid),
-        "bwd_values": walk(value_grads_kernel, d_state_in | {"dv": operand}, ints, by_value, value_grid),
-        "bwd_keys": walk(key_grads_kernel, d_state_in | {"d_z": "fp32", "dk": operand, "dcoef": "fp32"},
-                         ints | {"SPAN0": "i32", "PHASE_T": "i32"}, by_feature,
-                         (phase * batch * heads * n_features, 1, 1)),
+        "bwd_keys": walk(key_grads_kernel, d_state_in | {"d_z": "fp32", "dk": operand, "shares": "fp32"},
+                         ints | {"SPAN0": "i32", "PHASE_T": "i32", "NORM_SHARE": "i32"},
+                         by_feature | {"BF": bf, "PAIRS": not decay_grad},
+                         (phase * batch * heads * (n_features + 1), 1, 1)),
+        "bwd_values": walk(value_grads_kernel, d_state_in | {"dv": operand, "shares": "fp32"},
+                           ints | {"SPAN0": "i32", "PHASE_T": "i32"}, by_value,
+                           (phase * batch * heads * n_values, 1, 1)),
         "bwd_queries": walk(query_grads_kernel, qkv | base | {"states": "fp32"} | grads_in
                             | {"dq": operand, "dll": "fp32"}, ints | {"centre": "fp32"},
                             by_feature | {"NEED_DLL": decay_grad}, feature_grid),
@@ -153,6 +175,6 @@ def soe_launches(
     n_state = batch * heads * n_terms * feat * (width + 1)
     launches["fwd_pass"] = span_pass_launch(n_state, reverse=False, decay=True, wrap=False)
     launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
-    order = ("fwd_states", "fwd_pass", "fwd", "fwd_norm", "bwd_states", "bwd_pass", "bwd_values", "bwd_queries",
-             "bwd_keys", "bwd_coef")  # fmt: skip
+    order = ("fwd_states", "fwd_pass", "fwd", "bwd_states", "bwd_pass", "bwd_queries", "bwd_keys", "bwd_values",
+             "bwd_coef")  # fmt: skip
     return bt, {name: launches[name] for name in order}
