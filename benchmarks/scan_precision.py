@@ -92,7 +92,8 @@ def soe_run(inputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], dtype
 
 
 def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
-    """One row per (length, operand dtype): relative errors against the float64 run."""
+    """One row per (length, operand dtype, path): relative errors against the float64 run, of the CPU path
+    (every output and gradient) and of the Triton kernels emulated (o, z, dv: kernel_row)."""
     rows = []
     for seq_len in lengths:
         inputs, seeds = soe_inputs(seq_len)
@@ -106,25 +107,29 @@ def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
             rows.append(row)
             print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         for dtype in (torch.bfloat16, torch.float32):
-            rows.append(kernel_row(inputs, exact[:2], dtype))
+            rows.append(kernel_row(inputs, seeds[0], (*exact[:2], exact[4]), dtype))
         del exact
     return rows
 
 
-def kernel_row(inputs: Sequence[torch.Tensor], exact: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-    """The Triton forward's o and z with ``dtype`` operands, emulated on CPU (benchmarks/soe_emulation.py),
-    against the float64 run ``exact`` (o, z): norm-wise relative errors as stored in ``dtype`` and before
-    that rounding, and the span the launch table gives (chunks of 16 tokens; its border states are stored
-    in fp32)."""
-    from benchmarks.soe_emulation import CHUNK, emulate_forward
+def kernel_row(
+    inputs: Sequence[torch.Tensor], d_out: torch.Tensor, exact: Sequence[torch.Tensor], dtype: torch.dtype
+) -> dict[str, Any]:
+    """The Triton kernels' o, z and dv (for the output gradient ``d_out``, none for z or the final state)
+    with ``dtype`` operands, emulated on CPU (benchmarks/soe_emulation.py), against the float64 run
+    ``exact`` (o, z, dv): norm-wise relative errors as stored in ``dtype`` and before that rounding, and
+    the span the launch table gives (chunks of 16 tokens; its border states are stored in fp32)."""
+    from benchmarks.soe_emulation import CHUNK, emulate_forward, emulate_value_grads
     from kernels.soe.gpu.launches import span_size
 
     started = time.perf_counter()
     seq_len = inputs[0].shape[1]
-    rows = [x[0, :, 0].to(dtype).float() for x in inputs[:4]]
-    got = emulate_forward(*rows, inputs[4][0].float(), dtype)
+    q, k, v, coef = (x[0, :, 0].to(dtype).float() for x in inputs[:4])
+    log_lam = inputs[4][0].float()
+    got = (*emulate_forward(q, k, v, coef, log_lam, dtype),
+           emulate_value_grads(q, k, coef, log_lam, d_out[0, :, 0].to(dtype).float(), dtype))  # fmt: skip
     row: dict[str, Any] = {"T": seq_len, "operands": str(dtype).removeprefix("torch."), "path": "triton_emulated"}
-    for name, walked, e in zip("oz", got, exact):
+    for name, walked, e in zip(("o", "z", "dv"), got, exact):
         e = e[0, :, 0]
         row[name] = ((walked.to(dtype).double() - e).norm() / e.norm()).item()
         row[f"{name}_before_store"] = ((walked.double() - e).norm() / e.norm()).item()

@@ -1,29 +1,34 @@
-"""The SOE scan's Triton forward (kernels/soe/gpu/forward.py) emulated on CPU in its order of fp32
-operations, with its rounding points, for the precision table at lengths the interpreter cannot reach.
+"""The SOE scan's Triton kernels (kernels/soe/gpu/forward.py, the value walk of backward.py) emulated on
+CPU in their order of fp32 operations, with their rounding points, for the precision table at lengths the
+interpreter cannot reach.
 
 The interpreter runs a bf16 ``tl.dot`` as a plain fp32 matmul and takes hours at 512k tokens, so
-benchmarks/scan_precision.py's SOE kernel rows come from here. What is emulated, for q, k, v, coef in
-``dtype`` (bf16 or fp32) at batch 1 and one head, without resets:
+benchmarks/scan_precision.py's SOE kernel rows come from here. What is emulated, for q, k, v, coef (and
+the output gradient) in ``dtype`` (bf16 or fp32) at batch 1 and one head, without resets:
 
 - chunks of 16 tokens (the launch table's chunk) in spans of ``launches.span_size`` chunks, all spans at
-  once, the chunks of a span in turn; each span's own state from zero (``span_states_kernel``), the pass
-  over the fp32 span-border states (``kernels.span``), then each span walked from its entering state for
-  o (``output_kernel``) and z (``norm_output_kernel``);
+  once, the chunks of a span in turn; each span's own state (or state gradient) from zero
+  (``span_states_kernel``), the pass over the fp32 span-border states (``kernels.span``), then each span
+  walked from its border state for o (``output_kernel``), z (``norm_output_kernel``) and dv
+  (``value_grads_kernel``, for a zero final-state gradient);
 - the rounding to ``dtype`` of every ``tl.dot`` operand that the kernels cast: the state before a read
-  (``read_state``), the per-term write rows beta * v, built in ``dtype`` from beta rounded to ``dtype``
-  (``write_state``/``scaled_rows``), the normalisers' write rows beta (``write_norms``), and the masked
-  scores before their product with v;
+  (``read_state``), the per-term write rows, built in ``dtype`` from weights rounded to ``dtype``
+  (``write_state``/``scaled_rows``; ``write_norms``), and the masked scores before their product with v
+  (or with the output gradient);
 - the kernel matrix's fp32 product (decay table times coefficients), which the bf16 launches run as
   tf32: its operands truncated to tf32 (the tensor cores read the top 19 bits of an fp32 operand);
-- the reads summed over the small term group first, then the large one (the kernels' order).
+- the reads summed over the two term groups apart, in the kernels' order.
 
 Not modelled: the order and rounding of the tensor cores' fp32 accumulation inside a product (torch's
 fp32 matmul sums in its own order, with round-to-nearest), ``tl.exp``'s last-bit differences from torch's,
-resets, and the final state (the padding of a short last chunk changes only that). o and z are returned
-before the store's rounding to ``dtype``.
+resets, the final state (the padding of a short last chunk changes only that), and the gradients of q, k,
+coef and the decays (their walks are not emulated). Outputs are returned before the store's rounding to
+``dtype``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -61,22 +66,19 @@ class _Decays:
         self.table = torch.exp(pos * log_lam)  # [C, S]: lam^d, decay_table
 
 
-def _write(g: torch.Tensor, bn: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cc: torch.Tensor,
-           dec: _Decays, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One chunk's write into states g [P, S, D, F] (value-block layout: G_s transposed) and normalisers
-    bn [P, S, F]: decayed, plus (beta per term times v)^T @ k with beta = lam^(n-1-j) coef_j; write_state
-    and write_norms."""
-    beta = _to(dec.writes * cc, dtype)  # [P, C, S]
-    scaled = _to(beta.transpose(1, 2)[:, :, None, :] * vc.transpose(1, 2)[:, None, :, :], dtype)  # [P, S, D, C]
-    g = g * dec.chunk[:, None, None] + scaled @ kc[:, None]
-    bn = bn * dec.chunk[:, None] + beta.transpose(1, 2) @ kc
-    return g, bn
+def _write(g: torch.Tensor, x: torch.Tensor, y: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
+           dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """One chunk's step of term-stacked states g [P, S, R, F]: g * decay (per term) plus (beta per term
+    times y)^T @ x, for x [P, C, F], y [P, C, R], beta [P, C, S]: write_state, the rows built in ``dtype``
+    from beta rounded to it (scaled_rows). With y all ones it is write_norms (beta rounded once)."""
+    scaled = _to(_to(beta, dtype).transpose(1, 2)[:, :, None, :] * y.transpose(1, 2)[:, None], dtype)
+    return g * decay[:, None, None] + scaled @ x[:, None]
 
 
-def _read(state: torch.Tensor, qc: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_s alpha[i, s] (state_s cast to dtype) @ q_i: read_state then over_terms, for state [P, S, R, F]
-    and alpha [P, C, S]; [P, C, R]."""
-    pt = _to(state, dtype) @ qc.transpose(1, 2)[:, None]  # [P, S, R, C]
+def _read(state: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_s alpha[i, s] (state_s cast to dtype) @ x_i: read_state then over_terms, for state [P, S, R, F],
+    x [P, C, F] and alpha [P, C, S]; [P, C, R]."""
+    pt = _to(state, dtype) @ x.transpose(1, 2)[:, None]  # [P, S, R, C]
     return (pt * alpha.transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
 
 
@@ -91,38 +93,89 @@ def _masked_scores(qc: torch.Tensor, kc: torch.Tensor, cc: torch.Tensor, dec: _D
     return (qc @ kc.transpose(1, 2)) * wc
 
 
+class _Walk:
+    """The operands of a scan cut into spans and chunks as the launch table cuts them, rounded to
+    ``dtype``, with its decays, term groups and span decay."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], log_lam: torch.Tensor, dtype: torch.dtype) -> None:
+        seq_len = tensors[0].shape[0]
+        self.seq_len, self.dtype = seq_len, dtype
+        self.span = span_size(1, seq_len, 1, CHUNK)
+        n_chunks = -(-seq_len // CHUNK)
+        self.n_spans = -(-n_chunks // self.span)
+        self.parts = [_spans(_to(x.float(), dtype), self.n_spans, self.span) for x in tensors]
+        self.dec = _Decays(log_lam.float())
+        self.split = term_groups(log_lam.shape[-1])[0]  # the large group's terms first, the small group's after
+        self.span_decay = torch.exp(float(self.span * CHUNK) * log_lam.float())
+        self.reads = self.dec.reads.expand(self.n_spans, -1, -1)  # [P, C, S]
+
+    def zeros(self, n_terms: int, rows: int, cols: int) -> torch.Tensor:
+        return torch.zeros(self.n_spans, n_terms, rows, cols)
+
+    def entering(self, own: torch.Tensor, reverse: bool) -> torch.Tensor:
+        """The span pass (kernels.span) from a zero initial state (or final gradient, ``reverse``) over the
+        spans' own states ``own`` [P, ...]: forward, the state entering each span; reverse, the gradient of
+        the state leaving each span."""
+        out = torch.zeros_like(own)
+        decay = self.span_decay.view(-1, *([1] * (own.dim() - 2)))
+        order = range(self.n_spans - 2, -1, -1) if reverse else range(1, self.n_spans)
+        for p in order:
+            q = p + 1 if reverse else p - 1
+            out[p] = out[q] * decay + own[q]
+        return out
+
+
 def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """o [T, D] and z [T] of the Triton SOE forward on q, k [T, F], v [T, D], coef [T, S] (values exact in
     ``dtype``) and log_lam [S], from a zero initial state: fp32, as computed before the kernels store them
     in ``dtype`` (the caller rounds, so that the error of the walk and that of the store can be told
     apart)."""
-    seq_len, n_terms = coef.shape
-    n_chunks = -(-seq_len // CHUNK)
-    span = span_size(1, seq_len, 1, CHUNK)
-    n_spans = -(-n_chunks // span)
-    split = term_groups(n_terms)[0]  # the large group's terms come first, the small group's after
-    qs, ks, vs, cs = (_spans(_to(x.float(), dtype), n_spans, span) for x in (q, k, v, coef))
-    dec = _Decays(log_lam.float())
-    g = torch.zeros(n_spans, n_terms, v.shape[-1], q.shape[-1])
-    bn = torch.zeros(n_spans, n_terms, q.shape[-1])
-    for c in range(span):  # each span's own state (span_states_kernel)
-        g, bn = _write(g, bn, ks[:, c], vs[:, c], cs[:, c], dec, dtype)
-    span_decay = torch.exp(float(span * CHUNK) * log_lam.float())
-    g_in, bn_in = torch.zeros_like(g), torch.zeros_like(bn)
-    for p in range(1, n_spans):  # the span pass: the fp32 state entering each span
-        g_in[p] = g_in[p - 1] * span_decay[:, None, None] + g[p - 1]
-        bn_in[p] = bn_in[p - 1] * span_decay[:, None] + bn[p - 1]
-    g, bn = g_in, bn_in
-    out = torch.empty(n_spans, span, CHUNK, v.shape[-1])
-    z = torch.empty(n_spans, span, CHUNK)
-    alpha = dec.reads.expand(n_spans, -1, -1)
-    for c in range(span):  # output_kernel and norm_output_kernel
+    w = _Walk((q, k, v, coef), log_lam, dtype)
+    qs, ks, vs, cs = w.parts
+    ones = torch.ones(w.n_spans, CHUNK, 1)
+    n_terms, dec, split = coef.shape[-1], w.dec, w.split
+    g, bn = w.zeros(n_terms, v.shape[-1], q.shape[-1]), w.zeros(n_terms, 1, q.shape[-1])
+    for c in range(w.span):  # each span's own state (span_states_kernel)
+        beta = dec.writes * cs[:, c]
+        g = _write(g, ks[:, c], vs[:, c], beta, dec.chunk, dtype)
+        bn = _write(bn, ks[:, c], ones, beta, dec.chunk, dtype)
+    g, bn = w.entering(g, False), w.entering(bn, False)
+    out = torch.empty(w.n_spans, w.span, CHUNK, v.shape[-1])
+    z = torch.empty(w.n_spans, w.span, CHUNK)
+    for c in range(w.span):  # output_kernel and norm_output_kernel
         qc, kc, vc, cc = qs[:, c], ks[:, c], vs[:, c], cs[:, c]
         pm = _masked_scores(qc, kc, cc, dec, dtype)
-        o = _to(pm, dtype) @ vc
-        o = o + _read(g[:, split:], qc, alpha[..., split:], dtype)
-        out[:, c] = o + _read(g[:, :split], qc, alpha[..., :split], dtype)
-        z[:, c] = pm.sum(-1) + _read(bn[:, :, None], qc, alpha, dtype)[..., 0]
-        g, bn = _write(g, bn, kc, vc, cc, dec, dtype)
-    return out.view(-1, v.shape[-1])[:seq_len], z.view(-1)[:seq_len]
+        o = _to(pm, dtype) @ vc + _read(g[:, split:], qc, w.reads[..., split:], dtype)
+        out[:, c] = o + _read(g[:, :split], qc, w.reads[..., :split], dtype)
+        z[:, c] = pm.sum(-1) + _read(bn, qc, w.reads, dtype)[..., 0]
+        beta = dec.writes * cc
+        g = _write(g, kc, vc, beta, dec.chunk, dtype)
+        bn = _write(bn, kc, ones, beta, dec.chunk, dtype)
+    return out.view(-1, v.shape[-1])[: w.seq_len], z.view(-1)[: w.seq_len]
+
+
+def emulate_value_grads(q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
+                        d_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """dv [T, D] of the Triton SOE backward for a zero final-state gradient (the inputs as for
+    emulate_forward, d_out [T, D] exact in ``dtype``), fp32 before the store: each span's own state
+    gradient walked in reverse from zero over the reads (span_states_kernel, REVERSE), the reverse span
+    pass, then value_grads_kernel from the gradient of the state leaving each span, chunks in reverse:
+    dv_j = (q_i . k_j) Wc[i, j] do_i summed over i (the scores rounded to ``dtype``) plus the large term
+    group's reads of the state gradient by k, then the small group's."""
+    w = _Walk((q, k, coef, d_out), log_lam, dtype)
+    qs, ks, cs, dos = w.parts
+    dec, split = w.dec, w.split
+    dg = w.zeros(coef.shape[-1], d_out.shape[-1], q.shape[-1])
+    for c in range(w.span - 1, -1, -1):
+        dg = _write(dg, qs[:, c], dos[:, c], w.reads, dec.chunk, dtype)
+    dg = w.entering(dg, True)
+    dv = torch.empty(w.n_spans, w.span, CHUNK, d_out.shape[-1])
+    for c in range(w.span - 1, -1, -1):
+        qc, kc, cc, doc = qs[:, c], ks[:, c], cs[:, c], dos[:, c]
+        pm = _masked_scores(qc, kc, cc, dec, dtype)
+        alpha = dec.writes * cc
+        dvc = _to(pm, dtype).transpose(1, 2) @ doc + _read(dg[:, :split], kc, alpha[..., :split], dtype)
+        dv[:, c] = dvc + _read(dg[:, split:], kc, alpha[..., split:], dtype)
+        dg = _write(dg, qc, doc, w.reads, dec.chunk, dtype)
+    return dv.view(-1, d_out.shape[-1])[: w.seq_len]
