@@ -10,7 +10,10 @@ outputs and gradients in bf16) and with the same values in fp32; each against th
 same rounded values. Printed per length: the norm-wise relative error of the outputs o and z and of the
 gradients of q, k, v, coef and log_lam (one backward with random output gradients). Shape B=1, H=1,
 F=D=64 and S=18 terms (the shipped VORT's tiles), decays exp(-1/tau) with tau geometric from 1 to 1e6
-tokens and coefficients tau^-0.5 (a power law) times uniform(0.5, 1.5) per token.
+tokens and coefficients tau^-0.5 (a power law) times uniform(0.5, 1.5) per token. Beside each pair of
+CPU rows, the Triton kernels' o, z and dv on the same inputs, emulated on CPU in their order of fp32
+operations with their bf16 rounding points (benchmarks/soe_emulation.py; the interpreter computes a bf16
+``tl.dot`` as an fp32 one and cannot reach 512k tokens), as stored and before the store's rounding.
 
 ``table``, the phasor scan: every token writes one slot (as the root level does in PMNet) M=16 phase
 increments pi*tanh(x), x ~ N(0, 1), drawn in float64; the CPU path runs on them rounded to fp32 and to
