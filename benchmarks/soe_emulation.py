@@ -1,5 +1,5 @@
-"""The SOE scan's Triton kernels (kernels/soe/gpu/forward.py, the value walk of backward.py) emulated on
-CPU in their order of fp32 operations, with their rounding points, for the precision table at lengths the
+"""The SOE scan's Triton kernels (kernels/soe/gpu/forward.py, the value and query walks of backward.py)
+emulated on CPU in their order of fp32 operations, with their rounding points, for the precision table at lengths the
 interpreter cannot reach.
 
 The interpreter runs a bf16 ``tl.dot`` as a plain fp32 matmul and takes hours at 512k tokens, so
@@ -9,19 +9,20 @@ the output gradient) in ``dtype`` (bf16 or fp32) at batch 1 and one head, withou
 - chunks of 16 tokens (the launch table's chunk) in spans of ``launches.span_size`` chunks, all spans at
   once, the chunks of a span in turn; each span's own state (or state gradient) from zero
   (``span_states_kernel``), the pass over the fp32 span-border states (``kernels.span``), then each span
-  walked from its border state for o (``output_kernel``), z (``norm_output_kernel``) and dv
-  (``value_grads_kernel``, for a zero final-state gradient);
+  walked from its border state for o (``output_kernel``), z (``norm_output_kernel``), dv
+  (``value_grads_kernel``, for a zero final-state gradient) and dq (``query_grads_kernel``, from the
+  forward's border states);
 - the rounding to ``dtype`` of every ``tl.dot`` operand that the kernels cast: the state before a read
   (``read_state``), the per-term write rows, built in ``dtype`` from weights rounded to ``dtype``
   (``write_state``/``scaled_rows``; ``write_norms``), and the masked scores before their product with v
-  (or with the output gradient);
+  (dv: with the output gradient; dq: the masked output-gradient scores before their product with k);
 - the kernel matrix's fp32 product (decay table times coefficients), which the bf16 launches run as
   tf32: its operands truncated to tf32 (the tensor cores read the top 19 bits of an fp32 operand);
 - the reads summed over the two term groups apart, in the kernels' order.
 
 Not modelled: the order and rounding of the tensor cores' fp32 accumulation inside a product (torch's
 fp32 matmul sums in its own order, with round-to-nearest), ``tl.exp``'s last-bit differences from torch's,
-resets, the final state (the padding of a short last chunk changes only that), and the gradients of q, k,
+resets, the final state (the padding of a short last chunk changes only that), and the gradients of k,
 coef and the decays (their walks are not emulated). Outputs are returned before the store's rounding to
 ``dtype``.
 """
@@ -82,15 +83,19 @@ def _read(state: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, dtype: torc
     return (pt * alpha.transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
 
 
-def _masked_scores(qc: torch.Tensor, kc: torch.Tensor, cc: torch.Tensor, dec: _Decays,
-                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """(q k^T) * Wc [P, C, C] with Wc[i, j] = sum_s coef[j, s] lam_s^(i - j) for i >= j: kernel_matrix's
-    product R = table @ coef^T (tf32 operands under bf16) and its gather R[i - j, j]."""
+def _kernel_matrix(cc: torch.Tensor, dec: _Decays, dtype: torch.dtype) -> torch.Tensor:
+    """Wc [P, C, C], Wc[i, j] = sum_s coef[j, s] lam_s^(i - j) for i >= j: kernel_matrix's product
+    R = table @ coef^T (tf32 operands under bf16) and its gather R[i - j, j]."""
     r = _tf32(dec.table, dtype) @ _tf32(cc, dtype).transpose(1, 2)  # [P, d, j]
     i = torch.arange(CHUNK)
     dist = (i[:, None] - i[None, :]).clamp(min=0)
-    wc = torch.where(i[:, None] >= i[None, :], r.gather(1, dist.expand(r.shape[0], -1, -1)), 0.0)
-    return (qc @ kc.transpose(1, 2)) * wc
+    return torch.where(i[:, None] >= i[None, :], r.gather(1, dist.expand(r.shape[0], -1, -1)), 0.0)
+
+
+def _masked_scores(qc: torch.Tensor, kc: torch.Tensor, cc: torch.Tensor, dec: _Decays,
+                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """(q k^T) * Wc [P, C, C]."""
+    return (qc @ kc.transpose(1, 2)) * _kernel_matrix(cc, dec, dtype)
 
 
 class _Walk:
@@ -125,6 +130,19 @@ class _Walk:
         return out
 
 
+def _border_states(w: _Walk, ks: torch.Tensor, vs: torch.Tensor, cs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's fp32 states entering each span, G [P, S, D, F] (transposed) and b [P, S, 1, F]: each
+    span's own state from zero (span_states_kernel), then the span pass."""
+    n_terms, feat = cs.shape[-1], ks.shape[-1]
+    ones = torch.ones(w.n_spans, CHUNK, 1)
+    g, bn = w.zeros(n_terms, vs.shape[-1], feat), w.zeros(n_terms, 1, feat)
+    for c in range(w.span):
+        beta = w.dec.writes * cs[:, c]
+        g = _write(g, ks[:, c], vs[:, c], beta, w.dec.chunk, w.dtype)
+        bn = _write(bn, ks[:, c], ones, beta, w.dec.chunk, w.dtype)
+    return w.entering(g, False), w.entering(bn, False)
+
+
 def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """o [T, D] and z [T] of the Triton SOE forward on q, k [T, F], v [T, D], coef [T, S] (values exact in
@@ -134,13 +152,8 @@ def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: tor
     w = _Walk((q, k, v, coef), log_lam, dtype)
     qs, ks, vs, cs = w.parts
     ones = torch.ones(w.n_spans, CHUNK, 1)
-    n_terms, dec, split = coef.shape[-1], w.dec, w.split
-    g, bn = w.zeros(n_terms, v.shape[-1], q.shape[-1]), w.zeros(n_terms, 1, q.shape[-1])
-    for c in range(w.span):  # each span's own state (span_states_kernel)
-        beta = dec.writes * cs[:, c]
-        g = _write(g, ks[:, c], vs[:, c], beta, dec.chunk, dtype)
-        bn = _write(bn, ks[:, c], ones, beta, dec.chunk, dtype)
-    g, bn = w.entering(g, False), w.entering(bn, False)
+    dec, split = w.dec, w.split
+    g, bn = _border_states(w, ks, vs, cs)
     out = torch.empty(w.n_spans, w.span, CHUNK, v.shape[-1])
     z = torch.empty(w.n_spans, w.span, CHUNK)
     for c in range(w.span):  # output_kernel and norm_output_kernel
@@ -179,3 +192,34 @@ def emulate_value_grads(q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, lo
         dv[:, c] = dvc + _read(dg[:, split:], kc, alpha[..., split:], dtype)
         dg = _write(dg, qc, doc, w.reads, dec.chunk, dtype)
     return dv.view(-1, d_out.shape[-1])[: w.seq_len]
+
+
+def emulate_query_grads(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
+                        d_out: torch.Tensor, d_z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """dq [T, F] of the Triton SOE backward (query_grads_kernel), fp32 before the store, for the inputs of
+    emulate_forward (dq does not depend on q), d_out [T, D] exact in ``dtype`` and d_z [T] (fp32, as the
+    kernels take it): from the forward's span-border states, chunks in order, the state held as
+    [terms x features, values]:
+    dq_i = sum_j ((do_i . v_j + dz_i) Wc[i, j], rounded to ``dtype``) k_j, then per term group (the small
+    one first) sum_s lam_s^(i+1) (G_s cast to ``dtype`` do_i + dz_i b_s); the state then steps over the
+    chunk's writes with rows (w_js k_j) built in ``dtype`` (so its rounding differs from the forward's)."""
+    w = _Walk((k, v, coef, d_out), log_lam, dtype)
+    ks, vs, cs, dos = w.parts
+    dzs = _spans(d_z.float()[:, None], w.n_spans, w.span)[..., 0]
+    g, bn = _border_states(w, ks, vs, cs)
+    groups = (slice(w.split, None), slice(0, w.split))
+    states = [[g[:, t].transpose(-1, -2), bn[:, t, 0]] for t in groups]  # [P, Sg, F, D], [P, Sg, F]
+    dq = torch.empty(w.n_spans, w.span, CHUNK, k.shape[-1])
+    for c in range(w.span):
+        kc, vc, cc, doc, dzc = ks[:, c], vs[:, c], cs[:, c], dos[:, c], dzs[:, c]
+        d_a = (doc @ vc.transpose(1, 2) + dzc[:, :, None]) * _kernel_matrix(cc, w.dec, dtype)
+        dqc = _to(d_a, dtype) @ kc
+        for t, held in zip(groups, states):
+            fwd = _to(held[0], dtype) @ doc.transpose(1, 2)[:, None] + held[1][..., None] * dzc[:, None, None, :]
+            dqc = dqc + (fwd * w.reads[..., t].transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
+            beta = _to(w.dec.writes[:, t] * cc[..., t], dtype)  # [P, C, Sg]
+            scaled = _to(beta.transpose(1, 2)[:, :, None, :] * kc.transpose(1, 2)[:, None], dtype)  # [P, Sg, F, C]
+            held[0] = held[0] * w.dec.chunk[t][:, None, None] + scaled @ vc[:, None]
+            held[1] = held[1] * w.dec.chunk[t][:, None] + scaled.sum(-1)
+        dq[:, c] = dqc
+    return dq.view(-1, k.shape[-1])[: w.seq_len]
