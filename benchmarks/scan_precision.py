@@ -2,6 +2,7 @@
 
     python -m benchmarks.scan_precision table --T 4096,32768,131072,524288 --decay-T 4096,32768
     python -m benchmarks.scan_precision training --steps 300 --seeds 1,2,3 --out docs/results/scan_bf16_training.json
+    TRITON_INTERPRET=1 python -m benchmarks.scan_precision training --compare triton --steps 20 train.global_batch=2
 
 ``table``, the SOE scan: inputs drawn in float64 and rounded to bf16, then run through the chunked CPU
 path twice, with bf16 operands (what a bf16 model hands it; the CPU path computes in fp32 and returns
@@ -9,7 +10,10 @@ outputs and gradients in bf16) and with the same values in fp32; each against th
 same rounded values. Printed per length: the norm-wise relative error of the outputs o and z and of the
 gradients of q, k, v, coef and log_lam (one backward with random output gradients). Shape B=1, H=1,
 F=D=64 and S=18 terms (the shipped VORT's tiles), decays exp(-1/tau) with tau geometric from 1 to 1e6
-tokens and coefficients tau^-0.5 (a power law) times uniform(0.5, 1.5) per token.
+tokens and coefficients tau^-0.5 (a power law) times uniform(0.5, 1.5) per token. Beside each pair of
+CPU rows, the Triton kernels' o, z, dq and dv on the same inputs, emulated on CPU in their order of fp32
+operations with their bf16 rounding points (benchmarks/soe_emulation.py; the interpreter computes a bf16
+``tl.dot`` as an fp32 one and cannot reach 512k tokens), as stored and before the store's rounding.
 
 ``table``, the phasor scan: every token writes one slot (as the root level does in PMNet) M=16 phase
 increments pi*tanh(x), x ~ N(0, 1), drawn in float64; the CPU path runs on them rounded to fp32 and to
@@ -31,15 +35,19 @@ sums reader and writer positions apart across chunks, which is where fp32 loses 
 ``training``: configs/tiny-vort.yaml on two demo plays (byte shards built in a scratch directory), once
 as it is and once with the SOE scan's operands q, k, v, coef and its outputs o, z rounded to bf16 (the
 gradients through them too) with the rest of the model fp32, for each seed; the same seed gives the
-same initial weights and data in both. Writes every logged loss and a summary (mean loss over the last
-quarter of the steps per seed and mode, the paired differences and the seed-to-seed spread) as JSON.
+same initial weights and data in both. ``--compare triton``: the same, fp32, with the SOE scan's Triton
+kernels (``model.vort.scan_backend=triton``; on a CPU under TRITON_INTERPRET=1) against the torch chunked
+path. Writes every logged loss and a summary (mean loss over the last quarter of the steps per seed and
+mode, the paired differences and the reference mode's seed-to-seed spread) as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -87,7 +95,8 @@ def soe_run(inputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], dtype
 
 
 def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
-    """One row per (length, operand dtype): relative errors against the float64 run."""
+    """One row per (length, operand dtype, path): relative errors against the float64 run, of the CPU path
+    (every output and gradient) and of the Triton kernels emulated (o, z, dq, dv: kernel_row)."""
     rows = []
     for seq_len in lengths:
         inputs, seeds = soe_inputs(seq_len)
@@ -95,13 +104,44 @@ def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
         for dtype in (torch.bfloat16, torch.float32):
             started = time.perf_counter()
             got = soe_run(inputs, seeds, dtype)
-            row: dict[str, Any] = {"T": seq_len, "operands": str(dtype).removeprefix("torch.")}
+            row: dict[str, Any] = {"T": seq_len, "operands": str(dtype).removeprefix("torch."), "path": "cpu"}
             row.update({n: ((a - e).norm() / e.norm()).item() for n, a, e in zip(SOE_NAMES, got, exact)})
             row["seconds"] = time.perf_counter() - started
             rows.append(row)
             print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+        for dtype in (torch.bfloat16, torch.float32):
+            rows.append(kernel_row(inputs, seeds, (*exact[:3], exact[4]), dtype))
         del exact
     return rows
+
+
+def kernel_row(
+    inputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], exact: Sequence[torch.Tensor], dtype: torch.dtype
+) -> dict[str, Any]:
+    """The Triton kernels' o, z, dq and dv (for the output gradients ``seeds`` = (d_o, d_z) and a zero
+    final-state gradient) with ``dtype`` operands, emulated on CPU (benchmarks/soe_emulation.py), against
+    the float64 run ``exact`` (o, z, dq, dv): norm-wise relative errors as stored in ``dtype`` and before
+    that rounding, and the span the launch table gives (chunks of 16 tokens; its border states are stored
+    in fp32)."""
+    from benchmarks.soe_emulation import CHUNK, emulate_forward, emulate_query_grads, emulate_value_grads
+    from kernels.soe.gpu.launches import span_size
+
+    started = time.perf_counter()
+    seq_len = inputs[0].shape[1]
+    q, k, v, coef = (x[0, :, 0].to(dtype).float() for x in inputs[:4])
+    log_lam = inputs[4][0].float()
+    d_out, d_z = seeds[0][0, :, 0].to(dtype).float(), seeds[1][0, :, 0].float()
+    got = (*emulate_forward(q, k, v, coef, log_lam, dtype),
+           emulate_query_grads(k, v, coef, log_lam, d_out, d_z, dtype),
+           emulate_value_grads(q, k, coef, log_lam, d_out, dtype))  # fmt: skip
+    row: dict[str, Any] = {"T": seq_len, "operands": str(dtype).removeprefix("torch."), "path": "triton_emulated"}
+    for name, walked, e in zip(("o", "z", "dq", "dv"), got, exact):
+        e = e[0, :, 0]
+        row[name] = ((walked.to(dtype).double() - e).norm() / e.norm()).item()
+        row[f"{name}_before_store"] = ((walked.double() - e).norm() / e.norm()).item()
+    row["span_chunks"], row["seconds"] = span_size(1, seq_len, 1, CHUNK), time.perf_counter() - started
+    print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+    return row
 
 
 def decay_inputs(seq_len: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -305,27 +345,52 @@ def train_losses(shards: str, run_dir: Path, seed: int, steps: int, overrides: S
     return [r["train/loss"] for r in records if "train/loss" in r]
 
 
-def training(seeds: Sequence[int], steps: int, overrides: Sequence[str]) -> dict[str, Any]:
-    """Loss curves with fp32 and bf16-rounded scan operands per seed, and their summary."""
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One arm of a training comparison: its name, whether the scan operands are rounded to bf16, and
+    the config overrides it adds."""
+
+    name: str
+    bf16_operands: bool = False
+    overrides: tuple[str, ...] = ()
+
+
+# --compare: the reference arm first. "triton" runs the SOE scan's Triton kernels (under TRITON_INTERPRET=1
+# on CPU) against the torch chunked path, both fp32.
+COMPARISONS = {
+    "bf16": (Mode("fp32"), Mode("bf16_scan_operands", bf16_operands=True)),
+    "triton": (Mode("torch", overrides=("model.vort.scan_backend=torch",)),
+               Mode("triton", overrides=("model.vort.scan_backend=triton",))),
+}  # fmt: skip
+
+
+def training(seeds: Sequence[int], steps: int, overrides: Sequence[str], compare: str = "bf16") -> dict[str, Any]:
+    """Loss curves of the two arms of ``compare`` (COMPARISONS) per seed, and their summary."""
     from data_pipeline.build import build_shards
 
-    curves: dict[str, dict[str, list[float]]] = {"fp32": {}, "bf16_scan_operands": {}}
+    modes = COMPARISONS[compare]
+    curves: dict[str, dict[str, list[float]]] = {mode.name: {} for mode in modes}
     with tempfile.TemporaryDirectory() as scratch:
         plays = [str(REPO / "data" / "demo" / "train" / n) for n in ("hamlet.txt", "macbeth.txt")]
         build_shards(plays, f"{scratch}/train", tokenizer="bytes", shard_tokens=60_000)
         for seed in seeds:
-            for mode in curves:
+            for mode in modes:
                 started = time.perf_counter()
-                with bf16_scan_operands() if mode != "fp32" else contextlib.nullcontext():
-                    curves[mode][str(seed)] = train_losses(
-                        f"{scratch}/train", Path(scratch) / f"{mode}-{seed}", seed, steps, overrides
+                with bf16_scan_operands() if mode.bf16_operands else contextlib.nullcontext():
+                    curves[mode.name][str(seed)] = train_losses(
+                        f"{scratch}/train",
+                        Path(scratch) / f"{mode.name}-{seed}",
+                        seed,
+                        steps,
+                        [*mode.overrides, *overrides],
                     )
                 print(
-                    f"seed {seed} {mode}: {time.perf_counter() - started:.0f} s, "
-                    f"final loss {curves[mode][str(seed)][-1]:.4f}",
+                    f"seed {seed} {mode.name}: {time.perf_counter() - started:.0f} s, "
+                    f"final loss {curves[mode.name][str(seed)][-1]:.4f}",
                     flush=True,
                 )
     return {
+        "compare": compare,
         "seeds": list(seeds),
         "steps": steps,
         "overrides": list(overrides),
@@ -335,18 +400,20 @@ def training(seeds: Sequence[int], steps: int, overrides: Sequence[str]) -> dict
 
 
 def summarise(curves: dict[str, dict[str, list[float]]], steps: int) -> dict[str, Any]:
-    """Mean loss over the last quarter of the steps per mode and seed; paired (bf16 - fp32) differences
-    per seed, and the standard deviation across seeds of the fp32 means (the seed noise)."""
+    """Mean loss over the last quarter of the steps per mode and seed; paired (second - first mode)
+    differences per seed, and the standard deviation across seeds of the first (reference) mode's
+    means (the seed noise)."""
     tail = max(1, steps // 4)
     means = {mode: {s: statistics.fmean(c[-tail:]) for s, c in by_seed.items()} for mode, by_seed in curves.items()}
-    fp32, bf16 = means["fp32"], means["bf16_scan_operands"]
-    paired = {s: bf16[s] - fp32[s] for s in fp32}
-    worst_step = {s: max(abs(a - b) for a, b in zip(curves["fp32"][s], curves["bf16_scan_operands"][s])) for s in fp32}
+    first, second = curves
+    ref, other = means[first], means[second]
+    paired = {s: other[s] - ref[s] for s in ref}
+    worst_step = {s: max(abs(a - b) for a, b in zip(curves[first][s], curves[second][s])) for s in ref}
     return {
         "tail_steps": tail,
         "tail_mean_loss": means,
         "paired_difference": paired,
-        "seed_std_fp32": statistics.stdev(fp32.values()) if len(fp32) > 1 else None,
+        "seed_std_reference": statistics.stdev(ref.values()) if len(ref) > 1 else None,
         "largest_stepwise_difference": worst_step,
     }
 
@@ -362,7 +429,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
     table.add_argument("--T", default="4096,32768,131072,524288", type=_ints, help="comma-separated lengths")
     table.add_argument("--decay-T", default="4096,32768", type=_ints, help="lengths of the decay-gradient rows")
     table.add_argument("--out", default=None, help="also write the rows as JSON here")
-    run = commands.add_parser("training", help="tiny-vort loss curves, fp32 against bf16-rounded scan operands")
+    run = commands.add_parser(
+        "training",
+        help="tiny-vort loss curves, fp32 against bf16-rounded scan operands "
+        "(--compare bf16) or the Triton scan against the torch one (--compare triton)",
+    )
+    run.add_argument("--compare", default="bf16", choices=sorted(COMPARISONS))
     run.add_argument("--seeds", default="1,2,3", type=_ints)
     run.add_argument("--steps", default=300, type=int)
     run.add_argument("--out", default=None, help="write the curves and summary as JSON here")
@@ -375,7 +447,9 @@ def main(argv: Sequence[str] | None = None) -> Any:
     else:
         if not args.seeds or args.steps < 4:
             parser.error("training needs at least one seed and 4 steps")
-        result = training(args.seeds, args.steps, args.overrides)
+        if args.compare == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--compare triton on a CPU needs TRITON_INTERPRET=1 in the environment")
+        result = training(args.seeds, args.steps, args.overrides, args.compare)
         print(json.dumps(result["summary"], indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

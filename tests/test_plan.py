@@ -166,3 +166,39 @@ def test_plan_counts_what_the_single_engine_holds(precision: str, monkeypatch: p
     held["optimizer"] = _bytes(t for state in engine.optimizer.state.values() for t in state.values() if t.ndim)
     weights, grads, optimizer = plan.parameter_plan(cfg, 1, model)
     assert (weights, grads, optimizer) == (held["weights"], held["grads"], held["optimizer"])
+
+
+def test_most_tokens_is_the_longest_rank_length_that_fits() -> None:
+    """--most-tokens: the plan at the tokens per rank it finds fits, one step (1024 tokens per row) more
+    does not; the scan's buffers count (with them taken away the same capacity holds more), and a
+    capacity below the fixed parts holds nothing. Synthetic probes (no CPU measurement): 2 kB per token
+    of activations, 1 kB with checkpointing."""
+    cfg = load_config(SP_VORT, ["train.micro_batch=2", "train.global_batch=2"])
+    model = build_model(cfg.model)
+    parts = plan.Measured(1e6, 1e6, 2e6, 1e5, 1e5, 1e6, 512, {False: (4e6, 5e6), True: (2e6, 2.5e6)}, None)
+    capacity = 2**30
+    most = plan.most_tokens(cfg, model, parts, capacity)
+    assert most[1] > most[0] > 0 and most[0] % 2048 == 0
+    for which, tokens in enumerate(most):
+        rows = tokens // 2
+        assert plan.plan_at(cfg, model, parts, rows)[which].total <= capacity
+        assert plan.plan_at(cfg, model, parts, rows + 1024)[which].total > capacity
+    model.scan_buffer_bytes = lambda batch, tokens: 0.0  # type: ignore[method-assign]
+    assert plan.most_tokens(cfg, model, parts, capacity)[0] > most[0]
+    assert plan.most_tokens(cfg, model, parts, 4e6) == (0, 0)
+
+
+def test_saved_probes_are_read_back_for_the_same_key_only(tmp_path: Path) -> None:
+    """--probes: the first plan measures and writes the parts, the next with the same key reads them
+    back equal without measuring, and one with another key is refused."""
+    parts = plan.Measured(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 512, {False: (7.0, 8.0), True: (9.0, 10.0)}, (11.0, 12.0))
+    key = {"config": "c.yaml", "overrides": [], "world": 8, "probe": 512}
+    path = tmp_path / "probes.json"
+    assert plan.cached_parts(path, key, lambda: parts) == parts
+
+    def measure_again() -> plan.Measured:
+        raise AssertionError("measured again")
+
+    assert plan.cached_parts(path, key, measure_again) == parts
+    with pytest.raises(ValueError, match="measured for"):
+        plan.cached_parts(path, key | {"world": 16}, measure_again)

@@ -1,19 +1,23 @@
 """Per-rank memory plan of a run: can it start, and will it fit, training and evaluation?
 
     python -m pretrain.plan --config configs/vort-125m-128k.yaml [--world 64] [--gpu-mem 80GiB] [--measure]
+        [--most-tokens]
 
 First the trainer's own start-up rules (pretrain.preflight.check_start) at this world size: a config
 that cannot start exits with their message. Then weights and optimizer state from the engine's
 sharding, activations of training and of the periodic evaluation measured on this CPU in the run's
 precision and extrapolated to the rank's length, scan states and sequence-parallel buffers from
-their shapes, the GPU scan's own buffers counted on the meta device. docs/sequence_parallel.md,
+their shapes, the GPU scan's own buffers counted on the meta device; with --most-tokens, the longest rank
+length whose plan fits. docs/sequence_parallel.md,
 "Memory plan", explains the method and its limits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
 import multiprocessing
 import os
 import re
@@ -21,6 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,30 +94,104 @@ def parameter_plan(cfg: RunConfig, world: int, model: CausalLM) -> tuple[float, 
     return params, grads, optimizer
 
 
+@dataclass
+class Measured:
+    """What a plan is made of before a rank's length is chosen: the parts that do not grow with it (bytes
+    per rank) and the activation probes (bytes at ``probe`` and 2 x ``probe`` tokens), from which
+    ``plan_at`` builds the plan at any length."""
+
+    params: float
+    grads: float
+    optimizer: float
+    states: float
+    buffers: float
+    reduce_bucket: float
+    probe: int
+    train: dict[bool, tuple[float, float]]  # activation checkpointing -> the two training probes
+    evaluation: tuple[float, float] | None  # the two evaluation probes (no periodic evaluation: None)
+
+
+def measure_plan(cfg: RunConfig, world: int, model: CausalLM, probe: int, progress: bool) -> Measured:
+    """The parts of ``cfg``'s plan at ``world`` ranks, its probes measured on this CPU (each in a fresh
+    process, announced on stderr with ``progress``)."""
+    n_params = sum(p.numel() for p in model.parameters())
+    weight_bytes = 2 if cfg.engine.precision == "bf16" else 4  # the dtype the model computes in
+    params, grads, optimizer = parameter_plan(cfg, world, model)
+    bucket = engine_class(cfg).comm_buffer_bytes(cfg, n_params, weight_bytes)
+    probes = Probes(4 + (2 if cfg.eval.every else 0), progress)
+    evaluation = None
+    if cfg.eval.every:
+        evaluation = tuple(probes.measure(cfg, False, probe * k, 1, "eval") for k in (1, 2))
+    states, buffers = model.state_bytes(cfg.train.micro_batch, cfg.engine.sequence_parallel)
+    train = {flag: tuple(probes.measure(cfg, flag, probe * k, 1) for k in (1, 2)) for flag in (False, True)}
+    return Measured(params, grads, optimizer, states, buffers, bucket, probe, train, evaluation)  # type: ignore[arg-type]
+
+
+def cached_parts(path: Path, key: dict[str, Any], measure: Callable[[], Measured]) -> Measured:
+    """The parts of a plan from ``path`` if it holds them for ``key`` (config, overrides, world, probe
+    length), else ``measure()``, written there: the probes are what takes minutes, and the same CPU
+    probes serve plans that differ in what the CPU does not run (the GPU scan's buffers)."""
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["key"] != key:
+            raise ValueError(f"--probes {path}: measured for {saved['key']}, not {key}")
+        parts = saved["parts"]
+        parts["train"] = {flag == "true": tuple(pair) for flag, pair in parts["train"].items()}
+        parts["evaluation"] = None if parts["evaluation"] is None else tuple(parts["evaluation"])
+        return Measured(**parts)
+    parts = measure()
+    fields = dataclasses.asdict(parts) | {"train": {str(f).lower(): pair for f, pair in parts.train.items()}}
+    path.write_text(json.dumps({"key": key, "parts": fields}, indent=1) + "\n")
+    return parts
+
+
+def plan_at(cfg: RunConfig, model: CausalLM, parts: Measured, row_tokens: int) -> tuple[Plan, Plan]:
+    """(without, with) activation checkpointing, per rank, with ``row_tokens`` tokens per rank and batch
+    row (seq_len / sequence_parallel; the config's other settings as they are): activations on the probes'
+    line, the evaluation's pieces no longer than a row, the GPU scan's buffers counted at that length."""
+    batch = cfg.train.micro_batch
+    evaluation = 0.0
+    if parts.evaluation is not None:
+        piece = max(min(c, row_tokens) if model.streams_exactly else c for c in cfg.eval.contexts)
+        evaluation = extrapolate(*parts.evaluation, parts.probe, piece)
+    scans = model.scan_buffer_bytes(batch, row_tokens)
+    fixed = (parts.params, parts.grads, parts.optimizer)
+    plans = [
+        Plan(*fixed, extrapolate(*parts.train[flag], parts.probe, batch * row_tokens), evaluation, parts.states,
+             parts.buffers, parts.reduce_bucket, scans)
+        for flag in (False, True)
+    ]  # fmt: skip
+    return plans[0], plans[1]
+
+
 def plan(
     cfg: RunConfig, world: int, model: CausalLM | None = None, probe: int = PROBE_TOKENS, progress: bool = False
 ) -> tuple[Plan, Plan]:
     """(without, with) activation checkpointing, per rank, at `world` ranks; with `progress`, each
     memory probe (a fresh process, seconds to minutes at large sizes) is announced on stderr."""
     model = model if model is not None else build_model(cfg.model)
-    n_params = sum(p.numel() for p in model.parameters())
-    weight_bytes = 2 if cfg.engine.precision == "bf16" else 4  # the dtype the model computes in
-    params, grads, optimizer = parameter_plan(cfg, world, model)
-    bucket = engine_class(cfg).comm_buffer_bytes(cfg, n_params, weight_bytes)
-    tokens = cfg.train.micro_batch * cfg.data.seq_len // cfg.engine.sequence_parallel
-    piece = max(eval_piece_tokens(cfg, model, context) for context in cfg.eval.contexts) if cfg.eval.every else 0
-    probes = Probes(4 + (2 if piece else 0), progress)
-    evaluation = 0.0
-    if piece:
-        evaluation = extrapolate(*(probes.measure(cfg, False, probe * k, 1, "eval") for k in (1, 2)), probe, piece)
-    states, buffers = model.state_bytes(cfg.train.micro_batch, cfg.engine.sequence_parallel)
-    scans = model.scan_buffer_bytes(cfg.train.micro_batch, tokens)
-    plans = []
-    for checkpointing in (False, True):
-        short, long = (probes.measure(cfg, checkpointing, probe * k, 1) for k in (1, 2))
-        activations = extrapolate(short, long, probe, tokens)
-        plans.append(Plan(params, grads, optimizer, activations, evaluation, states, buffers, bucket, scans))
-    return plans[0], plans[1]
+    parts = measure_plan(cfg, world, model, probe, progress)
+    return plan_at(cfg, model, parts, cfg.data.seq_len // cfg.engine.sequence_parallel)
+
+
+def most_tokens(cfg: RunConfig, model: CausalLM, parts: Measured, capacity: float, step: int = 1024) -> tuple[int, int]:
+    """The most tokens per rank (micro_batch x tokens per row, rows a multiple of ``step``) whose plan
+    fits in ``capacity`` bytes, without and with activation checkpointing (0: not even ``step``)."""
+    return tuple(cfg.train.micro_batch * step * _longest(  # type: ignore[return-value]
+        lambda rows, which=which: plan_at(cfg, model, parts, rows * step)[which].total <= capacity)
+        for which in (0, 1))  # fmt: skip
+
+
+def _longest(fits: Callable[[int], bool], limit: int = 2**20) -> int:
+    """The largest n < ``limit`` with fits(n), 0 if none, for ``fits`` true up to some n and false after
+    (a plan grows with its length): doubling, then bisection, a few dozen plans."""
+    low, high = 0, 1
+    while high < limit and fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def _resident_kib(field: str) -> int:
@@ -235,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true",
                         help="also measure, on this CPU, one training step at the rank's length and the "
                              "evaluation of the longest eval.contexts")
+    parser.add_argument("--most-tokens", action="store_true",
+                        help="also print the most tokens per rank that fit in --gpu-mem (rows of whole 1024s, "
+                             "every other setting as configured)")
+    parser.add_argument("--probes", type=Path, default=None,
+                        help="read the probes' measurements from this JSON file if it holds them for the same "
+                             "config, overrides, world and --probe-tokens; else measure and write them there")
     parser.add_argument("--probe-tokens", type=int, default=PROBE_TOKENS,
                         help="activations per token from fwd+bwd at this length and twice it")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_len=262144")
@@ -251,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    plain, checkpointed = plan(cfg, world, model, args.probe_tokens, progress=True)
+    measured = functools.partial(measure_plan, cfg, world, model, args.probe_tokens, progress=True)
+    key = {"config": args.config, "overrides": args.overrides, "world": world, "probe": args.probe_tokens}
+    parts = measured() if args.probes is None else cached_parts(args.probes, key, measured)
+    plain, checkpointed = plan_at(cfg, model, parts, cfg.data.seq_len // cfg.engine.sequence_parallel)
     n = cfg.engine.sequence_parallel
     engine = engine_class(cfg).describe(cfg)
     longest = max(cfg.eval.contexts)
@@ -270,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{field:<28}{getattr(plain, field) / GIB:>18.2f}{getattr(checkpointed, field) / GIB:>16.2f}")
     fits = ["fits" if p.total <= capacity else "does NOT fit" for p in (plain, checkpointed)]
     print(f"{'in ' + args.gpu_mem:<28}{fits[0]:>18}{fits[1]:>16}")
+    if args.most_tokens:
+        most = most_tokens(cfg, model, parts, capacity)
+        print(f"{'most tokens per rank':<28}{most[0]:>18,}{most[1]:>16,}")
     if args.measure:
         probes = Probes(2 + (1 if cfg.eval.every else 0), progress=True)
         for label, chosen, flag in (("no checkpointing", plain, False), ("checkpointing", checkpointed, True)):

@@ -1,0 +1,225 @@
+"""The SOE scan's Triton kernels (kernels/soe/gpu/forward.py, the value and query walks of backward.py)
+emulated on CPU in their order of fp32 operations, with their rounding points, for the precision table at lengths the
+interpreter cannot reach.
+
+The interpreter runs a bf16 ``tl.dot`` as a plain fp32 matmul and takes hours at 512k tokens, so
+benchmarks/scan_precision.py's SOE kernel rows come from here. What is emulated, for q, k, v, coef (and
+the output gradient) in ``dtype`` (bf16 or fp32) at batch 1 and one head, without resets:
+
+- chunks of 16 tokens (the launch table's chunk) in spans of ``launches.span_size`` chunks, all spans at
+  once, the chunks of a span in turn; each span's own state (or state gradient) from zero
+  (``span_states_kernel``), the pass over the fp32 span-border states (``kernels.span``), then each span
+  walked from its border state for o (``output_kernel``), z (``norm_output_kernel``), dv
+  (``value_grads_kernel``, for a zero final-state gradient) and dq (``query_grads_kernel``, from the
+  forward's border states);
+- the rounding to ``dtype`` of every ``tl.dot`` operand that the kernels cast: the state before a read
+  (``read_state``), the per-term write rows, built in ``dtype`` from weights rounded to ``dtype``
+  (``write_state``/``scaled_rows``; ``write_norms``), and the masked scores before their product with v
+  (dv: with the output gradient; dq: the masked output-gradient scores before their product with k);
+- the kernel matrix's fp32 product (decay table times coefficients), which the bf16 launches run as
+  tf32: its operands truncated to tf32 (the tensor cores read the top 19 bits of an fp32 operand);
+- the reads summed over the two term groups apart, in the kernels' order.
+
+Not modelled: the order and rounding of the tensor cores' fp32 accumulation inside a product (torch's
+fp32 matmul sums in its own order, with round-to-nearest), ``tl.exp``'s last-bit differences from torch's,
+resets, the final state (the padding of a short last chunk changes only that), and the gradients of k,
+coef and the decays (their walks are not emulated). Outputs are returned before the store's rounding to
+``dtype``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.soe.gpu.launches import span_size, term_groups
+
+CHUNK = 16  # tokens per chunk: the launch table's chunk on every target (launches.chunk_block)
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``x`` rounded to ``dtype`` (round to nearest even) and back: an operand the kernels cast."""
+    return x if dtype == torch.float32 else x.to(dtype).float()
+
+
+def _tf32(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``x`` as a tf32 tensor-core operand (low 13 mantissa bits dropped) when the launch for
+    ``dtype`` runs its fp32 products as tf32 (launches.precision: every dtype but fp32)."""
+    return x if dtype == torch.float32 else (x.view(torch.int32) & -8192).view(torch.float32)
+
+
+def _spans(x: torch.Tensor, n_spans: int, span: int) -> torch.Tensor:
+    """[T, X] -> [n_spans, span, CHUNK, X], zero-padded past T (the kernels' masked loads give zeros)."""
+    padded = x.new_zeros(n_spans * span * CHUNK, x.shape[-1])
+    padded[: x.shape[0]] = x
+    return padded.view(n_spans, span, CHUNK, x.shape[-1])
+
+
+class _Decays:
+    """The per-chunk decay factors of all terms, fp32 as the kernels compute them: exp(d * log_lam)."""
+
+    def __init__(self, log_lam: torch.Tensor) -> None:
+        pos = torch.arange(CHUNK, dtype=torch.float32)[:, None]
+        self.reads = torch.exp((pos + 1.0) * log_lam)  # [C, S]: lam^(i + 1), read_decays
+        self.writes = torch.exp((CHUNK - 1.0 - pos) * log_lam)  # [C, S]: lam^(n - 1 - j), write_decays
+        self.chunk = torch.exp(float(CHUNK) * log_lam)  # [S]: lam^n, chunk_decay
+        self.table = torch.exp(pos * log_lam)  # [C, S]: lam^d, decay_table
+
+
+def _write(g: torch.Tensor, x: torch.Tensor, y: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
+           dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """One chunk's step of term-stacked states g [P, S, R, F]: g * decay (per term) plus (beta per term
+    times y)^T @ x, for x [P, C, F], y [P, C, R], beta [P, C, S]: write_state, the rows built in ``dtype``
+    from beta rounded to it (scaled_rows). With y all ones it is write_norms (beta rounded once)."""
+    scaled = _to(_to(beta, dtype).transpose(1, 2)[:, :, None, :] * y.transpose(1, 2)[:, None], dtype)
+    return g * decay[:, None, None] + scaled @ x[:, None]
+
+
+def _read(state: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_s alpha[i, s] (state_s cast to dtype) @ x_i: read_state then over_terms, for state [P, S, R, F],
+    x [P, C, F] and alpha [P, C, S]; [P, C, R]."""
+    pt = _to(state, dtype) @ x.transpose(1, 2)[:, None]  # [P, S, R, C]
+    return (pt * alpha.transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
+
+
+def _kernel_matrix(cc: torch.Tensor, dec: _Decays, dtype: torch.dtype) -> torch.Tensor:
+    """Wc [P, C, C], Wc[i, j] = sum_s coef[j, s] lam_s^(i - j) for i >= j: kernel_matrix's product
+    R = table @ coef^T (tf32 operands under bf16) and its gather R[i - j, j]."""
+    r = _tf32(dec.table, dtype) @ _tf32(cc, dtype).transpose(1, 2)  # [P, d, j]
+    i = torch.arange(CHUNK)
+    dist = (i[:, None] - i[None, :]).clamp(min=0)
+    return torch.where(i[:, None] >= i[None, :], r.gather(1, dist.expand(r.shape[0], -1, -1)), 0.0)
+
+
+def _masked_scores(qc: torch.Tensor, kc: torch.Tensor, cc: torch.Tensor, dec: _Decays,
+                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """(q k^T) * Wc [P, C, C]."""
+    return (qc @ kc.transpose(1, 2)) * _kernel_matrix(cc, dec, dtype)
+
+
+class _Walk:
+    """The operands of a scan cut into spans and chunks as the launch table cuts them, rounded to
+    ``dtype``, with its decays, term groups and span decay."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], log_lam: torch.Tensor, dtype: torch.dtype) -> None:
+        seq_len = tensors[0].shape[0]
+        self.seq_len, self.dtype = seq_len, dtype
+        self.span = span_size(1, seq_len, 1, CHUNK)
+        n_chunks = -(-seq_len // CHUNK)
+        self.n_spans = -(-n_chunks // self.span)
+        self.parts = [_spans(_to(x.float(), dtype), self.n_spans, self.span) for x in tensors]
+        self.dec = _Decays(log_lam.float())
+        self.split = term_groups(log_lam.shape[-1])[0]  # the large group's terms first, the small group's after
+        self.span_decay = torch.exp(float(self.span * CHUNK) * log_lam.float())
+        self.reads = self.dec.reads.expand(self.n_spans, -1, -1)  # [P, C, S]
+
+    def zeros(self, n_terms: int, rows: int, cols: int) -> torch.Tensor:
+        return torch.zeros(self.n_spans, n_terms, rows, cols)
+
+    def entering(self, own: torch.Tensor, reverse: bool) -> torch.Tensor:
+        """The span pass (kernels.span) from a zero initial state (or final gradient, ``reverse``) over the
+        spans' own states ``own`` [P, ...]: forward, the state entering each span; reverse, the gradient of
+        the state leaving each span."""
+        out = torch.zeros_like(own)
+        decay = self.span_decay.view(-1, *([1] * (own.dim() - 2)))
+        order = range(self.n_spans - 2, -1, -1) if reverse else range(1, self.n_spans)
+        for p in order:
+            q = p + 1 if reverse else p - 1
+            out[p] = out[q] * decay + own[q]
+        return out
+
+
+def _border_states(w: _Walk, ks: torch.Tensor, vs: torch.Tensor, cs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's fp32 states entering each span, G [P, S, D, F] (transposed) and b [P, S, 1, F]: each
+    span's own state from zero (span_states_kernel), then the span pass."""
+    n_terms, feat = cs.shape[-1], ks.shape[-1]
+    ones = torch.ones(w.n_spans, CHUNK, 1)
+    g, bn = w.zeros(n_terms, vs.shape[-1], feat), w.zeros(n_terms, 1, feat)
+    for c in range(w.span):
+        beta = w.dec.writes * cs[:, c]
+        g = _write(g, ks[:, c], vs[:, c], beta, w.dec.chunk, w.dtype)
+        bn = _write(bn, ks[:, c], ones, beta, w.dec.chunk, w.dtype)
+    return w.entering(g, False), w.entering(bn, False)
+
+
+def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """o [T, D] and z [T] of the Triton SOE forward on q, k [T, F], v [T, D], coef [T, S] (values exact in
+    ``dtype``) and log_lam [S], from a zero initial state: fp32, as computed before the kernels store them
+    in ``dtype`` (the caller rounds, so that the error of the walk and that of the store can be told
+    apart)."""
+    w = _Walk((q, k, v, coef), log_lam, dtype)
+    qs, ks, vs, cs = w.parts
+    ones = torch.ones(w.n_spans, CHUNK, 1)
+    dec, split = w.dec, w.split
+    g, bn = _border_states(w, ks, vs, cs)
+    out = torch.empty(w.n_spans, w.span, CHUNK, v.shape[-1])
+    z = torch.empty(w.n_spans, w.span, CHUNK)
+    for c in range(w.span):  # output_kernel and norm_output_kernel
+        qc, kc, vc, cc = qs[:, c], ks[:, c], vs[:, c], cs[:, c]
+        pm = _masked_scores(qc, kc, cc, dec, dtype)
+        o = _to(pm, dtype) @ vc + _read(g[:, split:], qc, w.reads[..., split:], dtype)
+        out[:, c] = o + _read(g[:, :split], qc, w.reads[..., :split], dtype)
+        z[:, c] = pm.sum(-1) + _read(bn, qc, w.reads, dtype)[..., 0]
+        beta = dec.writes * cc
+        g = _write(g, kc, vc, beta, dec.chunk, dtype)
+        bn = _write(bn, kc, ones, beta, dec.chunk, dtype)
+    return out.view(-1, v.shape[-1])[: w.seq_len], z.view(-1)[: w.seq_len]
+
+
+def emulate_value_grads(q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
+                        d_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """dv [T, D] of the Triton SOE backward for a zero final-state gradient (the inputs as for
+    emulate_forward, d_out [T, D] exact in ``dtype``), fp32 before the store: each span's own state
+    gradient walked in reverse from zero over the reads (span_states_kernel, REVERSE), the reverse span
+    pass, then value_grads_kernel from the gradient of the state leaving each span, chunks in reverse:
+    dv_j = (q_i . k_j) Wc[i, j] do_i summed over i (the scores rounded to ``dtype``) plus the large term
+    group's reads of the state gradient by k, then the small group's."""
+    w = _Walk((q, k, coef, d_out), log_lam, dtype)
+    qs, ks, cs, dos = w.parts
+    dec, split = w.dec, w.split
+    dg = w.zeros(coef.shape[-1], d_out.shape[-1], q.shape[-1])
+    for c in range(w.span - 1, -1, -1):
+        dg = _write(dg, qs[:, c], dos[:, c], w.reads, dec.chunk, dtype)
+    dg = w.entering(dg, True)
+    dv = torch.empty(w.n_spans, w.span, CHUNK, d_out.shape[-1])
+    for c in range(w.span - 1, -1, -1):
+        qc, kc, cc, doc = qs[:, c], ks[:, c], cs[:, c], dos[:, c]
+        pm = _masked_scores(qc, kc, cc, dec, dtype)
+        alpha = dec.writes * cc
+        dvc = _to(pm, dtype).transpose(1, 2) @ doc + _read(dg[:, :split], kc, alpha[..., :split], dtype)
+        dv[:, c] = dvc + _read(dg[:, split:], kc, alpha[..., split:], dtype)
+        dg = _write(dg, qc, doc, w.reads, dec.chunk, dtype)
+    return dv.view(-1, d_out.shape[-1])[: w.seq_len]
+
+
+def emulate_query_grads(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
+                        d_out: torch.Tensor, d_z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """dq [T, F] of the Triton SOE backward (query_grads_kernel), fp32 before the store, for the inputs of
+    emulate_forward (dq does not depend on q), d_out [T, D] exact in ``dtype`` and d_z [T] (fp32, as the
+    kernels take it): from the forward's span-border states, chunks in order, the state held as
+    [terms x features, values]:
+    dq_i = sum_j ((do_i . v_j + dz_i) Wc[i, j], rounded to ``dtype``) k_j, then per term group (the small
+    one first) sum_s lam_s^(i+1) (G_s cast to ``dtype`` do_i + dz_i b_s); the state then steps over the
+    chunk's writes with rows (w_js k_j) built in ``dtype`` (so its rounding differs from the forward's)."""
+    w = _Walk((k, v, coef, d_out), log_lam, dtype)
+    ks, vs, cs, dos = w.parts
+    dzs = _spans(d_z.float()[:, None], w.n_spans, w.span)[..., 0]
+    g, bn = _border_states(w, ks, vs, cs)
+    groups = (slice(w.split, None), slice(0, w.split))
+    states = [[g[:, t].transpose(-1, -2), bn[:, t, 0]] for t in groups]  # [P, Sg, F, D], [P, Sg, F]
+    dq = torch.empty(w.n_spans, w.span, CHUNK, k.shape[-1])
+    for c in range(w.span):
+        kc, vc, cc, doc, dzc = ks[:, c], vs[:, c], cs[:, c], dos[:, c], dzs[:, c]
+        d_a = (doc @ vc.transpose(1, 2) + dzc[:, :, None]) * _kernel_matrix(cc, w.dec, dtype)
+        dqc = _to(d_a, dtype) @ kc
+        for t, held in zip(groups, states):
+            fwd = _to(held[0], dtype) @ doc.transpose(1, 2)[:, None] + held[1][..., None] * dzc[:, None, None, :]
+            dqc = dqc + (fwd * w.reads[..., t].transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
+            beta = _to(w.dec.writes[:, t] * cc[..., t], dtype)  # [P, C, Sg]
+            scaled = _to(beta.transpose(1, 2)[:, :, None, :] * kc.transpose(1, 2)[:, None], dtype)  # [P, Sg, F, C]
+            held[0] = held[0] * w.dec.chunk[t][:, None, None] + scaled @ vc[:, None]
+            held[1] = held[1] * w.dec.chunk[t][:, None] + scaled.sum(-1)
+        dq[:, c] = dqc
+    return dq.view(-1, k.shape[-1])[: w.seq_len]
