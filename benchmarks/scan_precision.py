@@ -123,8 +123,8 @@ def kernel_row(
     the float64 run ``exact`` (o, z, dq, dv): norm-wise relative errors as stored in ``dtype`` and before
     that rounding, and the span the launch table gives (chunks of 16 tokens; its border states are stored
     in fp32)."""
-    from benchmarks.soe_emulation import CHUNK, emulate_forward, emulate_query_grads, emulate_value_grads
-    from kernels.soe.gpu.launches import span_size
+    from benchmarks.soe_emulation import CAPABILITY, CHUNK, emulate_forward, emulate_query_grads, emulate_value_grads
+    from kernels.soe.gpu.launches import walk_span
 
     started = time.perf_counter()
     seq_len = inputs[0].shape[1]
@@ -139,7 +139,8 @@ def kernel_row(
         e = e[0, :, 0]
         row[name] = ((walked.to(dtype).double() - e).norm() / e.norm()).item()
         row[f"{name}_before_store"] = ((walked.double() - e).norm() / e.norm()).item()
-    row["span_chunks"], row["seconds"] = span_size(1, seq_len, 1, CHUNK), time.perf_counter() - started
+    span = walk_span(1, seq_len, 1, log_lam.shape[-1], q.shape[-1], v.shape[-1], CHUNK, CAPABILITY)
+    row["span_chunks"], row["seconds"] = span, time.perf_counter() - started
     print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     return row
 

@@ -6,7 +6,7 @@ The interpreter runs a bf16 ``tl.dot`` as a plain fp32 matmul and takes hours at
 benchmarks/scan_precision.py's SOE kernel rows come from here. What is emulated, for q, k, v, coef (and
 the output gradient) in ``dtype`` (bf16 or fp32) at batch 1 and one head, without resets:
 
-- chunks of 16 tokens (the launch table's chunk) in spans of ``launches.span_size`` chunks, all spans at
+- chunks of 16 tokens (the launch table's chunk) in spans of ``launches.walk_span`` chunks (an H100's), all spans at
   once, the chunks of a span in turn; each span's own state (or state gradient) from zero
   (``span_states_kernel``), the pass over the fp32 span-border states (``kernels.span``), then each span
   walked from its border state for o (``output_kernel``), z (``norm_output_kernel``), dv
@@ -33,9 +33,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.soe.gpu.launches import span_size, term_groups
+from kernels.soe.gpu.launches import term_groups, walk_span
 
 CHUNK = 16  # tokens per chunk: the launch table's chunk on every target (launches.chunk_block)
+CAPABILITY = 90  # the target whose span sizes are emulated: an H100
 
 
 def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,10 +103,11 @@ class _Walk:
     """The operands of a scan cut into spans and chunks as the launch table cuts them, rounded to
     ``dtype``, with its decays, term groups and span decay."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], log_lam: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], log_lam: torch.Tensor, dtype: torch.dtype, feat: int,
+                 width: int) -> None:  # fmt: skip
         seq_len = tensors[0].shape[0]
         self.seq_len, self.dtype = seq_len, dtype
-        self.span = span_size(1, seq_len, 1, CHUNK)
+        self.span = walk_span(1, seq_len, 1, log_lam.shape[-1], feat, width, CHUNK, CAPABILITY)
         n_chunks = -(-seq_len // CHUNK)
         self.n_spans = -(-n_chunks // self.span)
         self.parts = [_spans(_to(x.float(), dtype), self.n_spans, self.span) for x in tensors]
@@ -149,7 +151,7 @@ def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: tor
     ``dtype``) and log_lam [S], from a zero initial state: fp32, as computed before the kernels store them
     in ``dtype`` (the caller rounds, so that the error of the walk and that of the store can be told
     apart)."""
-    w = _Walk((q, k, v, coef), log_lam, dtype)
+    w = _Walk((q, k, v, coef), log_lam, dtype, q.shape[-1], v.shape[-1])
     qs, ks, vs, cs = w.parts
     ones = torch.ones(w.n_spans, CHUNK, 1)
     dec, split = w.dec, w.split
@@ -176,7 +178,7 @@ def emulate_value_grads(q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, lo
     pass, then value_grads_kernel from the gradient of the state leaving each span, chunks in reverse:
     dv_j = (q_i . k_j) Wc[i, j] do_i summed over i (the scores rounded to ``dtype``) plus the large term
     group's reads of the state gradient by k, then the small group's."""
-    w = _Walk((q, k, coef, d_out), log_lam, dtype)
+    w = _Walk((q, k, coef, d_out), log_lam, dtype, q.shape[-1], d_out.shape[-1])
     qs, ks, cs, dos = w.parts
     dec, split = w.dec, w.split
     dg = w.zeros(coef.shape[-1], d_out.shape[-1], q.shape[-1])
@@ -203,7 +205,7 @@ def emulate_query_grads(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, lo
     dq_i = sum_j ((do_i . v_j + dz_i) Wc[i, j], rounded to ``dtype``) k_j, then per term group (the small
     one first) sum_s lam_s^(i+1) (G_s cast to ``dtype`` do_i + dz_i b_s); the state then steps over the
     chunk's writes with rows (w_js k_j) built in ``dtype`` (so its rounding differs from the forward's)."""
-    w = _Walk((k, v, coef, d_out), log_lam, dtype)
+    w = _Walk((k, v, coef, d_out), log_lam, dtype, k.shape[-1], v.shape[-1])
     ks, vs, cs, dos = w.parts
     dzs = _spans(d_z.float()[:, None], w.n_spans, w.span)[..., 0]
     g, bn = _border_states(w, ks, vs, cs)

@@ -148,11 +148,16 @@ def test_the_soe_kernel_emulation_matches_the_triton_kernels_in_fp32(monkeypatch
     3 spans of 3 chunks, the last 1.5). o, z, dq and dv agree to fp32 round-off (1e-6 relative; a term, a decay
     or a span-border state missed is off by far more), and are as close to the float64 run; with bf16
     operands the emulation rounds (before the store: above 1e-5) but stays within 1e-2 of it."""
+    import benchmarks.soe_emulation as emulation
     import kernels.soe.gpu.launches as launches
     from benchmarks.scan_precision import soe_inputs
     from benchmarks.soe_emulation import emulate_forward, emulate_query_grads, emulate_value_grads
 
-    monkeypatch.setattr(launches, "MIN_PROGRAMS", 3)  # spans: the fewest giving 3 programs at batch 1, one head
+    # spans of 3 chunks (the fewest giving 12 programs of the smallest walks, 4 column blocks of the
+    # interpreter's A100 tiles, at batch 1 and one head), in the kernels and the emulation alike
+    monkeypatch.setattr(launches, "MIN_PROGRAMS", 12)
+    monkeypatch.setattr(emulation, "CAPABILITY", 80)
+    assert launches.walk_span(1, 120, 1, 18, 32, 32, 16, 80) == 3
     inputs, seeds = soe_inputs(120)
     inputs[:3] = [x[..., :32] for x in inputs[:3]]  # F = D = 32: the interpreter's time goes with the blocks
     seeds[0] = seeds[0][..., :32]
