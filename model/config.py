@@ -121,7 +121,7 @@ class PMNetConfig:
     routing: Literal["learned", "router", "hash"] = "learned"
     write_address: Literal["current", "previous", "conv"] = "current"
     memory_input: Literal["residual", "conv"] = "residual"
-    route_input: Literal["pre_conv", "embedding", "memory"] = "pre_conv"
+    route_input: Literal["pre_conv", "embedding", "memory"] = "embedding"
     balance_loss: float = 0.0
     decay_routing: bool = True
 

@@ -26,11 +26,12 @@ OPTIONS = [
     {"memory_input": "conv"},
     {"balance_loss": 0.1},
     {"routing": "hash", "write_address": "previous"},
-    # the default routes from the block's input before the short convolution; these route from the memory's input
+    # the default routes from the token embedding; these from the block's input before the short
+    # convolution and from the memory's input; then the shipped set (configs/model/pmnet-tiny.yaml)
+    {"route_input": "pre_conv"},
     {"route_input": "memory"},
-    {"route_input": "embedding"},
-    {"route_input": "embedding", "memory_input": "conv", "routing": "router", "write_address": "previous"},
     {"route_input": "memory", "memory_input": "conv"},
+    {"routing": "router", "write_address": "previous", "memory_input": "conv", "route_input": "pre_conv"},
     {"routing": "router", "write_address": "previous", "memory_input": "conv"},
 ]
 
