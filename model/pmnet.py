@@ -215,7 +215,7 @@ class PMNet(StackedLM):
         per_memory = 2 * pm.depth * pm.branching * 2 * M + L * (4 * M) + L * M
         if pm.routing == "hash":  # the fixed routing projection, a matmul without parameters (forward only)
             per_memory += 2 * c.d_model * M / 3
-        if pm.routing == "learned" and pm.route_input == "pre_conv":  # the query applied to the route input too
+        if pm.routing == "learned" and pm.route_input != "memory":  # the query applied to the route input too
             per_memory += 2 * c.d_model * M
         if pm.write_address != "current":  # the write path's own routing scores
             per_memory += 2 * pm.depth * pm.branching * 2 * M / 3

@@ -283,8 +283,9 @@ class PhasorMemory(nn.Module):
         before a row's first start), and its segments and collision counts are its own. Under
         `write_address: conv` the writes are routed from ``address_input`` [B, T, d] (the block's
         short-convolved input; h when None). ``route_input`` [B, T, d] (h when None) is what routes the reads
-        and, under `previous`, the writes (`route_input: pre_conv`: the block's normed input before
-        its short convolution); h still sets the query phases that demodulate and the increments."""
+        and, under `previous`, the writes (the block's `route_input`: its normed input before the
+        short convolution, or the normed token embedding); h still sets the query phases that
+        demodulate and the increments."""
         B, T, _ = h.shape
         L, M = self.n_levels, self.memory_dim
         sp = sequence_parallel
