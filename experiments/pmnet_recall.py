@@ -65,7 +65,8 @@ class Task:
 
 class OracleMemory(PhasorMemory):
     """The memory with every token's path ending at the leaf numbered by its token id (`leaves`,
-    set before each call); a write of its own (`write_address: previous`) takes the previous token's."""
+    set before each call); a write of its own (`write_address: previous`) takes the previous token's.
+    Under `record_routes` the read paths are kept, with zero margins (PhasorMemory.route's diagnostics)."""
 
     leaves: torch.Tensor | None = None
 
@@ -84,6 +85,8 @@ class OracleMemory(PhasorMemory):
             path.append(self.level_offsets[level] + node)
         path_t, children_t = torch.stack(path, dim=-1), torch.stack(children, dim=2)
         weights = (children_t == path_t[:, :, 1:, None]).float()
+        if self.record_routes and not writes:
+            self.recorded.append((path_t, torch.zeros(*path_t.shape[:2], self.depth)))
         return path_t, children_t, weights
 
 

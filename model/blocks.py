@@ -260,15 +260,22 @@ class StackedLM(CausalLM):
             if doc_start is not None:
                 sequence_parallel = documents_across_pieces(doc_start, sequence_parallel)
         x = self.embed(input_ids)
+        extra = self.block_inputs(x)
         states = state if state is not None else [None] * len(self.blocks)
         new_states = []
         for block, block_state in zip(self.blocks, states, strict=True):
             if self.activation_checkpointing and self.training:
-                x, block_state = checkpoint(block, x, block_state, sequence_parallel, doc_start, use_reentrant=False)
+                x, block_state = checkpoint(block, x, block_state, sequence_parallel, doc_start, use_reentrant=False,
+                                            **extra)
             else:
-                x, block_state = block(x, block_state, sequence_parallel, doc_start)
+                x, block_state = block(x, block_state, sequence_parallel, doc_start, **extra)
             new_states.append(block_state)
         return self.norm(x), new_states
+
+    def block_inputs(self, embedded: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Keyword inputs every block gets besides the residual stream, from the token embeddings
+        [B, T, d]: none here; a family whose blocks read the tokens themselves names them."""
+        return {}
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (the embedding lookup does not)."""

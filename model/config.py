@@ -93,7 +93,14 @@ class PMNetConfig:
     where the key's query reads), "conv" on a route of its own, from a learned projection of the
     block's short-convolved input (at a value token it holds the key; needs `short_conv` >= 2).
     `memory_input` "residual" feeds the memory the residual stream after attention, "conv" the
-    block's normed (and short-convolved) input that attention sees. `balance_loss` > 0 adds that
+    block's normed (and short-convolved) input that attention sees. `route_input` is what the
+    addresses (the read route and, under "previous", the write route) are computed from:
+    "pre_conv" the block's normed input before the short convolution, which a convolution has not
+    mixed with the tokens before it, so a key routes alike at its pair and at its query (in the first
+    block, where attention has not mixed it either); "embedding" the token's embedding, RMS-normed by
+    a norm of the memory's own, the same token identity in every block; "memory" the memory's own
+    input (`memory_input`). The memory's query phases and writes always come from
+    `memory_input`. `balance_loss` > 0 adds that
     weight times a Switch-style load-balancing loss per tree level to the training loss;
     `decay_routing` false exempts the anchors and the write and address projections from weight
     decay.
@@ -114,6 +121,7 @@ class PMNetConfig:
     routing: Literal["learned", "router", "hash"] = "learned"
     write_address: Literal["current", "previous", "conv"] = "current"
     memory_input: Literal["residual", "conv"] = "residual"
+    route_input: Literal["pre_conv", "embedding", "memory"] = "embedding"
     balance_loss: float = 0.0
     decay_routing: bool = True
 
@@ -128,6 +136,11 @@ class PMNetConfig:
         check_range("memory_every", self.memory_every, low=0, note=" (0 disables the memory)")
         check_range("branching", self.branching, low=2)
         check_range("route_temperature", self.route_temperature, low=0, low_open=True)
+        choices = {"routing": ("learned", "router", "hash"), "write_address": ("current", "previous", "conv"),
+                   "memory_input": ("residual", "conv"), "route_input": ("pre_conv", "embedding", "memory")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}: must be one of {', '.join(map(repr, allowed))}, got {getattr(self, key)!r}")
 
     @property
     def n_slots(self) -> int:

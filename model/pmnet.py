@@ -57,6 +57,10 @@ class PMNetBlock(nn.Module):
         own_norm = with_memory and pm.memory_input == "residual"
         self.memory_norm = RMSNorm(config.d_model, config.norm_eps) if own_norm else None
         self.memory = PhasorMemory(config.d_model, pm) if with_memory else None
+        self.route_input = pm.route_input
+        # `route_input: embedding`: the token embedding, normed for the router as the block's input is
+        embedded = with_memory and pm.route_input == "embedding"
+        self.route_norm = RMSNorm(config.d_model, config.norm_eps) if embedded else None
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
@@ -71,20 +75,32 @@ class PMNetBlock(nn.Module):
         state: PMNetBlockState | None,
         sequence_parallel: SequenceParallel | None = None,
         doc_start: torch.Tensor | None = None,
+        embedded: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, PMNetBlockState]:
+        """One block on x [B, T, d]; ``embedded`` [B, T, d], the token embeddings, routes the memory
+        under `route_input: embedding` (PMNet.block_inputs passes it)."""
         sp = sequence_parallel
         if state is None:
             state = self.init_state(x.shape[0], x.device)
         offset = call_offset(state.position, sp)
-        h, conv = self.attn_norm(x), None
+        normed = self.attn_norm(x)
+        h, conv = normed, None
         if self.short_conv is not None:
-            h, conv = self.short_conv(h, state.conv, sp, doc_start, offset)
+            h, conv = self.short_conv(normed, state.conv, sp, doc_start, offset)
         attended, keys, values = self.attn(h, state.keys, state.values, offset, sp, doc_start)
         x = x + attended
         memory = state.memory
         if self.memory is not None:
             memory_in = self.memory_norm(x) if self.memory_norm is not None else h  # h: what attention saw
-            read, memory = self.memory(memory_in, memory, offset, sp, doc_start, address_input=h)
+            # the addresses: `pre_conv` the block's normed input, which the convolution has not mixed with
+            # its neighbours; `embedding` the token itself, which neither convolution nor attention has
+            # mixed (a key routes alike at its pair and at its query in every block); `memory` memory_in
+            route_in = {"pre_conv": normed, "memory": memory_in}.get(self.route_input)
+            if route_in is None:
+                if embedded is None:
+                    raise ValueError("route_input 'embedding' needs the token embeddings (PMNet.block_inputs)")
+                route_in = self.route_norm(embedded)
+            read, memory = self.memory(memory_in, memory, offset, sp, doc_start, address_input=h, route_input=route_in)
             x = x + read
         x = x + self.mlp(self.mlp_norm(x))
         return x, PMNetBlockState(next_offset(offset, x.shape[1], doc_start), keys, values, memory, conv)
@@ -136,6 +152,10 @@ class PMNet(StackedLM):
         super().__init__(config, lambda i: PMNetBlock(config, has_memory(i, config.pmnet)))
         for memory in self.memories():  # after StackedLM's generic init: the memory starts as a no-op
             memory.init_weights()
+
+    def block_inputs(self, embedded: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Under `route_input: embedding` every block gets the token embeddings, which route its memory."""
+        return {"embedded": embedded} if self.config.pmnet.route_input == "embedding" else {}
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         """In training with `pmnet.balance_loss` > 0: that weight times the memory blocks' mean
@@ -195,6 +215,8 @@ class PMNet(StackedLM):
         per_memory = 2 * pm.depth * pm.branching * 2 * M + L * (4 * M) + L * M
         if pm.routing == "hash":  # the fixed routing projection, a matmul without parameters (forward only)
             per_memory += 2 * c.d_model * M / 3
+        if pm.routing == "learned" and pm.route_input != "memory":  # the query applied to the route input too
+            per_memory += 2 * c.d_model * M
         if pm.write_address != "current":  # the write path's own routing scores
             per_memory += 2 * pm.depth * pm.branching * 2 * M / 3
         return 6.0 * (self.matmul_params() - anchors) + attention + 3 * len(memories) * per_memory

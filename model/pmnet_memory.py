@@ -275,24 +275,29 @@ class PhasorMemory(nn.Module):
         sequence_parallel: SequenceParallel | None = None,
         doc_start: torch.Tensor | None = None,
         address_input: torch.Tensor | None = None,
+        route_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MemoryState]:
         """Read and write the memory for h [B, T, d] at positions position.. ; a sequence-parallel piece
         adds the phases of the earlier pieces (kernels.phasor_scan_sequence_parallel). With ``doc_start``
         (bool [B, T]) each document starts from the initial phases (the carried or entering phases reach only the tokens
         before a row's first start), and its segments and collision counts are its own. Under
         `write_address: conv` the writes are routed from ``address_input`` [B, T, d] (the block's
-        short-convolved input; h when None)."""
+        short-convolved input; h when None). ``route_input`` [B, T, d] (h when None) is what routes the reads
+        and, under `previous`, the writes (the block's `route_input`: its normed input before the
+        short convolution, or the normed token embedding); h still sets the query phases that
+        demodulate and the increments."""
         B, T, _ = h.shape
         L, M = self.n_levels, self.memory_dim
         sp = sequence_parallel
         phase_q = self.query(h).float()
-        phase_r = self.routing_phases(h, phase_q)
+        r = h if route_input is None else route_input
+        phase_r = self.routing_phases(r, phase_q if r is h else self.query(r).float())
         # The balance loss moves the router and the anchors only, never the representation the router
         # reads: with its gradient reaching h the books model's cross-entropy was about 0.5 nats worse
         # (docs/pmnet.md, "Why a router of its own"). Under `routing: learned` it reaches the query and h.
         phase_b = None
         if self.training and self.balance_weight > 0 and self.router is not None:
-            phase_b = self.router(h.detach()).float()
+            phase_b = self.router(r.detach()).float()
         phase_w, previous = None, None
         if self.write_address == "previous":  # restarts: document starts and horizon ends, as for the phases
             restart = self._resets(token_positions(position, T, doc_start, h.device), doc_start, B)

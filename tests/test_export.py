@@ -130,18 +130,25 @@ def test_single_export_gives_training_logits(single_run: Path, tmp_path: Path) -
     assert "| eval/bits_per_token@64 |" in card
 
 
-@pytest.mark.parametrize("family", ["pmnet", "transformer", "vort-long"])
+@pytest.mark.parametrize("family", ["pmnet", "transformer", "vort-long", "pmnet-conv", "pmnet-route-memory"])
 def test_transformers_matches_own_loader(family: str, tmp_path: Path) -> None:
     """The other families through transformers, from an in-memory model (PMNet has a constant that
     is not in the weights file, which transformers' loading empties and the wrapper restores);
-    vort-long: VORT with learned temperatures and the gated read, its weights moved off their init."""
-    tree = yaml.safe_load((REPO / "configs" / "model" / f"{family.removesuffix('-long')}-tiny.yaml").read_text())
+    vort-long: VORT with learned temperatures and the gated read, its weights moved off their init;
+    pmnet-conv: the shipped PMNet with a short convolution of 3, its memory awake (weights moved off
+    the init that makes it a no-op), so the routes from the input before the convolution reach the
+    logits; pmnet-route-memory: the same routed from the memory's input (`route_input: memory`)."""
+    base = family.removesuffix("-long").removesuffix("-conv").removesuffix("-route-memory")
+    tree = yaml.safe_load((REPO / "configs" / "model" / f"{base}-tiny.yaml").read_text())
     if family == "vort-long":
         tree["model"]["vort"].update(learn_temperature=True, readout="norm_gate")
+    if family in ("pmnet-conv", "pmnet-route-memory"):
+        tree["model"]["short_conv"] = 3
+        tree["model"]["pmnet"]["route_input"] = "memory" if family == "pmnet-route-memory" else "pre_conv"
     cfg = config_from_dict(tree)
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
-    if family == "vort-long":
+    if family in ("vort-long", "pmnet-conv", "pmnet-route-memory"):
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(0.05 * torch.randn_like(param))

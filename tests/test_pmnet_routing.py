@@ -26,6 +26,13 @@ OPTIONS = [
     {"memory_input": "conv"},
     {"balance_loss": 0.1},
     {"routing": "hash", "write_address": "previous"},
+    # the default routes from the token embedding; these from the block's input before the short
+    # convolution and from the memory's input; then the shipped set (configs/model/pmnet-tiny.yaml)
+    {"route_input": "pre_conv"},
+    {"route_input": "memory"},
+    {"route_input": "memory", "memory_input": "conv"},
+    {"routing": "router", "write_address": "previous", "memory_input": "conv", "route_input": "pre_conv"},
+    {"routing": "router", "write_address": "previous", "memory_input": "conv"},
 ]
 
 
@@ -179,6 +186,32 @@ def test_config_errors() -> None:
         ModelConfig(kind="pmnet", short_conv=0, pmnet=PMNetConfig(write_address="conv"))
     config = make_model(balance_loss=0.1).config  # the balance loss runs sequence-parallel (summed over pieces)
     assert PMNet.sequence_parallel_problem(config, 64) is None
+
+
+def test_route_input_errors_name_the_key_and_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"route_input: must be one of 'pre_conv', 'embedding', 'memory', got 'conv'"):
+        PMNetConfig(route_input="conv")
+    with pytest.raises(ValueError, match=r"model\.pmnet\.route_input.*'pre_conv'"):
+        model_config_from_dict({"kind": "pmnet", "pmnet": {"route_input": "token"}})
+
+
+@pytest.mark.parametrize("route_input", ["pre_conv", "embedding", "memory"])
+@pytest.mark.parametrize("memory_input", ["residual", "conv"])
+def test_a_key_routes_alike_whatever_precedes_it(route_input: str, memory_input: str) -> None:
+    """With short_conv 3, a token's route depends on the tokens before it when the memory's input
+    routes (the convolution or attention mixes them in). Under `pre_conv` the first block's does not
+    (the block's input is the token alone there) but the second's does (attention has mixed it);
+    under `embedding` no block's does: a key reads where its pair's value was written."""
+    model = make_model(route_input=route_input, memory_input=memory_input, routing="router",
+                       write_address="previous").eval()
+    tokens = ids(batch=1, length=12).repeat(8, 1)
+    tokens[1:, :8] = ids(batch=7, length=8, seed=7)  # other tokens before position 8 in rows 1-7
+    model.record_routes(True)
+    with torch.no_grad():
+        model(tokens)
+    routes = model.take_routes()[0]  # [blocks, B, T, levels]
+    same = [bool((block[:, 8] == block[:1, 8]).all()) for block in routes]
+    assert same == {"pre_conv": [True, False], "embedding": [True, True], "memory": [False, False]}[route_input]
 
 
 def test_per_level_statistics() -> None:

@@ -3,6 +3,7 @@ recall experiment's premise: no query sees any pair through the attention."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -87,9 +88,13 @@ def test_hit_rates_of_a_collapsed_tree_and_of_a_model_without_memory(tmp_path: P
     assert rates["routing_other_writers/block0"] == pytest.approx(float((query_at - 2).mean()))
     assert rates["level3/slots_used"] == 1 / 64 and rates["level3/entropy"] == 0.0
     assert model_hit_rates(build_model(_run(SWA, tmp_path).config.model), examples) == {}
-    torch.manual_seed(0)
-    spread = build_model(run.config.model)
-    assert 0.0 <= model_hit_rates(spread, examples)["routing_hit"] < 1.0
+    torch.manual_seed(0)  # spread anchors, routed by the token embedding (route_input: embedding, the default):
+    spread = model_hit_rates(build_model(run.config.model), examples)  # a query reads its key's leaf in every
+    assert spread["routing_hit"] == 1.0 and spread["routing_clean"] > 0.0  # block, which others mostly leave alone
+    torch.manual_seed(0)  # routed by the memory's input, the second block's (mixed by attention) hits less often
+    by_input = dataclasses.replace(run.config.model, pmnet=dataclasses.replace(run.config.model.pmnet,
+                                                                                 route_input="memory"))
+    assert 0.0 <= model_hit_rates(build_model(by_input), examples)["routing_hit"] < 1.0
 
 
 def test_mqar_logs_the_routing_hit_rate_of_pmnet(tmp_path: Path) -> None:

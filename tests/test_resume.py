@@ -46,8 +46,10 @@ CASES = {
     # VORT's options for long contexts: learned temperatures and the gated read's parameters
     "single-vort-long": ("python", 1, ["engine.kind=single", "model.vort.learn_temperature=true",
                                        "model.vort.readout=norm_gate"], "vort"),
+    # PMNet as shipped with a short convolution: the memory's addresses from the block's input before it
+    "single-pmnet-conv": ("python", 1, ["engine.kind=single", "model.short_conv=3"], "pmnet"),
 }
-FAST = {"single", "deepspeed-2", "single-carry", "single-vort-long"}
+FAST = {"single", "deepspeed-2", "single-carry", "single-vort-long", "single-pmnet-conv"}
 
 
 def step_losses(run_dir: Path, key: str = "train/loss") -> dict[int, list[float]]:

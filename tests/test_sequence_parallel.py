@@ -50,6 +50,16 @@ MODELS["pmnet-routing"] = dataclasses.replace(
 # the write address from the short-convolved input: the convolution's halo reaches the address too
 MODELS["pmnet-address"] = dataclasses.replace(
     MODELS["pmnet-conv"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="conv", balance_loss=0.3))
+# the addresses from the block's input before the short convolution (route_input: pre_conv, the default) with
+# the memory reading the convolved input, from the token embeddings (embedding; with activation checkpointing,
+# which passes them to every block) and from the memory's own input (route_input: memory)
+MODELS["pmnet-pre-conv"] = dataclasses.replace(
+    MODELS["pmnet-routing"], pmnet=dataclasses.replace(MODELS["pmnet-routing"].pmnet, memory_input="conv",
+                                                       route_input="pre_conv"))
+MODELS["pmnet-embedding"] = dataclasses.replace(
+    MODELS["pmnet-routing"], pmnet=dataclasses.replace(MODELS["pmnet-routing"].pmnet, route_input="embedding"))
+MODELS["pmnet-route-memory"] = dataclasses.replace(
+    MODELS["pmnet-routing"], pmnet=dataclasses.replace(MODELS["pmnet-routing"].pmnet, route_input="memory"))
 MODELS["pmnet-hash"] = dataclasses.replace(
     MODELS["pmnet"], pmnet=dataclasses.replace(MODELS["pmnet"].pmnet, write_address="previous", routing="hash"))
 # VORT's options for long contexts (docs/vort.md): learned per-head temperatures and the gated read
@@ -138,7 +148,8 @@ def _check_pieces(tmp_path: Path, world: int, loss_rel: float) -> None:
                                                      ("pmnet-segment", True), ("vort-conv", False),
                                                      ("pmnet-conv-horizon", True), ("vort-long", False),
                                                      ("pmnet-routing", False), ("pmnet-routing", True),
-                                                     ("pmnet-address", False),
+                                                     ("pmnet-address", False), ("pmnet-pre-conv", True),
+                                                     ("pmnet-route-memory", False), ("pmnet-embedding", True),
                                                      ("pmnet-hash", True)])
 def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
     mp.spawn(_model_worker, args=(WORLD, free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
