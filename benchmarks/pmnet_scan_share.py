@@ -25,11 +25,12 @@ SCAN_EVENTS = ("PhasorScan",)  # the scan's autograd Functions and their backwar
 def measure(block: PMNetBlock, seq_len: int, d_model: int) -> dict:
     x = torch.randn(1, seq_len, d_model, requires_grad=True)
     grad = torch.randn(1, seq_len, d_model)
-    out, _ = block(x, None)  # warm-up (numba compiles on first use)
+    embedded = torch.randn(1, seq_len, d_model)  # the token embeddings that route the memory (route_input)
+    out, _ = block(x, None, embedded=embedded)  # warm-up (numba compiles on first use)
     out.backward(grad)
     with torch.profiler.profile() as prof:
         start = time.perf_counter()
-        out, _ = block(x, None)
+        out, _ = block(x, None, embedded=embedded)
         out.backward(grad)
         total = time.perf_counter() - start
     scan = sum(e.cpu_time_total for e in prof.key_averages() if e.key.startswith(SCAN_EVENTS)) / 1e6

@@ -1,17 +1,17 @@
-"""The SOE scan's Triton kernels (kernels/soe/gpu/forward.py, the value and query walks of backward.py)
-emulated on CPU in their order of fp32 operations, with their rounding points, for the precision table at lengths the
-interpreter cannot reach.
+"""The SOE scan's Triton kernels (kernels/soe/gpu/forward.py, the value, key and query walks of
+backward.py) emulated on CPU in their order of fp32 operations, with their rounding points, for the
+precision table at lengths the interpreter cannot reach.
 
 The interpreter runs a bf16 ``tl.dot`` as a plain fp32 matmul and takes hours at 512k tokens, so
 benchmarks/scan_precision.py's SOE kernel rows come from here. What is emulated, for q, k, v, coef (and
-the output gradient) in ``dtype`` (bf16 or fp32) at batch 1 and one head, without resets:
+the output gradients) in ``dtype`` (bf16 or fp32) at batch 1 and one head, without resets:
 
-- chunks of 16 tokens (the launch table's chunk) in spans of ``launches.walk_span`` chunks (an H100's), all spans at
-  once, the chunks of a span in turn; each span's own state (or state gradient) from zero
+- chunks of 16 tokens (the launch table's chunk) in spans of ``launches.walk_span`` chunks (an H100's),
+  all spans at once, the chunks of a span in turn; each span's own state (or state gradient) from zero
   (``span_states_kernel``), the pass over the fp32 span-border states (``kernels.span``), then each span
-  walked from its border state for o (``output_kernel``), z (``norm_output_kernel``), dv
-  (``value_grads_kernel``, for a zero final-state gradient) and dq (``query_grads_kernel``, from the
-  forward's border states);
+  walked from its border state for o and z (``output_kernel``: the value blocks' walks and the
+  normalisers'), dv (``value_grads_kernel``), dk (``key_grads_kernel``'s feature walks; both for a zero
+  final-state gradient) and dq (``query_grads_kernel``, from the forward's border states);
 - the rounding to ``dtype`` of every ``tl.dot`` operand that the kernels cast: the state before a read
   (``read_state``), the per-term write rows, built in ``dtype`` from weights rounded to ``dtype``
   (``write_state``/``scaled_rows``; ``write_norms``), and the masked scores before their product with v
@@ -22,8 +22,9 @@ the output gradient) in ``dtype`` (bf16 or fp32) at batch 1 and one head, withou
 
 Not modelled: the order and rounding of the tensor cores' fp32 accumulation inside a product (torch's
 fp32 matmul sums in its own order, with round-to-nearest), ``tl.exp``'s last-bit differences from torch's,
-resets, the final state (the padding of a short last chunk changes only that), and the gradients of k,
-coef and the decays (their walks are not emulated). Outputs are returned before the store's rounding to
+resets, the final state (the padding of a short last chunk changes only that), and the gradients of
+coef and the decays (the value walks' and the normalisers' shares and the coefficient kernel's sum are
+not emulated). Outputs are returned before the store's rounding to
 ``dtype``.
 """
 
@@ -225,3 +226,48 @@ def emulate_query_grads(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, lo
             held[1] = held[1] * w.dec.chunk[t][:, None] + scaled.sum(-1)
         dq[:, c] = dqc
     return dq.view(-1, k.shape[-1])[: w.seq_len]
+
+
+def _state_gradients(w: _Walk, qs: torch.Tensor, dos: torch.Tensor, dzs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gradients of the states leaving each span, dG [P, S, D, F] (transposed) and db [P, S, 1, F], for
+    a zero final-state gradient: each span's own from zero over its reads, chunks in reverse
+    (span_states_kernel, REVERSE: the normalisers' rows are (lam^(i+1) dz_i) rounded once, write_norms),
+    then the reverse span pass."""
+    n_terms, feat = w.dec.chunk.shape[-1], qs.shape[-1]
+    dg, db = w.zeros(n_terms, dos.shape[-1], feat), w.zeros(n_terms, 1, feat)
+    for c in range(w.span - 1, -1, -1):
+        dg = _write(dg, qs[:, c], dos[:, c], w.reads, w.dec.chunk, w.dtype)
+        rows = _to((w.reads * dzs[:, c, :, None]).transpose(1, 2), w.dtype)  # [P, S, C]
+        db = db * w.dec.chunk[:, None, None] + rows[:, :, None, :] @ qs[:, c][:, None]
+    return w.entering(dg, True), w.entering(db, True)
+
+
+def emulate_key_grads(q: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
+                      d_out: torch.Tensor, d_z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """dk [T, F] of the Triton SOE backward (key_grads_kernel's feature-block walks), fp32 before the store,
+    for a zero final-state gradient (dk does not depend on k): from the gradients of the states leaving
+    each span, chunks in reverse, the state gradient held as [terms x features, values]:
+    dk_j = sum_i ((do_i . v_j + dz_i) Wc[i, j], rounded to ``dtype``) q_i, then per term group (the small
+    one first) sum_s w_js (dG_s cast to ``dtype`` v_j + db_s); the state gradient then steps back over the
+    chunk's reads with rows (lam^(i+1) q_i) built in ``dtype``."""
+    w = _Walk((q, v, coef, d_out), log_lam, dtype, q.shape[-1], v.shape[-1])
+    qs, vs, cs, dos = w.parts
+    dzs = _spans(d_z.float()[:, None], w.n_spans, w.span)[..., 0]
+    dg, db = _state_gradients(w, qs, dos, dzs)
+    groups = (slice(w.split, None), slice(0, w.split))
+    states = [[dg[:, t].transpose(-1, -2), db[:, t, 0]] for t in groups]  # [P, Sg, F, D], [P, Sg, F]
+    dk = torch.empty(w.n_spans, w.span, CHUNK, q.shape[-1])
+    for c in range(w.span - 1, -1, -1):
+        qc, vc, cc, doc, dzc = qs[:, c], vs[:, c], cs[:, c], dos[:, c], dzs[:, c]
+        d_a = (doc @ vc.transpose(1, 2) + dzc[:, :, None]) * _kernel_matrix(cc, w.dec, dtype)
+        dkc = _to(d_a, dtype).transpose(1, 2) @ qc
+        for t, held in zip(groups, states):
+            back = _to(held[0], dtype) @ vc.transpose(1, 2)[:, None] + held[1][..., None]  # [P, Sg, F, C]
+            alpha = w.dec.writes[:, t] * cc[..., t]  # [P, C, Sg]
+            dkc = dkc + (back * alpha.transpose(1, 2)[:, :, None, :]).sum(1).transpose(1, 2)
+            reads = _to(w.reads[..., t], dtype)
+            scaled = _to(reads.transpose(1, 2)[:, :, None, :] * qc.transpose(1, 2)[:, None], dtype)  # [P, Sg, F, C]
+            held[0] = held[0] * w.dec.chunk[t][:, None, None] + scaled @ doc[:, None]
+            held[1] = held[1] * w.dec.chunk[t][:, None] + (scaled * dzc[:, None, None, :]).sum(-1)
+        dk[:, c] = dkc
+    return dk.view(-1, q.shape[-1])[: w.seq_len]
