@@ -11,7 +11,7 @@ same rounded values. Printed per length: the norm-wise relative error of the out
 gradients of q, k, v, coef and log_lam (one backward with random output gradients). Shape B=1, H=1,
 F=D=64 and S=18 terms (the shipped VORT's tiles), decays exp(-1/tau) with tau geometric from 1 to 1e6
 tokens and coefficients tau^-0.5 (a power law) times uniform(0.5, 1.5) per token. Beside each pair of
-CPU rows, the Triton kernels' o, z, dq, dv and dk on the same inputs, emulated on CPU in their order of fp32
+CPU rows, the Triton kernels' o, z, dq, dv, dk and dcoef on the same inputs, emulated on CPU in their order of fp32
 operations with their bf16 rounding points (benchmarks/soe_emulation.py; the interpreter computes a bf16
 ``tl.dot`` as an fp32 one and cannot reach 512k tokens), as stored and before the store's rounding.
 
@@ -96,7 +96,7 @@ def soe_run(inputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], dtype
 
 def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
     """One row per (length, operand dtype, path): relative errors against the float64 run, of the CPU path
-    (every output and gradient) and of the Triton kernels emulated (o, z, dq, dv, dk: kernel_row)."""
+    (every output and gradient) and of the Triton kernels emulated (o, z, dq, dv, dk, dcoef: kernel_row)."""
     rows = []
     for seq_len in lengths:
         inputs, seeds = soe_inputs(seq_len)
@@ -110,7 +110,7 @@ def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
             rows.append(row)
             print("  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         for dtype in (torch.bfloat16, torch.float32):
-            rows.append(kernel_row(inputs, seeds, (*exact[:3], exact[4], exact[3]), dtype))
+            rows.append(kernel_row(inputs, seeds, (*exact[:3], exact[4], exact[3], exact[5]), dtype))
         del exact
     return rows
 
@@ -118,14 +118,16 @@ def soe_rows(lengths: Sequence[int]) -> list[dict[str, Any]]:
 def kernel_row(
     inputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], exact: Sequence[torch.Tensor], dtype: torch.dtype
 ) -> dict[str, Any]:
-    """The Triton kernels' o, z, dq, dv and dk (for the output gradients ``seeds`` = (d_o, d_z) and a zero
-    final-state gradient) with ``dtype`` operands, emulated on CPU (benchmarks/soe_emulation.py), against
-    the float64 run ``exact`` (o, z, dq, dv, dk): norm-wise relative errors as stored in ``dtype`` and before
+    """The Triton kernels' o, z, dq, dv, dk and dcoef (for the output gradients ``seeds`` = (d_o, d_z) and
+    a zero final-state gradient; dcoef as the launches for decays without a gradient make it) with
+    ``dtype`` operands, emulated on CPU (benchmarks/soe_emulation.py), against the float64 run ``exact``
+    (o, z, dq, dv, dk, dcoef): norm-wise relative errors as stored in ``dtype`` and before
     that rounding, and the span the launch table gives (chunks of 16 tokens; its border states are stored
     in fp32)."""
     from benchmarks.soe_emulation import (
         CAPABILITY,
         CHUNK,
+        emulate_coef_grads,
         emulate_forward,
         emulate_key_grads,
         emulate_query_grads,
@@ -141,9 +143,10 @@ def kernel_row(
     got = (*emulate_forward(q, k, v, coef, log_lam, dtype),
            emulate_query_grads(k, v, coef, log_lam, d_out, d_z, dtype),
            emulate_value_grads(q, k, coef, log_lam, d_out, dtype),
-           emulate_key_grads(q, v, coef, log_lam, d_out, d_z, dtype))  # fmt: skip
+           emulate_key_grads(q, v, coef, log_lam, d_out, d_z, dtype),
+           emulate_coef_grads(q, k, v, coef, log_lam, d_out, d_z, dtype))  # fmt: skip
     row: dict[str, Any] = {"T": seq_len, "operands": str(dtype).removeprefix("torch."), "path": "triton_emulated"}
-    for name, walked, e in zip(("o", "z", "dq", "dv", "dk"), got, exact, strict=True):
+    for name, walked, e in zip(("o", "z", "dq", "dv", "dk", "dcoef"), got, exact, strict=True):
         e = e[0, :, 0]
         row[name] = ((walked.to(dtype).double() - e).norm() / e.norm()).item()
         row[f"{name}_before_store"] = ((walked.double() - e).norm() / e.norm()).item()

@@ -271,3 +271,35 @@ def emulate_key_grads(q: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_
             held[1] = held[1] * w.dec.chunk[t][:, None] + (scaled * dzc[:, None, None, :]).sum(-1)
         dk[:, c] = dkc
     return dk.view(-1, q.shape[-1])[: w.seq_len]
+
+
+def emulate_coef_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
+                       d_out: torch.Tensor, d_z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """dcoef [T, S] of the Triton SOE backward for decays without a gradient (VORT's launches), fp32 before
+    the store, for a zero final-state gradient: the value walks' shares lam^(n-1-j) v_j . (dG_s cast to
+    ``dtype``)^T k_j (one value block of all columns here), then the key launch's normalisers' share
+    lam^(n-1-j) k_j . (db_s cast to ``dtype``) plus the pairs inside the chunk, sum over i >= j of
+    (do_i . v_j + dz_i)(q_i . k_j) lam_s^(i-j) (its decay-table product in tf32 under bf16), added in the
+    coefficient kernel's order; the state gradients step back over each chunk's reads."""
+    w = _Walk((q, k, v, d_out), log_lam, dtype, q.shape[-1], v.shape[-1])
+    qs, ks, vs, dos = w.parts
+    dzs = _spans(d_z.float()[:, None], w.n_spans, w.span)[..., 0]
+    dg, db = _state_gradients(w, qs, dos, dzs)
+    i = torch.arange(CHUNK)
+    rows = i[:, None] + i[None, :]  # [d, j]: the pair (j + d, j), by_distance
+    dcoef = torch.empty(w.n_spans, w.span, CHUNK, coef.shape[-1])
+    for c in range(w.span - 1, -1, -1):
+        qc, kc, vc, doc, dzc = qs[:, c], ks[:, c], vs[:, c], dos[:, c], dzs[:, c]
+        u = _to(dg, dtype) @ kc.transpose(1, 2)[:, None]  # [P, S, D, C]
+        values = (u * vc.transpose(1, 2)[:, None]).sum(2).transpose(1, 2) * w.dec.writes  # [P, C, S]
+        norms = (_to(db, dtype) @ kc.transpose(1, 2)[:, None])[:, :, 0].transpose(1, 2) * w.dec.writes
+        d_p = doc @ vc.transpose(1, 2) + dzc[:, :, None]
+        pairs = torch.where(i[:, None] >= i[None, :], d_p * (qc @ kc.transpose(1, 2)), 0.0)  # [P, i, j]
+        by_distance = torch.where(rows < CHUNK, pairs.gather(1, rows.clamp(max=CHUNK - 1).expand(w.n_spans, -1, -1)),
+                                  0.0)  # fmt: skip
+        intra = _tf32(by_distance.transpose(1, 2), dtype) @ _tf32(w.dec.table, dtype)  # [P, j, S]
+        dcoef[:, c] = values + (norms + intra)
+        dg = _write(dg, qc, doc, w.reads, w.dec.chunk, dtype)
+        step = _to((w.reads * dzc[:, :, None]).transpose(1, 2), dtype)  # [P, S, C]
+        db = db * w.dec.chunk[:, None, None] + step[:, :, None, :] @ qc[:, None]
+    return dcoef.view(-1, coef.shape[-1])[: w.seq_len]

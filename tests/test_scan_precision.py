@@ -144,14 +144,21 @@ def test_the_training_summary_pairs_modes_by_seed() -> None:
 
 def test_the_soe_kernel_emulation_matches_the_triton_kernels_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks.soe_emulation in fp32 (its bf16 rounding points are then no-ops) against the Triton
-    kernels run by the interpreter, in spans of several chunks with a short last span and chunk (120 tokens:
-    3 spans of 3 chunks, the last 1.5). o, z, dq, dv and dk agree to fp32 round-off (1e-6 relative; a term, a decay
-    or a span-border state missed is off by far more), and are as close to the float64 run; with bf16
-    operands the emulation rounds (before the store: above 1e-5) but stays within 1e-2 of it."""
+    kernels run by the interpreter, in spans of several chunks with a short last span and chunk (120
+    tokens: 3 spans of 3 chunks, the last 1.5). o, z, dq, dv, dk and dcoef agree to fp32 round-off (1e-6
+    relative; a term, a decay or a span-border state missed is off by far more), and are as close to the
+    float64 run; with bf16 operands the emulation rounds (before the store: above 1e-5) but stays within
+    1e-2 of it."""
     import benchmarks.soe_emulation as emulation
     import kernels.soe.gpu.launches as launches
     from benchmarks.scan_precision import soe_inputs
-    from benchmarks.soe_emulation import emulate_forward, emulate_key_grads, emulate_query_grads, emulate_value_grads
+    from benchmarks.soe_emulation import (
+        emulate_coef_grads,
+        emulate_forward,
+        emulate_key_grads,
+        emulate_query_grads,
+        emulate_value_grads,
+    )
 
     # spans of 3 chunks (the fewest giving 12 programs of the smallest walks, 4 column blocks of the
     # interpreter's A100 tiles, at batch 1 and one head), in the kernels and the emulation alike
@@ -180,12 +187,14 @@ def test_the_soe_kernel_emulation_matches_the_triton_kernels_in_fp32(monkeypatch
             emulate_query_grads(k, v, coef, log_lam, d_out, d_z, dtype),
             emulate_value_grads(q, k, coef, log_lam, d_out, dtype),
             emulate_key_grads(q, v, coef, log_lam, d_out, d_z, dtype),
+            emulate_coef_grads(q, k, v, coef, log_lam, d_out, d_z, dtype),
         )
         errors = [rel(a, e[0, :, 0]) for a, e in zip(got[:2], (exact_o, exact_z))]
-        errors += [rel(got[2], exact[0].grad[0, :, 0]), rel(got[3], exact_dv), rel(got[4], exact[1].grad[0, :, 0])]
+        errors += [rel(got[2], exact[0].grad[0, :, 0]), rel(got[3], exact_dv), rel(got[4], exact[1].grad[0, :, 0]),
+                   rel(got[5], exact[3].grad[0, :, 0])]
         if dtype == torch.float32:
             kernels_out = (o.detach()[0, :, 0], z.detach()[0, :, 0], leaves[0].grad[0, :, 0], leaves[2].grad[0, :, 0],
-                           leaves[1].grad[0, :, 0])  # fmt: skip
+                           leaves[1].grad[0, :, 0], leaves[3].grad[0, :, 0])  # fmt: skip
             against_kernels = [rel(a, b) for a, b in zip(got, kernels_out)]
             assert max(against_kernels) < 1e-6, against_kernels
             assert max(errors) < 1e-6, errors
