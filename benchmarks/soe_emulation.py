@@ -10,8 +10,10 @@ the output gradients) in ``dtype`` (bf16 or fp32) at batch 1 and one head, witho
   all spans at once, the chunks of a span in turn; each span's own state (or state gradient) from zero
   (``span_states_kernel``), the pass over the fp32 span-border states (``kernels.span``), then each span
   walked from its border state for o and z (``output_kernel``: the value blocks' walks and the
-  normalisers'), dv (``value_grads_kernel``), dk (``key_grads_kernel``'s feature walks; both for a zero
-  final-state gradient) and dq (``query_grads_kernel``, from the forward's border states);
+  normalisers'), dv (``value_grads_kernel``), dk (``key_grads_kernel``'s feature walks), dcoef (the value
+  walks' shares, the key launch's normalisers' share with the pairs, ``coef_grads_kernel``'s sum; all
+  three for a zero final-state gradient) and dq (``query_grads_kernel``, from the forward's border
+  states);
 - the rounding to ``dtype`` of every ``tl.dot`` operand that the kernels cast: the state before a read
   (``read_state``), the per-term write rows, built in ``dtype`` from weights rounded to ``dtype``
   (``write_state``/``scaled_rows``; ``write_norms``), and the masked scores before their product with v
@@ -22,10 +24,9 @@ the output gradients) in ``dtype`` (bf16 or fp32) at batch 1 and one head, witho
 
 Not modelled: the order and rounding of the tensor cores' fp32 accumulation inside a product (torch's
 fp32 matmul sums in its own order, with round-to-nearest), ``tl.exp``'s last-bit differences from torch's,
-resets, the final state (the padding of a short last chunk changes only that), and the gradients of
-coef and the decays (the value walks' and the normalisers' shares and the coefficient kernel's sum are
-not emulated). Outputs are returned before the store's rounding to
-``dtype``.
+resets, the final state (the padding of a short last chunk changes only that), and the decays' gradient
+(the launches with ``NEED_DLL``; VORT's decays are buffers). Outputs are returned before the store's
+rounding to ``dtype``.
 """
 
 from __future__ import annotations
