@@ -160,7 +160,7 @@ def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: tor
     g, bn = _border_states(w, ks, vs, cs)
     out = torch.empty(w.n_spans, w.span, CHUNK, v.shape[-1])
     z = torch.empty(w.n_spans, w.span, CHUNK)
-    for c in range(w.span):  # output_kernel and norm_output_kernel
+    for c in range(w.span):  # output_kernel: the value blocks and the normalisers
         qc, kc, vc, cc = qs[:, c], ks[:, c], vs[:, c], cs[:, c]
         pm = _masked_scores(qc, kc, cc, dec, dtype)
         o = _to(pm, dtype) @ vc + _read(g[:, split:], qc, w.reads[..., split:], dtype)
