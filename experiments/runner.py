@@ -165,8 +165,10 @@ class Experiment:
         return out / self.name / subset_name(subset) if subset else out / self.name
 
     def run(self, out: Path, seeds: int | None = None, quick: bool = False, log: Any = print,
-            parallel: int = 1, only: Sequence[str] = (), overrides: Sequence[str] = ()) -> dict[str, Any]:
-        """Train (`parallel` runs at a time) and evaluate every (family, seed), then write
+            parallel: int = 1, only: Sequence[str] = (), overrides: Sequence[str] = (),
+            first_seed: int = 0) -> dict[str, Any]:
+        """Train (`parallel` runs at a time) and evaluate every (family, seed), seeds `first_seed` to
+        `first_seed + seeds - 1` (so more seeds can be added to a sweep without retraining), then write
         results.json, results.csv, plot.png under out/<name>; with `only` (family names), just those
         families, written under out/<name>/<subset_name> so that the whole experiment's files stay.
         `overrides` (dotted KEY=VALUE) go after every family's own: a variant of the whole
@@ -182,7 +184,7 @@ class Experiment:
         families = tuple(Family(f.name, (*f.overrides, *overrides)) for f in families if not only or f.name in only)
         self.prepare(out, quick)
         started = time.time()
-        pairs = [(family, seed) for family in families for seed in range(seeds)]
+        pairs = [(family, seed) for family in families for seed in range(first_seed, first_seed + seeds)]
         runs = self.train_all(pairs, out, quick, parallel)
         log(f"[{self.name}] {len(runs)} runs trained in {time.time() - started:.0f}s")
         records = []
@@ -212,6 +214,7 @@ class Experiment:
             "title": self.title,
             "command": f"python launch/experiment.py run {self.name}" + (" --quick" if quick else "")
             + ("" if seeds == self.seeds or quick else f" --seeds {seeds}")
+            + (f" --first-seed {first_seed}" if first_seed else "")
             + (f" --families {','.join(f.name for f in families)}" if only else "")
             + "".join(f" --set {o}" for o in overrides),
             "date": datetime.date.today().isoformat(),

@@ -1,7 +1,7 @@
 """Run one of the papers' experiments at CPU scale: train its families, evaluate, write results.
 
     python launch/experiment.py list
-    python launch/experiment.py run <name> [--quick] [--seeds N] [--out DIR] [--parallel K]
+    python launch/experiment.py run <name> [--quick] [--seeds N] [--first-seed K] [--out DIR] [--parallel K]
                                        [--families A,B] [--set KEY=VALUE ...]
 
 Results go to <out>/<name>/results.json, results.csv and plot.png (runs under <out>/runs/,
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("name", choices=sorted(EXPERIMENTS))
     run.add_argument("--quick", action="store_true", help="two training steps per run, short sequences")
     run.add_argument("--seeds", type=int, default=None, help="seeds per family (default: the experiment's)")
+    run.add_argument("--first-seed", type=int, default=0,
+                     help="the first seed (default 0): --first-seed 1 --seeds 2 adds seeds 1 and 2 to a seed-0 sweep")
     run.add_argument("--out", type=Path, default=Path("runs/experiments"), help="where runs and results go")
     run.add_argument("--parallel", type=int, default=1, help="runs trained at a time (default 1)")
     run.add_argument("--families", default="", help="comma-separated family names: run only these "
@@ -54,11 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.seeds is not None and args.seeds < 1:
         parser.error("--seeds must be >= 1")
+    if args.first_seed < 0:
+        parser.error("--first-seed must be >= 0")
     setup_logging("WARNING")
     try:
         only = tuple(name for name in args.families.split(",") if name)
         results = EXPERIMENTS[args.name].run(args.out, args.seeds, args.quick, parallel=args.parallel, only=only,
-                                             overrides=args.overrides)
+                                             overrides=args.overrides, first_seed=args.first_seed)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
