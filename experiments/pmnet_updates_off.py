@@ -19,8 +19,7 @@ from pathlib import Path
 from data_pipeline.tokenizer import byte_tokenizer
 from experiments.extrapolation import HELD_OUT, score_contexts
 from model.pmnet import PMNet
-from pretrain.checkpoint.consolidate import consolidate, resolve_checkpoint
-from pretrain.config import load_config
+from pretrain.checkpoint.consolidate import consolidate, read_run_config, resolve_checkpoint
 from pretrain.evaluate.text import read_text
 
 
@@ -29,7 +28,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--run", type=Path, required=True, help="a PMNet run directory: its final checkpoint")
     parser.add_argument("--contexts", default="1024,16384")
     args = parser.parse_args(argv)
-    model = consolidate(resolve_checkpoint(args.run), load_config(args.run / "config.yaml")).eval()
+    step = resolve_checkpoint(args.run)
+    model = consolidate(step, read_run_config(step)).eval()
     if not isinstance(model, PMNet) or not model.memories():
         raise SystemExit("not a PMNet with memory")
     gains = [memory.write_gain.detach().abs() for memory in model.memories()]

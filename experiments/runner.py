@@ -34,7 +34,7 @@ import torch
 from data_pipeline import synthetic
 from model import CausalLM
 from pretrain.checkpoint.consolidate import consolidate, resolve_checkpoint
-from pretrain.config import ConfigError, RunConfig, config_to_dict, load_config
+from pretrain.config import ConfigError, RunConfig, config_from_dict, config_to_dict, load_config, read_saved_config
 from pretrain.sweeps.run import core_slots
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,9 +270,10 @@ def subset_name(families: Sequence[str]) -> str:
 
 def _saved_config(path: Path) -> dict[str, Any] | None:
     """A run's saved config with today's defaults filled in (an option added since, at its default,
-    is the same run), or None if it no longer loads."""
+    is the same run; one whose default changed keeps the value the run was trained with), or None if
+    it no longer loads."""
     try:
-        return config_to_dict(load_config(path))
+        return config_to_dict(config_from_dict(read_saved_config(path)))
     except ConfigError:
         return None
 

@@ -200,6 +200,25 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return model_config_from_dict(section, sources)
 
 
+PREDATED_KEYS: dict[str, dict[str, dict[str, Any]]] = {
+    "pmnet": {"pmnet": {"route_input": "memory"}},
+}
+"""Per model kind, keys added after models were saved without them, with the value that reproduces what
+those models computed (a saved PMNet without `route_input` routed from the memory's input; the
+default is now `embedding`, docs/results.md section 12)."""
+
+
+def as_trained(section: dict[str, Any]) -> dict[str, Any]:
+    """A `model:` section read back from a run, a checkpoint or an export, with every key it predates
+    (PREDATED_KEYS) set to what the model was trained with, not to today's default; so an old run
+    resumes, exports and evaluates as the model it is, and a start with another value is refused."""
+    filled = dict(section)
+    for group, keys in PREDATED_KEYS.get(section.get("kind", ""), {}).items():
+        saved = filled.get(group) if isinstance(filled.get(group), dict) else {}
+        filled[group] = {**keys, **saved}
+    return filled
+
+
 def model_config_from_dict(section: dict[str, Any], sources: dict[str, str] | None = None) -> ModelConfig:
     """A plain `model:` section (e.g. an export's `lm_config`) checked into a ModelConfig; errors
     name keys as `model.<key>`, as they would in a run config."""

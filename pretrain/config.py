@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from data_pipeline import synthetic
 from model import family
-from model.config import ModelConfig
+from model.config import ModelConfig, as_trained
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
-from model.config_loader import build_config, check_range, dump_yaml, read_tree, short, to_plain
+from model.config_loader import build_config, check_range, dump_yaml, read_mapping, read_tree, short, to_plain
 
 
 def check_hang_timeout(value: float | None) -> None:
@@ -339,6 +339,16 @@ def sequence_parallel_problem(cfg: RunConfig) -> str | None:
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read `path` (following `extends`), apply dotted overrides, and validate everything."""
     return config_from_dict(*read_tree(path, overrides))
+
+
+def read_saved_config(path: str | Path) -> dict[str, Any]:
+    """A resolved config this project wrote (a run directory's or a checkpoint's config.yaml) as plain
+    data, its model section as the model was trained (model.config.as_trained: the keys it predates
+    get the values that reproduce the saved model, not today's defaults)."""
+    tree = read_mapping(Path(path))
+    if isinstance(tree.get("model"), dict):
+        tree["model"] = as_trained(tree["model"])
+    return tree
 
 
 def config_to_dict(config: Any) -> dict:

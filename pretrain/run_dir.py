@@ -29,12 +29,11 @@ import os
 from pathlib import Path
 
 from data_pipeline.shards import ManifestError
-from model.config_loader import read_mapping
 from pretrain.checkpoint.checkpointer import Checkpointer, next_old_number, saved_trainer_state, share_text
 from pretrain.checkpoint.layout import CONFIG, ENGINE_DIR, OLD_SUFFIX, CheckpointError
 from pretrain.checkpoint.manifest import local_path
 from pretrain.checkpoint.run_lock import LOCK_FILE
-from pretrain.config import ConfigError, RunConfig
+from pretrain.config import ConfigError, RunConfig, read_saved_config
 from pretrain.data import rebuilt_sources
 from pretrain.distributed import process_group as distributed
 from pretrain.engines import engine_class
@@ -141,7 +140,7 @@ def _check_config(cfg: RunConfig, run_dir: Path, chosen: Path | None) -> list[Ch
     sources = [path for path in (run_dir / CONFIG, chosen / CONFIG if chosen else None) if path and path.is_file()]
     allowed_changes = []
     for source in sources:
-        refused, allowed = compare(read_mapping(source), cfg)
+        refused, allowed = compare(read_saved_config(source), cfg)
         if refused:
             weights = f", or start it there from this run's weights with init.from={run_dir}" if chosen else ""
             raise RunRefusedError(

@@ -17,15 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
-from pretrain.config import config_to_dict, load_config
+from model.config_loader import dump_yaml
+from pretrain.config import config_to_dict, load_config, read_saved_config
 from pretrain.resume_rules import RULES, compare, flatten, rule_for
 from tests.launchers import REPO, run_training
 from tests.test_checkpoint_trust import reseal
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 TINY_VORT = str(REPO / "configs" / "tiny-vort.yaml")
+TINY_PMNET = str(REPO / "configs" / "tiny-pmnet.yaml")
 STEPS = 6
 
 
@@ -208,6 +211,53 @@ def test_global_batch_and_data_changes_follow_train_carry_state() -> None:
     moved = ["train.carry_state=true", "data.train=[{path: x}]", "data.mixture_change=true"]
     refused, _ = compare(carried, load_config(TINY_VORT, moved))
     assert [c.key for c in refused] == ["data.train"]
+
+
+def _predating_route_input(path: Path) -> None:
+    """Rewrite a saved config.yaml as a run saved before model.pmnet.route_input existed wrote it."""
+    saved = yaml.safe_load(path.read_text())
+    del saved["model"]["pmnet"]["route_input"]
+    path.write_text(dump_yaml(saved))
+
+
+def test_a_key_added_since_a_run_was_saved_takes_the_value_the_run_was_trained_with(tmp_path: Path) -> None:
+    """A PMNet saved before `route_input` existed routed from the memory's input: read back, it says
+    `memory` (not today's default, `embedding`), so a start with the default is refused naming the key
+    and one with `memory` continues; a VORT run saved then is not affected (the key does not apply)."""
+    for name, config in (("pmnet", TINY_PMNET), ("vort", TINY_VORT)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(dump_yaml(config_to_dict(load_config(config, ["model.pmnet.route_input=memory"]))))
+        _predating_route_input(path)
+        saved = read_saved_config(path)
+        refused, _ = compare(saved, load_config(config))
+        if name == "pmnet":
+            assert saved["model"]["pmnet"]["route_input"] == "memory"
+            assert [str(change) for change in refused] == ["model.pmnet.route_input 'memory' -> 'embedding'"]
+            assert compare(saved, load_config(config, ["model.pmnet.route_input=memory"]))[0] == []
+        else:
+            assert refused == []
+
+
+def test_a_pmnet_run_saved_before_route_input_resumes_as_trained(tmp_path: Path, demo_shards: dict[str, str]) -> None:
+    """Through launch/pretrain.py: a PMNet run whose config.yaml and checkpoint predate `route_input`
+    (rewritten so) is refused with today's default, untouched, and resumes with `route_input: memory`
+    (the weights fit: the embedding route's norm is not in them)."""
+    run = tmp_path / "run"
+    first = [*args(demo_shards["train"], run, config=TINY_PMNET), "train.steps=3", "model.pmnet.route_input=memory"]
+    code, output = start(first)
+    assert code == 0, output[-3000:]
+    newest = run / "checkpoints" / "step_00000003"
+    for path in (run / "config.yaml", newest / "config.yaml"):
+        _predating_route_input(path)
+    reseal(newest)
+    before = tree(run)
+    line = refusal(*start([*args(demo_shards["train"], run, config=TINY_PMNET), "train.steps=6"]))
+    assert "model.pmnet.route_input 'memory' -> 'embedding'" in line, line
+    assert tree(run) == before
+    code, output = start([*args(demo_shards["train"], run, config=TINY_PMNET), "train.steps=6",
+                          "model.pmnet.route_input=memory"])
+    assert code == 0 and "step 6/6" in output, output[-3000:]
+    assert "resumed from" in output and "step_00000003 at step 3" in output, output[-3000:]
 
 
 def test_plot_draws_loss_throughput_and_eval_curves_from_a_real_run(finished: Path, tmp_path: Path) -> None:

@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 
 from model import CausalLM, build_model
-from model.config_loader import read_mapping
 from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.layout import DELETING_SUFFIX, TMP_SUFFIX, CheckpointError
 from pretrain.checkpoint.manifest import committed_steps, verify_local
-from pretrain.config import ConfigError, RunConfig, config_from_dict
+from pretrain.config import ConfigError, RunConfig, config_from_dict, read_saved_config
 from pretrain.log import get_logger
 
 
@@ -93,7 +92,7 @@ def read_run_config(step_dir: Path) -> RunConfig:
     """The resolved RunConfig saved beside the weights."""
     path = step_dir / "config.yaml"
     try:
-        return config_from_dict(read_mapping(path))
+        return config_from_dict(read_saved_config(path))
     except ConfigError as err:
         raise CheckpointError(f"{path}: cannot read the run config: {err}") from err
 

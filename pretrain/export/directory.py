@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from model import CausalLM, build_model
-from model.config import model_config_from_dict
+from model.config import as_trained, model_config_from_dict
 from model.config_loader import ConfigError
 from pretrain.checkpoint.consolidate import load_newest
 from pretrain.checkpoint.layout import CheckpointError
@@ -91,7 +91,7 @@ def load_exported(export_dir: str | Path, device: str | torch.device = "cpu") ->
     export_dir = Path(export_dir)
     config = read_export_config(export_dir)
     try:
-        model_cfg = model_config_from_dict(config["lm_config"])
+        model_cfg = model_config_from_dict(as_trained(config["lm_config"]))
     except ConfigError as err:
         raise ExportError(f"{export_dir / CONFIG}: lm_config: {err}") from err
     weights = export_dir / WEIGHTS
