@@ -10,7 +10,8 @@ already trained and evaluated, so an interrupted experiment resumes where it sto
 trains every family for two steps on short sequences (a smoke test, not a result). --parallel K
 trains K runs at a time, each on its own share of the cores; the results are the same as one at a
 time. --set KEY=VALUE (repeatable, e.g. --set model.pmnet.balance_loss=0) changes every family
-of the run the same way: a variant of the experiment, which wants its own --out.
+of the run the same way: a variant of the experiment, which wants its own --out. --first-seed K
+--seeds N trains seeds K to K+N-1, so seeds can be added to a sweep that has the first ones.
 """
 
 from __future__ import annotations
