@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from model.config_loader import ConfigError, build_config, check_range, read_tree
 
@@ -136,9 +137,7 @@ class PMNetConfig:
         check_range("memory_every", self.memory_every, low=0, note=" (0 disables the memory)")
         check_range("branching", self.branching, low=2)
         check_range("route_temperature", self.route_temperature, low=0, low_open=True)
-        choices = {"routing": ("learned", "router", "hash"), "write_address": ("current", "previous", "conv"),
-                   "memory_input": ("residual", "conv"), "route_input": ("pre_conv", "embedding", "memory")}
-        for key, allowed in choices.items():
+        for key, allowed in _ROUTING_CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}: must be one of {', '.join(map(repr, allowed))}, got {getattr(self, key)!r}")
 
@@ -146,6 +145,12 @@ class PMNetConfig:
     def n_slots(self) -> int:
         """Slots in the tree with its root: 1 + N + N^2 + ... + N^depth."""
         return (self.branching ** (self.depth + 1) - 1) // (self.branching - 1)
+
+
+_ROUTING_CHOICES = {key: get_args(typing.get_type_hints(PMNetConfig)[key])
+                    for key in ("routing", "write_address", "memory_input", "route_input")}
+"""The values each routing switch accepts, read from its Literal annotation: checked when a PMNetConfig is
+built directly (a YAML config is checked by the loader already)."""
 
 
 @dataclasses.dataclass

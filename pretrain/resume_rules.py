@@ -134,9 +134,9 @@ class Change:
 def compare(saved: dict[str, Any], cfg: RunConfig) -> tuple[list[Change], list[Change]]:
     """(refused, allowed) changes from `saved` (a resolved config as plain data, read from a run
     directory or a checkpoint) to `cfg`. A key the saved config lacks (written before the key existed)
-    counts as its default (pretrain.config.read_saved_config has already set the keys whose default changed
-to the values the run was trained with); one it has that this code no longer knows (a removed key) is
-not compared."""
+    counts as its default (pretrain.config.read_saved_config has already set the keys whose default
+    changed to the values the run was trained with); one it has that this code no longer knows (a
+    removed key) is not compared."""
     defaults = flatten(config_to_dict(RunConfig()))
     old, new = {**defaults, **flatten(saved)}, flatten(config_to_dict(cfg))
 
