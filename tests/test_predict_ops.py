@@ -106,9 +106,10 @@ def test_gemm_time_follows_peak_waves_and_bandwidth():
     big = gemm.gemm_seconds(1, 8192, 8192, 8192, "bf16", H100)
     fp32 = gemm.gemm_seconds(1, 8192, 8192, 8192, "fp32", H100)
     assert fp32 / big == pytest.approx(H100.bf16_peak / H100.fp32_peak, rel=0.05)
-    # 12 x 11 tiles of 128x256 are one wave; a 13th tile row costs at least half a wave more
+    # 12 x 11 tiles of 128x256 are one wave; a 13th tile row costs at least a quarter wave more
+    # (the best tiling is then 128x64: 13 x 44 tiles, 5 waves of quarter tiles against 4)
     whole = gemm.gemm_seconds(1, 128 * 12, 256 * 11, 8192, "bf16", H100)
-    assert gemm.gemm_seconds(1, 128 * 13, 256 * 11, 8192, "bf16", H100) > 1.35 * whole
+    assert gemm.gemm_seconds(1, 128 * 13, 256 * 11, 8192, "bf16", H100) > 1.2 * whole
     # a skinny GEMM is bound by reading its weight
     weight = 43008 * 5376 * 2
     assert gemm.gemm_seconds(1, 16, 43008, 5376, "bf16", H100) > weight / H100.hbm_bytes_per_s

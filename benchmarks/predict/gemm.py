@@ -1,10 +1,11 @@
 """Time of one cuBLAS GEMM on a GPU, from its shape: a tile-and-wave model with three constants fitted on
 published H100 measurements of torch.matmul / cuBLAS.
 
-The model. cuBLAS computes C [m, n] in output tiles of 128x128, 128x256 or 256x128 (NVIDIA, "Matrix
-Multiplication Background User's Guide", sections "Typical Tile Dimensions in cuBLAS" and "Dimension
-Quantization Effects": tile and wave quantisation). Each tile runs on one SM at EFFICIENCY x that SM's
-share of the dtype's dense peak. Tiles go out in waves of one per SM; the last wave counts whole.
+The model. cuBLAS computes C [m, n] in output tiles of 128x128, 128x256 or 256x128, and 128x64 or
+64x128 for narrow products (NVIDIA, "Matrix Multiplication Background User's Guide", sections "Typical
+Tile Dimensions in cuBLAS" and "Dimension Quantization Effects": tile and wave quantisation). Each tile
+runs on one SM at EFFICIENCY x that SM's share of the dtype's dense peak. Tiles go out in waves of one
+per SM; the last wave counts whole.
 When the tiles do not fill the SMs and k is long, cuBLAS splits k (split-K): s partial products, whose
 fp32 partial tiles are written and read back once. The operands and the result cross HBM once at
 MEMORY_EFFICIENCY x its bandwidth, and the GEMM takes the longer of its compute and its traffic, plus
@@ -15,7 +16,7 @@ The model picks the tiling and split it predicts fastest, as cuBLAS's heuristics
 
 The measurements (CALIBRATION, H100 SXM 80 GB): each is reproduced within TOLERANCE
 (tests/test_predict_ops.py); `fit()` returns the constants below from them (scipy's Nelder-Mead from nine starts on the
-largest absolute log error, ties broken by the summed squares): the largest error is 20.5%. A per-tile
+largest absolute log error, ties broken by the summed squares): the largest error is 19.9%. A per-tile
 prologue term (k steps of fill) was tried and fitted to zero.
 - Stas Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable
   Matmul FLOPS comparison table" (github.com/stas00/ml-engineering): H100 SXM bf16 794.5 TFLOP/s at
@@ -39,14 +40,14 @@ from typing import NamedTuple
 
 from benchmarks.predict.gpu import Gpu
 
-EFFICIENCY = 0.850
+EFFICIENCY = 0.854
 """Fraction of the dtype's per-SM peak a tile's main loop runs at (fitted)."""
-FIXED_S = 9.39e-6
+FIXED_S = 9.49e-6
 """Seconds per GEMM call besides its tiles and traffic (fitted)."""
-MEMORY_EFFICIENCY = 0.978
+MEMORY_EFFICIENCY = 0.900
 """Fraction of the HBM bandwidth a GEMM's operand and result traffic moves at (fitted)."""
 
-TILES = ((128, 128), (128, 256), (256, 128))
+TILES = ((128, 128), (128, 256), (256, 128), (128, 64), (64, 128))
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 MIN_SPLIT_K = 256
 """Shortest k piece a split-K GEMM gives each split."""

@@ -119,19 +119,25 @@ def _optimizer_state(model: torch.nn.Module, weight_decay: float) -> list[dict[s
 
 @torch.no_grad()
 def _optimizer_step(groups: list[dict[str, Any]], grad_clip: float) -> None:
-    """DeepSpeed bf16 ZeRO's step on one GPU: cast the gradients to fp32, clip by the global norm,
-    fused AdamW on the fp32 masters, cast the masters back into the bf16 weights."""
+    """DeepSpeed bf16 ZeRO's step on one GPU, over the parameters that got a gradient: cast the
+    gradients to fp32, clip by the global norm, fused AdamW on the fp32 masters, cast the masters back
+    into the bf16 weights."""
+    stepped = []  # per group, its lists for the parameters that got a gradient
     for g in groups:
+        keep = [i for i, p in enumerate(g["params"]) if p.grad is not None]
+        if keep:
+            stepped.append({k: [v[i] for i in keep] if isinstance(v, list) else v for k, v in g.items()})
+    for g in stepped:
         torch._foreach_copy_(g["grads"], [p.grad for p in g["params"]])
-    grads = [t for g in groups for t in g["grads"]]
+    grads = [t for g in stepped for t in g["grads"]]
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     torch._foreach_mul_(grads, torch.clamp(grad_clip / (total + 1e-6), max=1.0))
-    for g in groups:
+    for g in stepped:
         torch._foreach_add_(g["steps"], 1)
         torch._fused_adamw_(g["master"], g["grads"], g["exp_avg"], g["exp_avg_sq"], [], g["steps"], lr=1e-3,
                             beta1=BETAS[0], beta2=BETAS[1], weight_decay=g["weight_decay"], eps=EPS,
                             amsgrad=False, maximize=False)
-        torch._foreach_copy_(list(g["params"]), g["master"])
+        torch._foreach_copy_(g["params"], g["master"])
 
 
 def capture_step_ops(
