@@ -69,6 +69,15 @@ def test_expanded_and_list_inputs_count_their_storage():
     assert (op.bytes_read, op.bytes_written) == (6 * 20, 3 * 20)
 
 
+def test_scatter_writes_only_what_its_source_holds():
+    target, rows, values = meta(1000, 100), torch.zeros(10, dtype=torch.long, device="meta"), meta(10)
+    cols = torch.zeros(10, dtype=torch.long, device="meta")
+    (op,) = capture_ops(lambda: target.index_put_((rows, cols), values))
+    assert (op.bytes_read, op.bytes_written) == (2 * 80 + 40, 40)
+    (op,) = capture_ops(lambda: target.index_put_((rows, cols), values, accumulate=True))
+    assert (op.bytes_read, op.bytes_written) == (2 * 80 + 40 + 40, 40)
+
+
 def test_checkpointed_block_records_its_forward_twice():
     lin = torch.nn.Linear(16, 16).to("meta")
     x = meta(4, 16, grad=True)

@@ -113,9 +113,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
 
 
-def _unique_bytes(tensors: list[torch.Tensor], seen: set | None = None) -> int:
-    seen = set() if seen is None else seen
-    total = 0
+def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+    seen, total = set(), 0
     for t in tensors:
         if _key(t) not in seen:
             seen.add(_key(t))
@@ -200,7 +199,8 @@ def make_op(func: Any, args: tuple, kwargs: dict, out: Any) -> Op:
         read = _unique_bytes([t for t in ins if _key(t) not in target])
         source = next((named[n] for n in ("values", "src", "source") if isinstance(named.get(n), torch.Tensor)), None)
         written = 0 if source is None else source.numel() * (outs or mutated)[0].element_size()
-        return Op(str(func), kind, flops, read + (written if base.endswith("add_") else 0), written, *shapes)
+        accumulates = "add" in base or bool(named.get("accumulate", False))  # reads the elements it adds to
+        return Op(str(func), kind, flops, read + (written if accumulates else 0), written, *shapes)
     written = _unique_bytes(outs + mutated)
     return Op(str(func), kind, flops, _unique_bytes(ins), written, *shapes, gemm=gemm)
 

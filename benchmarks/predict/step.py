@@ -18,9 +18,10 @@ Attention runs as CUDA's scaled_dot_product_attention picks it for bf16: flash a
 mask, memory-efficient attention with one (its boolean mask turned into an additive bias), the unfused
 math path for operands that are not 4-d (as CUDA's dispatch does).
 
-`price_ops` prices the ops: GEMMs by benchmarks/predict/gemm.py, attention by its FLOPs at
-ATTENTION_EFFICIENCY of the bf16 peak, memory ops by their bytes at ``memory_efficiency`` of the HBM
-bandwidth plus ``launch_overhead_s`` each, views free.
+`price_ops` prices the ops one after another: GEMMs by benchmarks/predict/gemm.py (its FIXED_S is a
+GEMM's per-call time), attention by its FLOPs at ATTENTION_EFFICIENCY of the bf16 peak, memory ops by
+their bytes at ``memory_efficiency`` of the HBM bandwidth plus ``launch_overhead_s`` each, views free.
+The Triton launches are not ops: the launch model prices them.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ BETAS, EPS = (0.9, 0.95), 1e-8  # pretrain.config.TrainSection's defaults; they 
 @dataclasses.dataclass(frozen=True)
 class StepCapture:
     """One training step's aten ops and Triton launches, and what its 6N check needs: the tokens, the
-    matmul parameters, and those of them whose forward the backward recomputes (checkpointed blocks)."""
+    matmul parameters, and the parameters of the blocks whose forward the backward recomputes
+    (checkpointed blocks; their vectors, norms and biases, included, which run no GEMM)."""
 
     ops: list[Op]
     launches: list[tuple[Launch, tuple]]
