@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,7 +75,8 @@ class GemmDims:
 class Op:
     """One aten op as it ran: name (e.g. "aten.mm.default"), kind (one of KINDS), FLOPs (GEMMs and
     attention; 0 otherwise), bytes read and written, the (shape, dtype) of its tensor inputs and
-    outputs, and for a GEMM its dims."""
+    outputs, for a GEMM its dims, and the top-level package of this project whose code made the call
+    (the innermost frame's: "kernels" for the ops inside the scans, "model", "pretrain"...; "" outside)."""
 
     name: str
     kind: str
@@ -83,6 +86,7 @@ class Op:
     inputs: tuple[tuple[tuple[int, ...], str], ...]
     outputs: tuple[tuple[tuple[int, ...], str], ...]
     gemm: GemmDims | None = None
+    origin: str = ""
 
     @property
     def bytes(self) -> int:
@@ -205,6 +209,21 @@ def make_op(func: Any, args: tuple, kwargs: dict, out: Any) -> Op:
     return Op(str(func), kind, flops, _unique_bytes(ins), written, *shapes, gemm=gemm)
 
 
+_PACKAGES = {str(Path(__file__).resolve().parents[2] / p) + "/": p for p in ("kernels", "model", "pretrain")}
+
+
+def _origin() -> str:
+    """The package of this project whose code is innermost on the call stack ("" if none)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        for prefix, package in _PACKAGES.items():
+            if name.startswith(prefix):
+                return package
+        frame = frame.f_back
+    return ""
+
+
 class OpRecorder(TorchDispatchMode):
     """A dispatch mode that appends the `Op` of every aten call made under it to ``ops``."""
 
@@ -215,7 +234,7 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops.append(make_op(func, args, kwargs, out))
+        self.ops.append(dataclasses.replace(make_op(func, args, kwargs, out), origin=_origin()))
         return out
 
 

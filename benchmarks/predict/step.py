@@ -2,7 +2,7 @@
 
 `capture_step_ops` builds the model of a config as benchmarks/launch_capture.py does (Triton scan backend,
 bf16 weights as the engines' bf16 precision hands them to the layers, meta device) and runs one
-training step under both kernels._common.capture_launches, which returns the scans' Triton launches
+training step under both benchmarks.predict.capture.capture_triton, which returns the scans' Triton launches
 without running them (the launch model prices those), and `ops.recording`, which records every aten
 op, those inside the scans' autograd Functions included:
 - forward through `model.loss`, the trainer's loss path (model/interface.py's chunked cross-entropy
@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.launch_capture import _meta_autocast, meta_model
+from benchmarks.predict.capture import Launch, capture_triton
 from benchmarks.predict.gemm import gemm_seconds
 from benchmarks.predict.gpu import Gpu
 from benchmarks.predict.ops import KINDS, Op, recording, summarize
-from kernels._common import Launch, capture_launches
 from model.config import ModelConfig
 from pretrain.optim import param_groups
 
@@ -57,7 +57,7 @@ class StepCapture:
     (checkpointed blocks; their vectors, norms and biases, included, which run no GEMM)."""
 
     ops: list[Op]
-    launches: list[tuple[Launch, tuple]]
+    launches: list[Launch]
     tokens: int
     matmul_params: int
     recomputed_params: int
@@ -156,7 +156,7 @@ def capture_step_ops(
     model.activation_checkpointing = activation_checkpointing
     groups = _optimizer_state(model, weight_decay)
     ids = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
-    with capture_launches(target) as launches, _meta_autocast(), _gpu_attention(), recording() as ops:
+    with capture_triton(target) as launches, _meta_autocast(), _gpu_attention(), recording() as ops:
         loss, _state = model.loss(ids, ids)
         loss.backward()
         _optimizer_step(groups, grad_clip)
