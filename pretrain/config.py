@@ -74,7 +74,7 @@ class DataSection:
     `mixture_change: true` declares that `train` differs on purpose from what the run's checkpoint
     was reading (sources added, removed or reweighted, or a source's shards rebuilt): the resume then
     continues with the new mixture from the saved position. Without it such a resume is refused
-    (pretrain/resume_rules.py); set it on the command line of the one start that changes the data."""
+    (pretrain/run/resume_rules.py); set it on the command line of the one start that changes the data."""
 
     train: list[DataSource] = dataclasses.field(default_factory=list)
     task: TaskSource | None = None
@@ -105,7 +105,7 @@ class DataSection:
 
 @dataclasses.dataclass
 class SpikeSection:
-    """Loss-spike rollback (pretrain/spike.py): a step whose global mean loss exceeds `factor` times the
+    """Loss-spike rollback (pretrain/resilience/spike.py): a step whose global mean loss exceeds `factor` times the
     median of the `window` finite losses before it is a spike; the run restores the newest checkpoint
     from before it and skips the samples read since. docs/training.md, "Loss spikes", gives the reason
     for each default."""
@@ -144,11 +144,11 @@ class TrainSection:
     carry_state: bool = False  # truncated BPTT: each batch row continues its text (pretrain/carry.py)
     log_every: int = 10
     max_runtime: float | None = None
-    # the hang watchdog's deadline for each phase of a step (pretrain/watchdog.py); null: derived from
+    # the hang watchdog's deadline for each phase of a step (pretrain/resilience/watchdog.py); null: derived from
     # the measured step time, at least HANG_FLOOR_S
     hang_timeout_s: float | None = None
     # a rank whose time per step outside communication exceeds this many times the median rank's is
-    # named at each log step (pretrain/straggler.py)
+    # named at each log step (pretrain/resilience/straggler.py)
     straggler_factor: float = 1.5
     spike: SpikeSection = dataclasses.field(default_factory=SpikeSection)
 

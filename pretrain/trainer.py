@@ -3,9 +3,9 @@
 Read top to bottom: `train()` sets a run up (`_start`) and steps it (`_loop`); each step's data is
 pretrain/data.py's, the engine behind pretrain/protocols.py's interface, the start-up rules
 pretrain/preflight.py's, the periodic evaluation pretrain/validate.py's and everything on disk
-pretrain/checkpoint/'s. Three guards watch the loop through small hooks: the hang watchdog
-(pretrain/watchdog.py, told each phase), the straggler report (pretrain/straggler.py, at log steps) and
-the loss-spike rollback (pretrain/spike.py and `_roll_back`, at log and checkpoint steps).
+pretrain/checkpoint/'s. Three guards of pretrain/resilience/ watch the loop through small hooks: the
+hang watchdog (`watchdog`, told each phase), the straggler report (`straggler`, at log steps) and the
+loss-spike rollback (`spike` and `_roll_back`, at log and checkpoint steps).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from model import CausalLM, build_model
-from pretrain import carry, straggler, watchdog
+from pretrain import carry
 from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.run_lock import RunLock, RunLockedError
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
@@ -31,15 +31,16 @@ from pretrain.data import StepBatches, make_loader
 from pretrain.distributed.parallel_dims import ParallelDims
 from pretrain.distributed.process_group import all_reduce_mean, all_reduce_sum, barrier, device_for_rank
 from pretrain.engines import build_engine, engine_class, join_process_group
-from pretrain.init_from import load_initial_weights
-from pretrain.log import get_logger
-from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
 from pretrain.preflight import DataError, check_data, check_start
-from pretrain.progress import Pace
 from pretrain.protocols import Engine
-from pretrain.run_dir import RunComplete, claim_run
-from pretrain.spike import Spike, SpikeDetector
+from pretrain.resilience import straggler, watchdog
+from pretrain.resilience.spike import Spike, SpikeDetector
+from pretrain.run.directory import RunComplete, claim_run
+from pretrain.run.init_from import load_initial_weights
+from pretrain.telemetry.log import get_logger
+from pretrain.telemetry.metrics import MetricsLogger, measure_peak_flops, memory_stats
+from pretrain.telemetry.progress import Pace
 from pretrain.validate import periodic_evaluation
 
 __all__ = ["EXIT_DIVERGED", "EXIT_PREEMPTED", "DataError", "RunLockedError", "train"]
@@ -183,7 +184,7 @@ def _lock_run(rank: int, run_dir: Path, checkpoint_root: str) -> RunLock | None:
 
 
 def _start(cfg: RunConfig, resume: str | None, start_over: bool = False) -> Run:
-    """Check, join the process group, take the run and settle what it continues (pretrain/run_dir.py),
+    """Check, join the process group, take the run and settle what it continues (pretrain/run/directory.py),
     build, and restore the chosen checkpoint; config.yaml and the metrics are written only then, so
     that a refused start leaves the run directory as it was."""
     check_data(cfg)
@@ -399,7 +400,7 @@ def train(
     """Run (or continue) the configured training; returns the process exit code. After a
     preemption save has committed, rank 0 writes `preempted_marker` (when given): the file a
     batch script checks to requeue the job. `start_over` moves a previous run in the directory aside
-    first (pretrain/run_dir.py)."""
+    first (pretrain/run/directory.py)."""
     started = time.time()
     try:
         run = _start(cfg, resume, start_over)

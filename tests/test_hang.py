@@ -1,4 +1,4 @@
-"""The hang watchdog (pretrain/watchdog.py) against hangs made from outside the trainer: one rank of a
+"""The hang watchdog (pretrain/resilience/watchdog.py) against hangs made from outside the trainer: one rank of a
 2-rank run stopped with SIGSTOP mid-training. The other rank, blocked in a collective, must end the job
 within `train.hang_timeout_s` plus a margin, with the stacks of every thread in the log and the requeue
 marker saying "hang"; the rerun resumes from the newest checkpoint and logs the uninterrupted run's
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pretrain.watchdog import EXIT_HANG, FIRST_TIME_FACTOR, HANG_FLOOR_S, MEASURED_FACTOR, Deadlines
+from pretrain.resilience.watchdog import EXIT_HANG, FIRST_TIME_FACTOR, HANG_FLOOR_S, MEASURED_FACTOR, Deadlines
 from tests.launchers import REPO, kill_tree, run_training
 from tests.test_preemption import start, wait_for_step
 from tests.test_resume import STEPS, config_args, step_losses
@@ -38,7 +38,7 @@ def test_watchdog_fires_while_the_main_thread_is_blocked_in_a_c_call(tmp_path: P
     marker = tmp_path / "marker.json"
     script = textwrap.dedent(f"""
         import os
-        from pretrain import watchdog
+        from pretrain.resilience import watchdog
         from pretrain.config import load_config
         cfg = load_config({str(REPO / 'configs' / 'tiny.yaml')!r}, ["run.dir={tmp_path}", "train.hang_timeout_s=1"])
         watchdog.start_for(cfg, 0, __import__("pathlib").Path({str(marker)!r}))

@@ -1,4 +1,4 @@
-"""Loss-spike rollback (pretrain/spike.py, the trainer's `_roll_back`) on spikes made by the data, not
+"""Loss-spike rollback (pretrain/resilience/spike.py, the trainer's `_roll_back`) on spikes made by the data, not
 by a hook: shards built with `data_pipeline.build` from a play with a block of a thousand random bytes
 in it, read in order (`data.shuffle_buffer: 1`, one shard). The run must roll back to the checkpoint
 before the block, skip the samples read since, finish, and equal bitwise a run resumed from that
@@ -18,7 +18,7 @@ import torch
 from benchmarks.spike_ratios import ratios
 from data_pipeline.build import build_shards
 from pretrain.config import SpikeSection
-from pretrain.spike import SpikeDetector
+from pretrain.resilience.spike import SpikeDetector
 from pretrain.trainer import EXIT_DIVERGED
 from tests.launchers import REPO, run_training
 

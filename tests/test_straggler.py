@@ -1,4 +1,4 @@
-"""The straggler report (pretrain/straggler.py): the judgment on given times, and a 2-rank run in which
+"""The straggler report (pretrain/resilience/straggler.py): the judgment on given times, and a 2-rank run in which
 one rank is slowed from outside by a SIGSTOP/SIGCONT duty cycle and must be the rank named."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pretrain.straggler import judge
+from pretrain.resilience.straggler import judge
 from tests.launchers import logged
 from tests.test_hang import _rank_process
 from tests.test_preemption import start, wait_for_step

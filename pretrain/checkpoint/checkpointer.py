@@ -48,8 +48,8 @@ from pretrain.checkpoint.manifest import (
 )
 from pretrain.checkpoint.rng import rng_state, set_rng_state
 from pretrain.distributed import process_group as distributed
-from pretrain.log import get_logger
 from pretrain.protocols import Engine
+from pretrain.telemetry.log import get_logger
 
 
 def _old_number(names: list[str], name: str) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import torch
 
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 
 def measure_peak_flops(size: int = 1024, repeats: int = 6) -> float:
