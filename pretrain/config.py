@@ -150,6 +150,9 @@ class TrainSection:
     # a rank whose time per step outside communication exceeds this many times the median rank's is
     # named at each log step (pretrain/resilience/straggler.py)
     straggler_factor: float = 1.5
+    # requeues in a row that find no checkpoint newer than the job before's, after which the batch script
+    # stops the job (exit 5) instead of requeueing it again (pretrain/resilience/requeue.py)
+    max_no_progress_requeues: int = 2
     spike: SpikeSection = dataclasses.field(default_factory=SpikeSection)
 
     def __post_init__(self) -> None:
@@ -172,6 +175,7 @@ class TrainSection:
             raise ValueError(f"max_runtime: must be > 0 seconds or null, got {self.max_runtime}")
         check_hang_timeout(self.hang_timeout_s)
         check_range("straggler_factor", self.straggler_factor, low=1, low_open=True)
+        check_range("max_no_progress_requeues", self.max_no_progress_requeues, low=0)
 
 
 @dataclasses.dataclass
@@ -182,7 +186,9 @@ class EngineSection:
     zero_stage: int = 2
     offload_optimizer: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
-    dist_timeout_s: float = 600.0
+    # every process group's timeout; above the hang watchdog's first-step allowance (3 x 300 s) with room to
+    # spare, since the watchdog's derived deadlines stay below 0.9 of it (docs/training.md, "Deadlines")
+    dist_timeout_s: float = 1800.0
     sequence_parallel: int = 1
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ from pretrain.engines import build_engine, engine_class, join_process_group
 from pretrain.optim import lr_at
 from pretrain.preflight import DataError, check_data, check_start
 from pretrain.protocols import Engine
-from pretrain.resilience import straggler, watchdog
+from pretrain.resilience import requeue, straggler, watchdog
 from pretrain.resilience.spike import Spike, SpikeDetector
 from pretrain.run.directory import RunComplete, claim_run
 from pretrain.run.init_from import load_initial_weights
@@ -45,8 +45,8 @@ from pretrain.validate import periodic_evaluation
 
 __all__ = ["EXIT_DIVERGED", "EXIT_PREEMPTED", "DataError", "RunLockedError", "train"]
 
-EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1/SIGINT or the wall-clock limit: requeue me
-EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
+EXIT_PREEMPTED = requeue.EXIT_REQUEUE  # saved and stopped on SIGTERM/SIGUSR1/SIGINT or the wall-clock limit
+EXIT_DIVERGED = requeue.EXIT_DIVERGED
 
 
 @dataclass
@@ -239,13 +239,24 @@ def _restored_state(batches: StepBatches | carry.StateCarrier, spikes: SpikeDete
     return TrainerState(**restored["trainer"])
 
 
+def _join_commit(run: Run) -> None:
+    """Collective: rank 0 waits for its asynchronous commit in flight (a full hash, and the upload to a
+    remote root) and the others for rank 0, timed apart from the save that follows."""
+    watchdog.phase("checkpoint_commit")
+    run.checkpointer.wait()
+    barrier()
+
+
 def _save(run: Run, pending: list[tuple[int, torch.Tensor]]) -> None:
+    _join_commit(run)
     watchdog.phase("checkpoint_save")
     account_skips(run.state, pending, run.cfg.train)
     trainer_state = {"trainer": vars(run.state), "data": run.batches.state_dict(), "spike": run.spikes.state_dict()}
     run.checkpointer.save(run.state.step, run.engine, trainer_state, config_text(run.cfg),
                           run.carrier.save if run.carrier else None)
     run.metrics.console(f"checkpoint of step {run.state.step} written (async={run.cfg.checkpoint.async_save})")
+    if run.rank == 0:  # what this job measured, for the deadlines of the next one after a requeue
+        watchdog.save_longest(Path(run.cfg.run.dir))
 
 
 def _roll_back(run: Run, pending: list[tuple[int, torch.Tensor]], spike: Spike) -> int | None:
@@ -325,10 +336,14 @@ def _times(pace: Pace | None, step: int) -> dict[str, float]:
 
 
 def _evaluate(run: Run) -> None:
+    """Collective: the periodic evaluation, rank 0's tasks and its logging included, all under the
+    evaluation's deadline: the other ranks wait for rank 0 at a barrier inside it, not in the next
+    step's collective under the step's deadline."""
     watchdog.phase("evaluation")
     results = periodic_evaluation(run.cfg, run.engine, run.rank, run.world, run.device)
     run.metrics.log(run.state.step, results)
     run.metrics.console("eval " + " ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in results.items()))
+    barrier()
 
 
 def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) -> int:
@@ -407,12 +422,20 @@ def train(
     except RunComplete as done:
         get_logger().info("%s", done)
         return 0
-    watchdog.start_for(cfg, run.rank, Path(preempted_marker) if preempted_marker else None)
+    deadlines = watchdog.start_for(cfg, run.rank, Path(preempted_marker) if preempted_marker else None)
+    watchdog.guard_commit(run.checkpointer.join)
+    allowance = watchdog.FIRST_TIME_FACTOR * watchdog.HANG_FLOOR_S
+    if cfg.train.hang_timeout_s is None and deadlines.first_time_s() < allowance:
+        get_logger().warning(
+            "the hang watchdog's first-step allowance of %.0f s is clamped to %.0f s, below engine.dist_timeout_s=%.0f "
+            "(a collective fails by itself past it, with no requeue); raise engine.dist_timeout_s or set "
+            "train.hang_timeout_s", allowance, deadlines.first_time_s(), cfg.engine.dist_timeout_s)
     times = straggler.StepTimes(run.world)
     try:
         stop = StopFlag()
         exit_code = _loop(run, started, stop, times)
-        watchdog.phase("checkpoint_save")  # the last commit, and the other ranks' wait for it
+        # the last commit, rank 0's closing of the metrics (wandb) and the other ranks' wait for both
+        watchdog.phase("finish")
         run.checkpointer.wait()
         if exit_code == EXIT_PREEMPTED and preempted_marker and run.rank == 0:
             write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed,
@@ -432,7 +455,7 @@ def train(
 def write_preempted_marker(path: Path, step: int, checkpoint: str | None, signum: int | None) -> None:
     """Atomically write the JSON note that asks the batch script to requeue this job."""
     reason = signal.Signals(signum).name if signum else "max_runtime"
-    watchdog.write_requeue_marker(path, {"step": step, "checkpoint": checkpoint, "reason": reason})
+    requeue.write_marker(path, {"step": step, "checkpoint": checkpoint, "reason": reason})
 
 
 def _projected_past(started: float, steps_done: int, cfg: RunConfig) -> bool:

@@ -189,6 +189,15 @@ class Checkpointer:
             self._thread = None
         self.poll()
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait `timeout_s` at most for the commit in flight (the hang watchdog's grace before it exits);
+        whether none is left. An error it raised stays for `poll`."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
     def prune(self) -> None:
         """Delete committed checkpoints beyond the newest `keep_last`, keeping every milestone.
         Each goes by a rename to `<name>.del` first, so that it disappears at once rather than
