@@ -244,3 +244,27 @@ def test_slurm_job_with_a_stopped_rank_is_requeued_and_resumes(demo_shards: dict
     assert second.returncode == 0, log.read_text()[-3000:]
     assert requeues(tmp_path) == ["777"]
     assert sorted(step_losses(job)) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_an_evaluation_slower_than_the_step_deadline_is_not_a_hang(demo_shards: dict[str, str], tmp_path: Path) -> None:
+    """2 DeepSpeed ranks; rank 0 alone runs the evaluation's tasks, made slower (many long examples) than
+    train.hang_timeout_s, while rank 1 waits for it. Both wait under the evaluation's deadline, at a barrier
+    inside it, so the run finishes with no hang; the evaluation took longer than the step deadline
+    (deadlines.json, the longest durations the run measured)."""
+    run = tmp_path / "run"
+    step_deadline = 4.0
+    args = config_args(demo_shards, run, [
+        "engine.kind=deepspeed", "train.steps=4", "checkpoint.every=0", "eval.every=2", "eval.tasks=[copy]",
+        "eval.task_examples=384", "eval.task_len=4096", f"train.hang_timeout_s={step_deadline}",
+        "eval.hang_timeout_s=300",
+    ])
+    proc = run_training("deepspeed", 2, args, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "hang:" not in output
+    longest = json.loads((run / "deadlines.json").read_text())
+    print(f"longest evaluation {longest['eval']:.1f} s, longest step {longest['step']:.2f} s "
+          f"(train.hang_timeout_s={step_deadline})")
+    assert longest["eval"] > step_deadline, longest
+    assert len([line for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/copy_exact" in line]) == 2
