@@ -107,17 +107,20 @@ class DataSection:
 class SpikeSection:
     """Loss-spike rollback (pretrain/resilience/spike.py): a step whose global mean loss exceeds `factor` times the
     median of the `window` finite losses before it is a spike; the run restores the newest checkpoint
-    from before it and skips the samples read since. docs/training.md, "Loss spikes", gives the reason
+    from before it and skips the samples read since, at most `max_rollbacks` times in any
+    `rollback_window` steps. docs/training.md, "Loss spikes", gives the reason
     for each default."""
 
     window: int = 50
     factor: float = 2.0
-    max_rollbacks: int = 3  # 0 turns the detector off; one more spike after this many saves and exits 4
+    max_rollbacks: int = 3  # per rollback_window steps; 0 turns the detector off; one more stops the run (exit 4)
+    rollback_window: int = 1000  # the steps over which max_rollbacks counts (the spikes' steps)
 
     def __post_init__(self) -> None:
         check_range("window", self.window, low=1)
         check_range("factor", self.factor, low=1, low_open=True)
         check_range("max_rollbacks", self.max_rollbacks, low=0, note=" (0 turns spike rollback off)")
+        check_range("rollback_window", self.rollback_window, low=1, note=" (steps)")
 
 
 @dataclasses.dataclass

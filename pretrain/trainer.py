@@ -25,6 +25,7 @@ import torch
 from model import CausalLM, build_model
 from pretrain import carry
 from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.layout import step_dir_name
 from pretrain.checkpoint.run_lock import RunLock, RunLockedError
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
 from pretrain.data import StepBatches, make_loader
@@ -47,6 +48,7 @@ __all__ = ["EXIT_DIVERGED", "EXIT_PREEMPTED", "DataError", "RunLockedError", "tr
 
 EXIT_PREEMPTED = requeue.EXIT_REQUEUE  # saved and stopped on SIGTERM/SIGUSR1/SIGINT or the wall-clock limit
 EXIT_DIVERGED = requeue.EXIT_DIVERGED
+SPIKED_DIR = "spiked"  # under the run directory: the weights of a spike past the rollback budget
 
 
 @dataclass
@@ -247,16 +249,36 @@ def _join_commit(run: Run) -> None:
     barrier()
 
 
-def _save(run: Run, pending: list[tuple[int, torch.Tensor]]) -> None:
+def _save(run: Run, pending: list[tuple[int, torch.Tensor]], apart: Checkpointer | None = None) -> None:
+    """Collective: checkpoint the current step (under `apart`'s root instead of the run's, when given)."""
     _join_commit(run)
     watchdog.phase("checkpoint_save")
     account_skips(run.state, pending, run.cfg.train)
     trainer_state = {"trainer": vars(run.state), "data": run.batches.state_dict(), "spike": run.spikes.state_dict()}
-    run.checkpointer.save(run.state.step, run.engine, trainer_state, config_text(run.cfg),
-                          run.carrier.save if run.carrier else None)
-    run.metrics.console(f"checkpoint of step {run.state.step} written (async={run.cfg.checkpoint.async_save})")
+    (apart or run.checkpointer).save(run.state.step, run.engine, trainer_state, config_text(run.cfg),
+                                     run.carrier.save if run.carrier else None)
+    if apart is None:
+        run.metrics.console(f"checkpoint of step {run.state.step} written (async={run.cfg.checkpoint.async_save})")
     if run.rank == 0:  # what this job measured, for the deadlines of the next one after a requeue
         watchdog.save_longest(Path(run.cfg.run.dir))
+
+
+def _save_spiked(run: Run, pending: list[tuple[int, torch.Tensor]], said: str) -> int:
+    """Collective: the spike budget is spent. The spiked weights are written apart, to `<run dir>/spiked/`
+    (kept for a post-mortem; `--resume auto` reads only the checkpoints' root, so it never picks them);
+    returns EXIT_DIVERGED."""
+    cfg = run.cfg.train.spike
+    run_dir = Path(run.cfg.run.dir)
+    apart = Checkpointer(str(run_dir / SPIKED_DIR), run_dir / ".checkpoint_staging", keep_last=1 << 30,
+                         milestone_every=0, async_save=False)
+    _save(run, pending, apart)
+    newest = run.checkpointer.last_committed or (run.checkpointer.list() or ["none"])[0]
+    get_logger().warning(
+        "%s; %d rollbacks in the last train.spike.rollback_window=%d steps (train.spike.max_rollbacks=%d): "
+        "stopping. The spiked weights of step %d are written apart to %s, never resumed by --resume auto; the "
+        "newest checkpoint is still %s", said, run.spikes.rollbacks_near(run.state.step), cfg.rollback_window,
+        cfg.max_rollbacks, run.state.step, run_dir / SPIKED_DIR / step_dir_name(run.state.step), newest)
+    return EXIT_DIVERGED
 
 
 def _roll_back(run: Run, pending: list[tuple[int, torch.Tensor]], spike: Spike) -> int | None:
@@ -267,26 +289,28 @@ def _roll_back(run: Run, pending: list[tuple[int, torch.Tensor]], spike: Spike) 
     cfg = run.cfg.train.spike
     said = (f"loss spike at step {spike.step}: {spike.loss:.4f} > train.spike.factor={cfg.factor} x the median "
             f"{spike.median:.4f} of the {cfg.window} steps before")
-    if run.spikes.exhausted:
-        get_logger().warning("%s; train.spike.max_rollbacks=%d rollbacks made: saving and stopping", said,
-                             cfg.max_rollbacks)
-        _save(run, pending)
-        return EXIT_DIVERGED
+    if run.spikes.exhausted(spike.step):
+        return _save_spiked(run, pending, said)
     watchdog.phase("checkpoint_load")
     restored = run.checkpointer.restore_before(spike.step, run.engine)
     if restored is None:
         get_logger().warning("%s; no checkpoint from before it to roll back to: going on", said)
         return None
     pending.clear()
+    since = run.state.step
     run.state = _restored_state(run.batches, run.spikes, restored, rollback=True)
-    run.spikes.rollbacks += 1
+    run.spikes.rollback_steps.append(spike.step)
+    run.checkpointer.restored_step = None  # the state now skips the spike's samples: a save of this step is new
+    if run.pace is not None:
+        run.pace.rewind(since, run.state.step)
     first = run.batches.position()
     run.batches.skip(first, spike.end_sample)
     skipped = [first, spike.end_sample]
     run.metrics.event(
         {"event": "rollback", "step": spike.step, "to_step": run.state.step, "skipped_samples": skipped},
         f"{said}; rolled back to step {run.state.step}, skipping global samples [{first}, {spike.end_sample}) "
-        f"(rollback {run.spikes.rollbacks} of train.spike.max_rollbacks={cfg.max_rollbacks})",
+        f"(rollback {run.spikes.rollbacks_near(spike.step)} of train.spike.max_rollbacks={cfg.max_rollbacks} in "
+        f"train.spike.rollback_window={cfg.rollback_window} steps)",
     )
     return None
 
@@ -346,6 +370,21 @@ def _evaluate(run: Run) -> None:
     barrier()
 
 
+def _check(run: Run, pending: list[tuple[int, torch.Tensor]]) -> int | None:
+    """Collective, before every save: the verdict on the steps since the last check. An exit code when
+    the run diverged or a spike found the rollback budget spent; else None, after rolling back a spike
+    found (run.state is then the restored checkpoint's)."""
+    train_cfg = run.cfg.train
+    diverged_at = account_skips(run.state, pending, train_cfg)
+    if diverged_at is not None:
+        get_logger().warning("diverged at step %d (train.nan_policy=%s, train.max_skipped_steps=%d)",
+                             diverged_at, train_cfg.nan_policy, train_cfg.max_skipped_steps)
+        _save(run, pending)
+        return EXIT_DIVERGED
+    spike = run.spikes.check()
+    return _roll_back(run, pending, spike) if spike is not None else None
+
+
 def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) -> int:
     """Step until train.steps, a divergence or a stop; returns the exit code. The host waits for the
     device only at log and checkpoint steps (every step under nan_policy "stop"); every rank reads
@@ -377,21 +416,13 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
         log_step = state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps
         checkpoint_step = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0
         if log_step or checkpoint_step or cfg.train.nan_policy == "stop":
-            diverged_at = account_skips(state, pending, cfg.train)
-            if diverged_at is not None:
-                get_logger().warning("diverged at step %d (train.nan_policy=%s, train.max_skipped_steps=%d)",
-                                     diverged_at, cfg.train.nan_policy, cfg.train.max_skipped_steps)
-                _save(run, pending)
-                return EXIT_DIVERGED
-            spike = run.spikes.check()
-            if spike is not None:
-                exit_code = _roll_back(run, pending, spike)
-                if exit_code is not None:
-                    return exit_code
-                if run.state is not state:  # rolled back: the next step is the checkpoint's
-                    window_start, window_tokens = time.time(), 0
-                    times.take()
-                    continue
+            exit_code = _check(run, pending)
+            if exit_code is not None:
+                return exit_code
+            if run.state is not state:  # rolled back: the next step is the checkpoint's
+                window_start, window_tokens = time.time(), 0
+                times.take()
+                continue
         if log_step:
             _log_step(run, info, lr, (window_start, window_tokens), times)
             window_start, window_tokens = time.time(), 0
@@ -400,8 +431,11 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
             watchdog.phase("step_end")
         out_of_time = cfg.train.max_runtime is not None and _projected_past(started, state.step, cfg)
         if _any_rank(stop.signal is not None or out_of_time):
+            exit_code = _check(run, pending)  # a stop between two checks: the steps since are judged first
+            if exit_code is not None:
+                return exit_code
             _save(run, pending)
-            run.metrics.console(f"stopping at step {state.step}: {'signal' if stop.signal else 'max_runtime'}")
+            run.metrics.console(f"stopping at step {run.state.step}: {'signal' if stop.signal else 'max_runtime'}")
             return EXIT_PREEMPTED
         if checkpoint_step and state.step < cfg.train.steps:
             _save(run, pending)
