@@ -11,9 +11,7 @@ loss-spike rollback (`spike` and `_roll_back`, at log and checkpoint steps).
 from __future__ import annotations
 
 import math
-import os
 import random
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,25 +57,6 @@ class TrainerState:
     tokens_seen: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
-
-
-class StopFlag:
-    """Set by SIGTERM / SIGUSR1, and by a first SIGINT (Ctrl-C): checked (and agreed on by all ranks)
-    at step boundaries, where the run saves and exits with EXIT_PREEMPTED. A second SIGINT raises
-    KeyboardInterrupt at once: stop without saving."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if signum == signal.SIGINT:
-            if self.signal == signal.SIGINT:
-                raise KeyboardInterrupt
-            os.write(2, b"Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: stop now, "
-                        b"unsaved)\n")
-        self.signal = signum
 
 
 def seed_everything(seed: int) -> None:
@@ -385,7 +364,7 @@ def _check(run: Run, pending: list[tuple[int, torch.Tensor]]) -> int | None:
     return _roll_back(run, pending, spike) if spike is not None else None
 
 
-def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) -> int:
+def _loop(run: Run, started: float, stop: requeue.StopFlag, times: straggler.StepTimes) -> int:
     """Step until train.steps, a divergence or a stop; returns the exit code. The host waits for the
     device only at log and checkpoint steps (every step under nan_policy "stop"); every rank reads
     the same flags, so every rank agrees to stop."""
@@ -399,12 +378,13 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
         lr = lr_at(state.step, cfg.train)
         watchdog.phase("data", state.step + 1)
         times.step_begins()
+        committing = not run.checkpointer.join(0.0)  # this rank's commit in flight: the step is not compared
         micro_batches = run.batches.next_step()
         times.data_ready()
         watchdog.phase("forward_backward")
         info = run.engine.train_step(micro_batches, lr)
         watchdog.phase("step_end")
-        times.step_ends()
+        times.step_ends(counted=not committing and run.checkpointer.join(0.0))
         if run.carrier is not None:
             run.carrier.update(info.states)
         run.checkpointer.poll()
@@ -429,6 +409,7 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
         if cfg.eval.every and state.step % cfg.eval.every == 0:
             _evaluate(run)
             watchdog.phase("step_end")
+            times.skip_next()
         out_of_time = cfg.train.max_runtime is not None and _projected_past(started, state.step, cfg)
         if _any_rank(stop.signal is not None or out_of_time):
             exit_code = _check(run, pending)  # a stop between two checks: the steps since are judged first
@@ -439,6 +420,7 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
             return EXIT_PREEMPTED
         if checkpoint_step and state.step < cfg.train.steps:
             _save(run, pending)
+            times.skip_next()
     _save(run, pending)
     return 0
 
@@ -466,13 +448,13 @@ def train(
             "train.hang_timeout_s", allowance, deadlines.first_time_s(), cfg.engine.dist_timeout_s)
     times = straggler.StepTimes(run.world)
     try:
-        stop = StopFlag()
+        stop = requeue.StopFlag()
         exit_code = _loop(run, started, stop, times)
         # the last commit, rank 0's closing of the metrics (wandb) and the other ranks' wait for both
         watchdog.phase("finish")
         run.checkpointer.wait()
         if exit_code == EXIT_PREEMPTED and preempted_marker and run.rank == 0:
-            write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed,
+            requeue.write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed,
                                    stop.signal)
         run.metrics.close()
         # No rank leaves before rank 0 has committed: a launcher that kills the job when its first
@@ -484,12 +466,6 @@ def train(
         if run.lock is not None:
             run.lock.release()
     return exit_code
-
-
-def write_preempted_marker(path: Path, step: int, checkpoint: str | None, signum: int | None) -> None:
-    """Atomically write the JSON note that asks the batch script to requeue this job."""
-    reason = signal.Signals(signum).name if signum else "max_runtime"
-    requeue.write_marker(path, {"step": step, "checkpoint": checkpoint, "reason": reason})
 
 
 def _projected_past(started: float, steps_done: int, cfg: RunConfig) -> bool:

@@ -1,4 +1,5 @@
-"""How a job ends and whether it comes back: the exit codes, the requeue marker, and the bounded requeue.
+"""How a job ends and whether it comes back: the exit codes, the stop signals (`StopFlag`), the requeue
+marker, and the bounded requeue.
 
 The trainer (after a preemption save) or a rank's hang watchdog writes the **requeue marker**, a JSON
 note at the path `--preempted-marker` names; the batch script (launch/slurm/job.sh) requeues the job on
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,12 +50,37 @@ def write_marker(path: Path, note: dict[str, Any], rank: int = 0) -> None:
     os.replace(tmp, path)
 
 
+def write_preempted_marker(path: Path, step: int, checkpoint: str | None, signum: int | None) -> None:
+    """Atomically write the JSON note that asks the batch script to requeue this job."""
+    reason = signal.Signals(signum).name if signum else "max_runtime"
+    write_marker(path, {"step": step, "checkpoint": checkpoint, "reason": reason})
+
+
 def describe(note: dict[str, Any]) -> str:
     """One line for a marker: why the job stopped, and where."""
     if note.get("reason") == HANG:
         return (f"rank {note.get('rank', '?')} hung in phase {note.get('phase', '?')!r} of step "
                 f"{note.get('step', '?')}")
     return f"stopped by {note.get('reason', 'an unknown reason')} at step {note.get('step', '?')}"
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGUSR1, and by a first SIGINT (Ctrl-C): checked (and agreed on by all ranks)
+    at step boundaries, where the run saves and exits with EXIT_REQUEUE. A second SIGINT raises
+    KeyboardInterrupt at once: stop without saving."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self.signal == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.write(2, b"Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: stop now, "
+                        b"unsaved)\n")
+        self.signal = signum
 
 
 @dataclass
