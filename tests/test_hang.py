@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from pretrain.resilience.watchdog import (
+    COMMIT_GRACE_S,
     EXIT_HANG,
     FILE_WAIT_S,
     FIRST_TIME_FACTOR,
@@ -115,6 +116,17 @@ def test_a_marker_that_cannot_be_written_still_ends_the_rank(tmp_path: Path) -> 
     assert "writing the requeue marker" in done.stderr and "failed" in done.stderr
     assert "has been in phase 'data' of step 7" in (tmp_path / "hang_rank0.log").read_text()
 
+
+
+def test_the_commit_in_flight_gets_its_grace_before_the_exit(tmp_path: Path) -> None:
+    """Before it exits, the watchdog waits for the asynchronous commit in flight (bounded by COMMIT_GRACE_S),
+    so that the newest checkpoint is not lost: the stand-in commit's wait runs, and finishes, first."""
+    waited = tmp_path / "waited"
+    commit = f"lambda s: (time.sleep(1), pathlib.Path({str(waited)!r}).write_text(str(s)))"
+    done, _ = _blocked_rank(tmp_path, tmp_path / "marker.json",
+                            f"import time; watchdog.guard_commit({commit}); os.read(os.pipe()[0], 1)")
+    assert done.returncode == EXIT_HANG, done.stderr[-3000:]
+    assert float(waited.read_text()) == COMMIT_GRACE_S
 
 def test_a_hang_that_holds_the_gil_is_ended_by_the_backstop(tmp_path: Path) -> None:
     """A regular expression that backtracks for hours never releases the GIL: the watchdog's thread cannot
