@@ -245,6 +245,10 @@ def test_slurm_job_with_a_stopped_rank_is_requeued_and_resumes(demo_shards: dict
     assert requeues(tmp_path) == ["777"], output[-3000:]
     assert took < 10 + FIFO_MARGIN_S
     assert f"gave up on writing {job / 'hang_rank0.log'}" in output
+    record = json.loads((job / "collectives_rank0.json").read_text())  # torch's flight recorder, gloo here
+    in_flight = [e["profiling_name"] for e in record["entries"] if not e["retired"]]  # the one it waits in
+    print("collectives in flight on rank 0:", in_flight)
+    assert in_flight, record["entries"][-3:]
     assert "rank 0 hung in phase" in output and "requeueing job 777" in output and '"reason": "hang"' in output
     assert reached < STEPS
 

@@ -15,7 +15,8 @@ is armed at every phase to dump the stacks and end the process BACKSTOP_S after 
 Past its deadline the thread, in this order and whatever fails: writes the phase, the step and the stacks
 of every thread (faulthandler) to the rank's stderr (the job's log); gives each file it then writes
 FILE_WAIT_S at most (the run directory may be on the stuck filesystem): `<run dir>/hang_rank<r>.log` and
-the requeue marker (`--preempted-marker`, reason "hang"; pretrain/resilience/requeue.py); gives an
+the requeue marker (`--preempted-marker`, reason "hang"; pretrain/resilience/requeue.py) and
+`<run dir>/collectives_rank<r>.json` (torch's flight recorder: the collectives in flight); gives an
 asynchronous checkpoint commit in flight COMMIT_GRACE_S to finish, so the newest checkpoint is not lost;
 and exits the process with code 3 (os._exit in a `finally`: the main thread is stuck and cannot unwind).
 The launcher then ends the other ranks and the requeued job resumes from the newest verified checkpoint.
@@ -44,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pretrain.config import RunConfig
+from pretrain.distributed.process_group import flight_record
 from pretrain.resilience.requeue import EXIT_REQUEUE, HANG, write_marker
 
 EXIT_HANG = EXIT_REQUEUE  # the requeue code, as after a preemption: the job resumes from its newest checkpoint
@@ -143,6 +145,7 @@ class Watchdog:
     def __init__(self, deadlines: Deadlines, rank: int, run_dir: Path, marker: Path | None) -> None:
         self.deadlines, self.rank, self.marker = deadlines, rank, marker
         self.log_path = run_dir / f"hang_rank{rank}.log"
+        self.flight_path = run_dir / f"collectives_rank{rank}.json"
         self.commit_grace: Callable[[float], object] | None = None  # waits for a commit in flight, bounded
         self._current: tuple[str, int, float, float] | None = None  # phase, step, entered, deadline
         self._unit: tuple[str, float] | None = None  # the kind of work under way and when it began
@@ -198,11 +201,18 @@ class Watchdog:
                 note = {"step": step, "reason": HANG, "phase": phase, "rank": self.rank}
                 bounded(lambda: write_marker(self.marker, note, self.rank), FILE_WAIT_S,
                         f"writing the requeue marker {self.marker}")
+            bounded(self._write_flight_record, FILE_WAIT_S, f"writing {self.flight_path}")
             if self.commit_grace is not None and phase != "checkpoint_commit":
                 grace = self.commit_grace
                 bounded(lambda: grace(COMMIT_GRACE_S), COMMIT_GRACE_S + 1.0, "the checkpoint commit in flight")
         finally:
             os._exit(EXIT_HANG)
+
+    def _write_flight_record(self) -> None:
+        """The collectives this rank made last, those in flight among them (torch's flight recorder)."""
+        record = flight_record()
+        if record is not None:
+            self.flight_path.write_bytes(record)
 
     def _write_log(self, headline: str) -> None:
         with open(self.log_path, "a") as log:
