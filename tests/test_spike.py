@@ -199,11 +199,16 @@ def test_max_rollbacks_stops_the_run_and_zero_turns_the_rollback_off(tmp_path: P
     assert (once / "checkpoints" / "latest").read_text() == "step_00000030"  # the newest is from before it
     assert max(int(p.name[5:]) for p in (once / "checkpoints").glob("step_*")) == 30
 
-    # the budget is per window of steps: the second spike is 6 steps after the first, outside a window of 5
+
+
+def test_a_spike_outside_the_window_of_the_last_rollback_is_rolled_back_too(tmp_path: Path) -> None:
+    """The budget is per window of steps: with max_rollbacks 1, the second spike (6 steps after the first,
+    outside a window of 5) is rolled back too, and the run finishes."""
+    shards, _ = spike_shards(tmp_path, blocks=2)
     windowed = tmp_path / "windowed"
     run_training("python", 1, args(shards, windowed, ["train.spike.max_rollbacks=1",
                                                       "train.spike.rollback_window=5"]))
-    assert [r["step"] for r in records(windowed) if "event" in r] == [BLOCK_STEPS[0], second]
+    assert [r["step"] for r in records(windowed) if "event" in r] == [BLOCK_STEPS[0], BLOCK_STEPS[1] - 1]
     assert not (windowed / "spiked").exists()
 
 
