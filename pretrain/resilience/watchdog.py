@@ -10,7 +10,8 @@ how long the current phase has run. It is a thread, not a signal handler, becaus
 blocked inside a C call (a collective waiting for a peer, a device sync, a read), where a Python signal
 handler never runs; the thread runs whenever the blocked call has released the GIL, as collectives and
 torch ops do. A hang that holds the GIL stops that thread too; for it, faulthandler's C thread (no GIL)
-is armed at every phase to dump the stacks and end the process BACKSTOP_S after the phase's deadline.
+is armed as phases begin (again at most every REARM_S within one kind of work: arming costs about 0.1 ms)
+to dump the stacks and end the process BACKSTOP_S - REARM_S to BACKSTOP_S after the phase's deadline.
 
 Past its deadline the thread, in this order and whatever fails: writes the phase, the step and the stacks
 of every thread (faulthandler) to the rank's stderr (the job's log); gives each file it then writes
@@ -56,7 +57,8 @@ COLLECTIVE_MARGIN = 0.9
 POLL_S = 0.5
 FILE_WAIT_S = 10.0  # the most the watchdog waits on each file it writes
 COMMIT_GRACE_S = 60.0  # the most it waits for an asynchronous checkpoint commit in flight
-BACKSTOP_S = 2 * FILE_WAIT_S + COMMIT_GRACE_S + 30.0  # faulthandler's C thread: after the deadline, this more
+BACKSTOP_S = 3 * FILE_WAIT_S + COMMIT_GRACE_S + 30.0  # faulthandler's C thread: after the deadline, this more
+REARM_S = 10.0  # the backstop is re-armed at most this often within one kind of work (arming costs ~0.1 ms)
 DEADLINES_FILE = "deadlines.json"
 
 KIND = {
@@ -149,6 +151,7 @@ class Watchdog:
         self.commit_grace: Callable[[float], object] | None = None  # waits for a commit in flight, bounded
         self._current: tuple[str, int, float, float] | None = None  # phase, step, entered, deadline
         self._unit: tuple[str, float] | None = None  # the kind of work under way and when it began
+        self._armed: tuple[str, float, float] | None = None  # the backstop's kind, deadline and arming time
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
@@ -170,7 +173,10 @@ class Watchdog:
             self._unit = (kind, now)
         deadline = self.deadlines(kind)
         self._current = (phase, step, now, deadline)
-        faulthandler.dump_traceback_later(deadline + BACKSTOP_S, exit=True)
+        armed = self._armed
+        if armed is None or armed[:2] != (kind, deadline) or now - armed[2] > REARM_S:
+            faulthandler.dump_traceback_later(deadline + BACKSTOP_S, exit=True)
+            self._armed = (kind, deadline, now)
 
     def stop(self) -> None:
         """No more phases: the thread ends (the process is about to leave normally)."""
