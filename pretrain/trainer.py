@@ -263,8 +263,9 @@ def _save_spiked(run: Run, pending: list[tuple[int, torch.Tensor]], said: str) -
 def _roll_back(run: Run, pending: list[tuple[int, torch.Tensor]], spike: Spike) -> int | None:
     """Collective: answer a loss spike. Restore the newest checkpoint from before it in these processes,
     skip the global samples read from that checkpoint through the spike's batch (kept in the data state,
-    so every later resume skips them too) and go on; returns None. After train.spike.max_rollbacks
-    rollbacks, save and return EXIT_DIVERGED instead."""
+    so every later resume skips them too) and go on; returns None. With train.spike.max_rollbacks
+    rollbacks made in the train.spike.rollback_window steps before it, write the spiked weights apart and
+    return EXIT_DIVERGED instead (`_save_spiked`)."""
     cfg = run.cfg.train.spike
     said = (f"loss spike at step {spike.step}: {spike.loss:.4f} > train.spike.factor={cfg.factor} x the median "
             f"{spike.median:.4f} of the {cfg.window} steps before")
