@@ -167,6 +167,16 @@ def test_measured_deadlines_carry_over_and_the_first_step_keeps_its_allowance() 
     assert Deadlines({}, 600.0).first_time_s() == 540.0  # clamped: the trainer warns at its start
 
 
+def test_the_measured_durations_are_read_back_from_the_run_directory(tmp_path: Path) -> None:
+    from pretrain.resilience.watchdog import DEADLINES_FILE, load_longest
+
+    assert load_longest(tmp_path) == {}  # a first job
+    (tmp_path / DEADLINES_FILE).write_text(json.dumps({"step": 120.5, "eval": 30, "unknown": 1}))
+    assert load_longest(tmp_path) == {"step": 120.5, "eval": 30.0}
+    (tmp_path / DEADLINES_FILE).write_text("{cut short")  # a file left half-written: start from the allowance
+    assert load_longest(tmp_path) == {}
+
+
 def _rank_process(launcher_pid: int, rank: int) -> psutil.Process:
     """The training process of `rank` below a launcher (found by its RANK variable)."""
     for proc in psutil.Process(launcher_pid).children(recursive=True):
