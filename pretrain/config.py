@@ -74,7 +74,7 @@ class DataSection:
     `mixture_change: true` declares that `train` differs on purpose from what the run's checkpoint
     was reading (sources added, removed or reweighted, or a source's shards rebuilt): the resume then
     continues with the new mixture from the saved position. Without it such a resume is refused
-    (pretrain/resume_rules.py); set it on the command line of the one start that changes the data."""
+    (pretrain/run/resume_rules.py); set it on the command line of the one start that changes the data."""
 
     train: list[DataSource] = dataclasses.field(default_factory=list)
     task: TaskSource | None = None
@@ -105,19 +105,22 @@ class DataSection:
 
 @dataclasses.dataclass
 class SpikeSection:
-    """Loss-spike rollback (pretrain/spike.py): a step whose global mean loss exceeds `factor` times the
+    """Loss-spike rollback (pretrain/resilience/spike.py): a step whose global mean loss exceeds `factor` times the
     median of the `window` finite losses before it is a spike; the run restores the newest checkpoint
-    from before it and skips the samples read since. docs/training.md, "Loss spikes", gives the reason
+    from before it and skips the samples read since, at most `max_rollbacks` times in any
+    `rollback_window` steps. docs/training.md, "Loss spikes", gives the reason
     for each default."""
 
     window: int = 50
     factor: float = 2.0
-    max_rollbacks: int = 3  # 0 turns the detector off; one more spike after this many saves and exits 4
+    max_rollbacks: int = 3  # per rollback_window steps; 0 turns the detector off; one more stops the run (exit 4)
+    rollback_window: int = 1000  # the steps over which max_rollbacks counts (the spikes' steps)
 
     def __post_init__(self) -> None:
         check_range("window", self.window, low=1)
         check_range("factor", self.factor, low=1, low_open=True)
         check_range("max_rollbacks", self.max_rollbacks, low=0, note=" (0 turns spike rollback off)")
+        check_range("rollback_window", self.rollback_window, low=1, note=" (steps)")
 
 
 @dataclasses.dataclass
@@ -144,12 +147,15 @@ class TrainSection:
     carry_state: bool = False  # truncated BPTT: each batch row continues its text (pretrain/carry.py)
     log_every: int = 10
     max_runtime: float | None = None
-    # the hang watchdog's deadline for each phase of a step (pretrain/watchdog.py); null: derived from
+    # the hang watchdog's deadline for each phase of a step (pretrain/resilience/watchdog.py); null: derived from
     # the measured step time, at least HANG_FLOOR_S
     hang_timeout_s: float | None = None
     # a rank whose time per step outside communication exceeds this many times the median rank's is
-    # named at each log step (pretrain/straggler.py)
+    # named at each log step (pretrain/resilience/straggler.py)
     straggler_factor: float = 1.5
+    # requeues in a row that find no checkpoint newer than the job before's, after which the batch script
+    # stops the job (exit 5) instead of requeueing it again (pretrain/resilience/requeue.py)
+    max_no_progress_requeues: int = 2
     spike: SpikeSection = dataclasses.field(default_factory=SpikeSection)
 
     def __post_init__(self) -> None:
@@ -172,6 +178,7 @@ class TrainSection:
             raise ValueError(f"max_runtime: must be > 0 seconds or null, got {self.max_runtime}")
         check_hang_timeout(self.hang_timeout_s)
         check_range("straggler_factor", self.straggler_factor, low=1, low_open=True)
+        check_range("max_no_progress_requeues", self.max_no_progress_requeues, low=0)
 
 
 @dataclasses.dataclass
@@ -182,7 +189,9 @@ class EngineSection:
     zero_stage: int = 2
     offload_optimizer: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
-    dist_timeout_s: float = 600.0
+    # every process group's timeout; above the hang watchdog's first-step allowance (3 x 300 s) with room to
+    # spare, since the watchdog's derived deadlines stay below 0.9 of it (docs/training.md, "Deadlines")
+    dist_timeout_s: float = 1800.0
     sequence_parallel: int = 1
 
     def __post_init__(self) -> None:

@@ -48,8 +48,8 @@ from pretrain.checkpoint.manifest import (
 )
 from pretrain.checkpoint.rng import rng_state, set_rng_state
 from pretrain.distributed import process_group as distributed
-from pretrain.log import get_logger
 from pretrain.protocols import Engine
+from pretrain.telemetry.log import get_logger
 
 
 def _old_number(names: list[str], name: str) -> int:
@@ -188,6 +188,15 @@ class Checkpointer:
             self._thread.join()
             self._thread = None
         self.poll()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait `timeout_s` at most for the commit in flight (the hang watchdog's grace before it exits);
+        whether none is left. An error it raised stays for `poll`."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
 
     def prune(self) -> None:
         """Delete committed checkpoints beyond the newest `keep_last`, keeping every milestone.

@@ -20,7 +20,7 @@ from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.layout import DELETING_SUFFIX, TMP_SUFFIX, CheckpointError
 from pretrain.checkpoint.manifest import committed_steps, verify_local
 from pretrain.config import ConfigError, RunConfig, config_from_dict, read_saved_config
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -29,7 +29,7 @@ from typing import IO, Any
 from fsspec.core import url_to_fs
 
 from pretrain.checkpoint.manifest import is_local
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 LOCK_FILE = ".lock"
 LEASE_FILE = ".lease.json"

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.export.directory import export
 from pretrain.export.layout import ExportError
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from pretrain.engines import engine_class
 from pretrain.export.layout import CONFIG, EXPORT_FORMAT, WEIGHTS, ExportError
 from pretrain.export.metadata import data_fingerprint, eval_metrics, hf_config, model_card, write_tokenizer
 from pretrain.export.remote_code import write_code
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 
 def write_export(

@@ -2,7 +2,7 @@
 
 A run directory belongs to one run. Its `config.yaml` and every checkpoint's `config.yaml` record the
 resolved config the run was started and saved with; a new start in the directory is compared with them,
-key by key, before anything is written (pretrain/run_dir.py). Each key falls under the longest entry of
+key by key, before anything is written (pretrain/run/directory.py). Each key falls under the longest entry of
 RULES that prefixes it:
 
 - a change that the saved state can continue from (more steps, the cadences, the learning-rate
