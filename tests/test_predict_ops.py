@@ -173,3 +173,29 @@ def test_attention_runs_fused_with_its_flops():
     assert sum(op.flops for op in attention) == pytest.approx(cfg.n_layers * forward * (2 + 2.5))
     seconds = price_by_kind(attention, H100, 0.8, 4e-6)["attention"]
     assert seconds == pytest.approx(sum(op.flops for op in attention) / (H100.bf16_peak * ATTENTION_EFFICIENCY))
+
+
+def test_fused_memory_reads_inputs_once_and_writes_what_is_read_later() -> None:
+    """Under the compile model a pointwise chain before a GEMM reads its input once and writes only the
+    tensor the GEMM reads; the intermediates cost nothing. A parameter updated in place is written
+    even though nothing reads it after; a new result nothing reads (the unused sum) is not."""
+    from benchmarks.predict.price import fused_memory
+
+    x = torch.empty(64, 32, device="meta")
+    w = torch.empty(32, 16, device="meta")
+    p = torch.empty(1000, device="meta")
+
+    def fn() -> None:
+        c = ((x * 2) + 1).exp()
+        y = c @ w
+        y.sum()
+        p.add_(1.0)
+
+    ops = capture_ops(fn)
+    moved, kernels = fused_memory(ops, [])
+    chain = 64 * 32 * 4 * 2  # x read, c written
+    after = 64 * 16 * 4 + 1000 * 4 * 2  # y read by the sum; p read and written
+    assert moved == chain + after
+    eager = sum(op.bytes for op in ops if op.kind == "memory")
+    assert eager > moved
+    assert kernels == 3  # the chain; the sum and the in-place add (two output sizes) after the GEMM

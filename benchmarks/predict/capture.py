@@ -20,7 +20,8 @@ from unittest import mock
 
 import torch
 
-from benchmarks.predict.ops import Op, recording
+from benchmarks.predict.ops import Op, active_recorder, recording
+from kernels._common import Launch as OurLaunch
 from kernels._common import capture_launches, triton_type
 
 _PROPERTIES = {  # what the CUDA driver reports, per compute capability (datasheets)
@@ -44,6 +45,8 @@ class Launch:
     num_stages: int
     group: int
     options: tuple[tuple[str, Any], ...] = ()
+    position: int = -1  # ops recorded before it (benchmarks.predict.ops.recording), -1 outside one
+    touches: tuple[int, ...] = ()  # storage ids of its tensor arguments, as the op recorder numbers them
 
     @property
     def name(self) -> str:
@@ -142,8 +145,24 @@ class _Recorder:
         if not self.in_autotune:
             self.group += 1
         extra = tuple(sorted((k, v) for k, v in options.items() if k not in ("num_warps", "num_stages")))
-        self.launches.append(Launch(fn, values, grid, int(options.get("num_warps", 4)),
-                                    int(options.get("num_stages", 3)), self.group, extra))
+        self.add(Launch(fn, values, grid, int(options.get("num_warps", 4)), int(options.get("num_stages", 3)),
+                        self.group, extra))
+
+    def add(self, launch: Launch) -> None:
+        """Record ``launch`` with its place among the ops being recorded."""
+        recorder = active_recorder()
+        if recorder is not None:
+            tensors = [v for v in launch.args.values() if isinstance(v, torch.Tensor)]
+            launch = dataclasses.replace(launch, position=len(recorder.ops),
+                                         touches=tuple(recorder.storage_id(t) for t in tensors))
+        self.launches.append(launch)
+
+    def our_run(self, launch: Any, *args: Any) -> None:
+        """kernels._common.Launch.run while capturing: this project's launches record themselves here."""
+        self.group += 1
+        values = dict(zip(launch.argument_names(), args)) | dict(launch.constexprs)
+        grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+        self.add(Launch(launch.kernel, values, grid, launch.num_warps, launch.num_stages, self.group))
 
     def autotune_run(self, tuner: Any, *args: Any, **kwargs: Any) -> None:
         tuner.nargs = dict(zip(tuner.arg_names, args))
@@ -173,15 +192,13 @@ def capture_triton(target: int) -> Iterator[list[Launch]]:
     def autotune_run(self: Any, *args: Any, **kwargs: Any) -> None:
         rec.autotune_run(self, *args, **kwargs)
 
+    def our_run(self: Any, *args: Any) -> None:
+        rec.our_run(self, *args)
+
     with (pretend_gpu(target), mock.patch.object(JITFunction, "run", jit_run),
-          mock.patch.object(Autotuner, "run", autotune_run), capture_launches(target) as ours):
-        out = rec.launches
-        yield out
-        for launch, args in ours:  # this project's launches record themselves
-            rec.group += 1
-            values = dict(zip(launch.argument_names(), args)) | dict(launch.constexprs)
-            out.append(Launch(launch.kernel, values, tuple(launch.grid) + (1,) * (3 - len(launch.grid)),
-                              launch.num_warps, launch.num_stages, rec.group))
+          mock.patch.object(Autotuner, "run", autotune_run), mock.patch.object(OurLaunch, "run", our_run),
+          capture_launches(target)):
+        yield rec.launches
 
 
 @dataclasses.dataclass

@@ -87,6 +87,8 @@ class Op:
     outputs: tuple[tuple[tuple[int, ...], str], ...]
     gemm: GemmDims | None = None
     origin: str = ""
+    reads: tuple[tuple[int, int], ...] = ()  # (storage id, bytes) of each tensor argument
+    writes: tuple[tuple[int, int], ...] = ()  # (storage id, bytes) of each output (in-place ops: their target)
 
     @property
     def bytes(self) -> int:
@@ -225,25 +227,48 @@ def _origin() -> str:
 
 
 class OpRecorder(TorchDispatchMode):
-    """A dispatch mode that appends the `Op` of every aten call made under it to ``ops``."""
+    """A dispatch mode that appends the `Op` of every aten call made under it to ``ops``, with the
+    storages each reads and writes (numbered in order of first sight; every storage seen is kept alive
+    until the recorder goes, so no number is reused)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[Op] = []
+        self._storages: dict[int, tuple[int, Any]] = {}
+
+    def storage_id(self, t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        entry = self._storages.setdefault(storage._cdata, (len(self._storages), storage))
+        return entry[0]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops.append(dataclasses.replace(make_op(func, args, kwargs, out), origin=_origin()))
+        reads = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors((args, kwargs)))
+        writes = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors(out))
+        self.ops.append(dataclasses.replace(make_op(func, args, kwargs, out), origin=_origin(), reads=reads,
+                                            writes=writes))
         return out
+
+
+_ACTIVE: list[OpRecorder] = []
+
+
+def active_recorder() -> OpRecorder | None:
+    """The innermost recorder running, if any: launches note where they fall among its ops."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Op]]:
     """The ops run inside the block, appended to the yielded list as they run."""
     recorder = OpRecorder()
-    with recorder:
-        yield recorder.ops
+    _ACTIVE.append(recorder)
+    try:
+        with recorder:
+            yield recorder.ops
+    finally:
+        _ACTIVE.pop()
 
 
 def capture_ops(fn: Callable[[], Any]) -> list[Op]:

@@ -3,7 +3,8 @@ its aten ops by the step model's rules, beside fla's chunk retention on the same
 
 `predict_step` captures the step (benchmarks.predict.step.capture_step_ops), prices it and splits out the
 scans: their launches and the aten ops their autograd Functions make (ops whose innermost project
-frame is in kernels/). fla's retention runs the same layers on the same tokens with every SOE term of a
+frame is in kernels/). "compiled" is the same step with its memory ops fused as torch.compile fuses them
+(benchmarks.predict.price.fused_memory, a first-order model of inductor). fla's retention runs the same layers on the same tokens with every SOE term of a
 head as a head of its own (B, T, heads x terms, features; values as wide as the head).
 """
 
@@ -43,10 +44,13 @@ def predict_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool,
     step_s, scan_s = whole.seconds(c), scans.seconds(c)
     flops = build_model(cfg).flops_per_token(tokens) * batch * tokens
     fla = fla_retention_seconds(cfg, batch, tokens, gpu, c)
+    compiled_s = whole.compiled_seconds(c)
     out: dict[str, Any] = {
         "scan_ms": round(scan_s * 1e3, 3), "step_ms": round(step_s * 1e3, 3),
         "scan_share": round(scan_s / step_s, 4), "mfu": round(flops / step_s / gpu.bf16_peak, 4),
         "fla_retention_ms": None if fla is None else round(fla * 1e3, 3),
+        "compiled": {"step_ms": round(compiled_s * 1e3, 3), "scan_share": round(scan_s / compiled_s, 4),
+                     "mfu": round(flops / compiled_s / gpu.bf16_peak, 4)},
     }
     if breakdown:
         out["launches"] = [vars(r) | {"seconds": round(r.seconds * 1e3, 4)} for r in whole.breakdown(c)]
