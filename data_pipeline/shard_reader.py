@@ -17,12 +17,14 @@ from data_pipeline.shards import (
     Manifest,
     ShardError,
     ShardIndex,
+    cat,
     checked_shard,
     read_bytes,
     read_index,
     sha256_hex,
     with_retries,
 )
+from data_pipeline.storage import is_remote
 from data_pipeline.tokenizer import smallest_dtype
 
 _OPEN_HANDLES = 16
@@ -127,7 +129,11 @@ class ShardReader:
             f.close()
 
     def _read_range(self, idx: int, start: int, stop: int) -> tuple[bytes, int]:
-        """Bytes ``[start, stop)`` of shard ``idx`` through its cached handle."""
+        """Bytes ``[start, stop)`` of shard ``idx``: one range GET on an object store (an open
+        file there would read whole blocks ahead), a seek and read of a cached handle on disk."""
+        url = self.shard_urls[idx]
+        if is_remote(url):
+            return with_retries(url, self.policy.retries, lambda: cat(url, start, stop))
 
         def read() -> bytes:
             f = self._handle(idx)

@@ -51,3 +51,38 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     import os
 
     os.environ["RECURRENT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """moto's S3 server on loopback for the whole session (tests/s3_server.py), stopped at the end."""
+    from tests.s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("moto") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """A fresh bucket on the test S3 server, with this process's AWS variables pointing at it; the
+    fsspec settings and retry policy a test changes are put back afterwards."""
+    import copy
+
+    import fsspec
+
+    from data_pipeline import storage
+    from tests.s3_server import S3Env, forget_filesystems, new_bucket
+
+    env = S3Env(s3_server.endpoint, new_bucket(s3_server.endpoint))
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.env.items():
+        monkeypatch.setenv(key, value)
+    saved_conf, saved_policy = copy.deepcopy(fsspec.config.conf), storage.retry_policy()
+    forget_filesystems()
+    yield env
+    fsspec.config.conf.clear()
+    fsspec.config.conf.update(saved_conf)
+    storage.set_retry_policy(saved_policy)
+    forget_filesystems()
