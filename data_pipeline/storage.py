@@ -153,10 +153,15 @@ def configure(
     timeouts, and the endpoint, region and read block size when given (else the AWS environment's:
     ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``). Credentials are left to the environment."""
     set_retry_policy(policy)
+    try:
+        from s3fs import S3FileSystem
+
+        S3FileSystem.retries = 1  # s3fs's own loop (a class setting, not an option)
+    except ImportError:
+        pass
     s3 = fsspec.config.conf.setdefault("s3", {})
-    s3["retries"] = 1
     config_kwargs = dict(s3.get("config_kwargs", {}))
-    config_kwargs.update(retries={"max_attempts": 1, "mode": "standard"}, read_timeout=read_timeout_s,
+    config_kwargs.update(retries={"total_max_attempts": 1, "mode": "standard"}, read_timeout=read_timeout_s,
                          connect_timeout=connect_timeout_s)
     s3["config_kwargs"] = config_kwargs
     if endpoint_url:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.storage import is_remote
 from model import CausalLM
 from pretrain.checkpoint.consolidate import load_newest
 from pretrain.checkpoint.fit import misfit, specs
@@ -24,13 +25,13 @@ from pretrain.export import CONFIG, ExportError, load_exported
 
 
 def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
-    """The parameters (fp32, CPU) of the export, checkpoint or run directory `source`."""
-    path = Path(source)
+    """The parameters (fp32, CPU) of the export, checkpoint or run directory `source` (a local path,
+    or for a checkpoint or run directory also an object-store URL: its steps are read by manifest)."""
     try:
-        if (path / CONFIG).is_file():
-            model = load_exported(path)
+        if not is_remote(source) and (Path(source) / CONFIG).is_file():
+            model = load_exported(Path(source))
         else:
-            model = load_newest(path, "init.from")[2]
+            model = load_newest(source, "init.from")[2]
     except (ExportError, CheckpointError) as err:
         raise ConfigError(f"init.from: {err}") from err
     return {name: param.detach() for name, param in model.named_parameters()}

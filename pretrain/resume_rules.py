@@ -93,6 +93,7 @@ RULES: dict[str, Rule] = {
     "eval": Rule(_always, ALWAYS, "evaluation only"),
     "init": Rule(_always, ALWAYS, "read by a fresh start only; a resume loads its own checkpoint"),
     "log": Rule(_always, ALWAYS, "where metrics go"),
+    "storage": Rule(_always, ALWAYS, "how the object store is reached, not what it holds"),
 }
 
 

@@ -79,10 +79,13 @@ def s3(s3_server, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
         monkeypatch.delenv(key)
     for key, value in env.env.items():
         monkeypatch.setenv(key, value)
-    saved_conf, saved_policy = copy.deepcopy(fsspec.config.conf), storage.retry_policy()
+    from s3fs import S3FileSystem
+
+    saved = copy.deepcopy(fsspec.config.conf), storage.retry_policy(), S3FileSystem.retries
     forget_filesystems()
     yield env
     fsspec.config.conf.clear()
-    fsspec.config.conf.update(saved_conf)
-    storage.set_retry_policy(saved_policy)
+    fsspec.config.conf.update(saved[0])
+    storage.set_retry_policy(saved[1])
+    S3FileSystem.retries = saved[2]
     forget_filesystems()
