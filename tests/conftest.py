@@ -55,10 +55,10 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """moto's S3 server on loopback for the whole session (tests/s3_server.py), stopped at the end."""
-    from tests.s3_server import S3Server
+    """moto's S3 server on loopback for the whole session (benchmarks/local_s3.py), stopped at the end."""
+    from benchmarks.local_s3 import LocalS3
 
-    server = S3Server(tmp_path_factory.mktemp("moto") / "server.log")
+    server = LocalS3(tmp_path_factory.mktemp("moto") / "server.log")
     yield server
     server.stop()
 
@@ -72,9 +72,9 @@ def s3(s3_server, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     import fsspec
 
     from data_pipeline import storage
-    from tests.s3_server import S3Env, forget_filesystems, new_bucket
+    from tests.s3_server import S3Env, forget_filesystems
 
-    env = S3Env(s3_server.endpoint, new_bucket(s3_server.endpoint))
+    env = S3Env(s3_server.endpoint, s3_server.new_bucket())
     for key in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(key)
     for key, value in env.env.items():
