@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from data_pipeline.storage import StorageError
 from pretrain.checkpoint.layout import (
     DELETING_SUFFIX,
     LATEST,
@@ -254,7 +255,7 @@ class Checkpointer:
         if distributed.rank() == 0:
             try:
                 choice = str(self.choose(mode) or "")
-            except CheckpointError as err:
+            except (CheckpointError, StorageError) as err:  # a store out of reach stops every rank alike
                 problem = str(err)
         problem = share_text(problem)
         if problem:
