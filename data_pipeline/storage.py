@@ -22,7 +22,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import fsspec
 
@@ -31,10 +31,6 @@ T = TypeVar("T")
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID",
               "GOOGLE_APPLICATION_CREDENTIALS_JSON")
 """Environment variables whose values must never appear in text this project writes."""
-SECRET_OPTION_WORDS = ("key", "secret", "token", "password", "credential")
-"""A storage option whose name holds one of these is refused in a config (it would be saved with it)."""
-
-
 class StorageError(OSError):
     """A remote call still failing after the retry budget; the message names the URL and the attempts."""
 
@@ -134,14 +130,6 @@ def redact(text: str) -> str:
         if value and len(value) >= 4:
             text = text.replace(value, "<redacted>")
     return text
-
-
-def secret_option(options: dict[str, Any]) -> str | None:
-    """The first option name that looks like a credential (refused in configs), or None."""
-    for name in options:
-        if any(word in name.lower() for word in SECRET_OPTION_WORDS):
-            return name
-    return None
 
 
 def configure(
