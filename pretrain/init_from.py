@@ -11,6 +11,7 @@ those of the new config.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,13 +23,17 @@ from pretrain.checkpoint.fit import misfit, specs
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.config import ConfigError
 from pretrain.export import CONFIG, ExportError, load_exported
+from pretrain.export.object_store import download, is_export
 
 
 def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
-    """The parameters (fp32, CPU) of the export, checkpoint or run directory `source` (a local path,
-    or for a checkpoint or run directory also an object-store URL: its steps are read by manifest)."""
+    """The parameters (fp32, CPU) of the export, checkpoint or run directory `source`: a local path or
+    an object-store URL (an export prefix is downloaded; a checkpoint's steps are read by manifest)."""
     try:
-        if not is_remote(source) and (Path(source) / CONFIG).is_file():
+        if is_remote(source) and is_export(source):
+            with tempfile.TemporaryDirectory(prefix="init-from-") as tmp:
+                model = load_exported(download(source, Path(tmp)))
+        elif not is_remote(source) and (Path(source) / CONFIG).is_file():
             model = load_exported(Path(source))
         else:
             model = load_newest(source, "init.from")[2]

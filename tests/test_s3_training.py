@@ -60,17 +60,20 @@ def test_a_run_on_s3_exports_and_inits_from_the_bucket_and_writes_no_secret(s3, 
     assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 7))
     assert all(r["ckpt/retries"] == 0 and r["data/read_retries"] == 0 for r in records if "train/loss" in r)
 
-    export_dir = tmp_path / "export"
+    export_url, export_dir = s3.url("exports/tiny"), tmp_path / "export"
     exported = subprocess.run(
-        [sys.executable, "-m", "pretrain.export", "--checkpoint", s3.url("runs/tiny"), "--out",
-         str(export_dir)], cwd=REPO, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "pretrain.export", "--checkpoint", s3.url("runs/tiny"), "--out", export_url],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert exported.returncode == 0, exported.stderr[-3000:]
+    fs, _ = fsspec.core.url_to_fs(export_url)
+    fs.get(export_url + "/", str(export_dir) + "/", recursive=True)
     assert f"{ckpt}/step_00000006" in (export_dir / "config.json").read_text()  # provenance: the bucket's URL
-    weights = read_initial_weights(ckpt)  # init.from accepts the bucket's checkpoints
     model = load_exported(export_dir)
-    assert weights.keys() == dict(model.named_parameters()).keys()
-    assert all(torch.equal(weights[k], p) for k, p in model.named_parameters())
+    for source in (ckpt, export_url):  # init.from accepts the bucket's checkpoints and exports
+        weights = read_initial_weights(source)
+        assert weights.keys() == dict(model.named_parameters()).keys()
+        assert all(torch.equal(weights[k], p) for k, p in model.named_parameters())
 
     refused = run_training("python", 1, tiny_args(s3.url("no/such/shards"), tmp_path / "bad", ckpt), check=False)
     assert refused.returncode == 2 and s3.url("no/such/shards") in refused.stdout + refused.stderr
@@ -119,3 +122,25 @@ def test_deepspeed_2_ranks_killed_resume_from_s3_bitwise(s3, demo_shards, tmp_pa
     resumed = step_losses(killed)
     assert {step: values[-1] for step, values in resumed.items()} == expected, f"killed after step {reached}"
     assert any(len(values) > 1 for values in resumed.values()), "nothing was trained twice: no resume happened"
+
+
+def test_a_checkpoint_that_cannot_be_committed_ends_the_run_with_exit_2_naming_it(s3, s3_server, demo_shards,
+                                                                                  tmp_path: Path) -> None:
+    """The manifest of step 3 never gets through (every PUT of it reset): the run stops with exit 2 and
+    a line naming the object and the attempts, and the bucket holds no committed step 3."""
+    shards, ckpt = upload_shards(s3, demo_shards), s3.url("doomed/ckpt")
+    proxy = FaultProxy(("127.0.0.1", s3_server.port))
+    proxy.plan = lambda n, line: "reset" if line.startswith(b"PUT") and b"step_00000003/manifest.json" in line else None
+    os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # the s3 fixture puts it back
+    try:
+        done = run_training("python", 1, tiny_args(shards, tmp_path / "run", ckpt, 6, "storage.retries=2",
+                                                    "storage.backoff_s=0.01", "storage.backoff_max_s=0.05"),
+                            check=False)
+    finally:
+        proxy.close()
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]
+    assert f"cannot upload '{ckpt}/step_00000003/manifest.json': failed 3 times (2 retries" in output, output[-3000:]
+    assert committed_steps(ckpt) == []
+    assert proxy.done["reset"] == 3
+    assert not leaked([tmp_path / "run"], [output])
