@@ -142,5 +142,5 @@ def test_a_checkpoint_that_cannot_be_committed_ends_the_run_with_exit_2_naming_i
     assert done.returncode == 2, output[-3000:]
     assert f"cannot upload '{ckpt}/step_00000003/manifest.json': failed 3 times (2 retries" in output, output[-3000:]
     assert committed_steps(ckpt) == []
-    assert proxy.done["reset"] == 3
+    assert proxy.done["reset"] >= 3
     assert not leaked([tmp_path / "run"], [output])
