@@ -78,7 +78,9 @@ def test_a_run_on_s3_exports_and_inits_from_the_bucket_and_writes_no_secret(s3, 
     refused = run_training("python", 1, tiny_args(s3.url("no/such/shards"), tmp_path / "bad", ckpt), check=False)
     assert refused.returncode == 2 and s3.url("no/such/shards") in refused.stdout + refused.stderr
     outputs = [done.stdout, done.stderr, exported.stdout, exported.stderr, refused.stdout, refused.stderr]
-    assert not leaked([run_dir, export_dir, tmp_path / "bad"], outputs)
+    fs.get(s3.url("runs") + "/", str(tmp_path / "bucket") + "/", recursive=True)  # the checkpoints and lease
+    assert any((tmp_path / "bucket").rglob("config.yaml"))
+    assert not leaked([run_dir, export_dir, tmp_path / "bad", tmp_path / "bucket"], outputs)
     assert any((run_dir / "wandb").rglob("*")), "the wandb files were not written, so not checked"
 
 
