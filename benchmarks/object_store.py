@@ -4,7 +4,9 @@ same thing on local disk in the same run. Results and commands: docs/data.md, "O
 
 ``python -m benchmarks.object_store loader --input <files/globs> --workdir <dir> [--ranks 8]``
     builds byte-level shards on disk, copies them to a bucket, and streams rank 0's share (of
-    ``--ranks``) from each: whole shards with sha256 and prefetch, and byte ranges. tokens/s per rank.
+    ``--ranks``) from each: whole shards with sha256 and prefetch, and byte ranges (on the store with
+    each ``--range-ahead`` look-ahead depth, and with ``--latency-ms`` once more through a proxy that
+    adds that round trip to each request, as a remote store would). tokens/s per rank.
 
 ``python -m benchmarks.object_store checkpoint --model configs/model/vort-125m.yaml --workdir <dir>``
     saves and restores the state of that model with AdamW moments (engine.kind=single's payload)
@@ -30,7 +32,7 @@ import fsspec
 import torch
 
 from benchmarks.local_s3 import LocalS3
-from data_pipeline import storage
+from data_pipeline import shard_reader, storage
 from data_pipeline.build import build_shards
 from data_pipeline.stream import PackedStream
 
@@ -76,17 +78,39 @@ def loader(args: argparse.Namespace) -> list[dict[str, Any]]:
     work.mkdir(parents=True, exist_ok=True)
     local = str(work / "shards")
     m = build_shards(args.input, local, shard_tokens=args.shard_tokens, overwrite=True)
-    rows = []
+    default_ahead, rows, proxy = shard_reader.RANGE_AHEAD, [], None
     with bucket(args.endpoint, work) as root:
         remote = f"{root}/shards"
         fsspec.filesystem("s3").put(local + "/", remote + "/", recursive=True)
-        for read in ("shard", "range"):
-            for where, source in (("local disk", local), ("s3 (loopback)", remote)):
-                row = {"where": where, "ranks": args.ranks, "shards": len(m.shards),
-                       **stream_rate(source, args.seq_len, args.samples, args.ranks, read)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        runs = [("shard", "local disk", local, None), ("shard", "s3 (loopback)", remote, None),
+                ("range", "local disk", local, None)]
+        runs += [("range", "s3 (loopback)", remote, n) for n in args.range_ahead]
+        if args.latency_ms:
+            runs += [("range", f"s3 (+{args.latency_ms:g} ms)", remote, n) for n in args.range_ahead]
+        for read, where, source, ahead in runs:
+            if "ms)" in where and proxy is None:
+                proxy = delayed(args.latency_ms / 1000)
+            shard_reader.RANGE_AHEAD = default_ahead if ahead is None else ahead
+            row = {"where": where, "ranks": args.ranks, "shards": len(m.shards), "in_flight": ahead,
+                   **stream_rate(source, args.seq_len, args.samples, args.ranks, read)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        shard_reader.RANGE_AHEAD = default_ahead
+    if proxy is not None:
+        proxy.close()
     return rows
+
+
+def delayed(delay_s: float) -> Any:
+    """Route new s3:// filesystems of this process through a proxy that holds each request back
+    `delay_s` (tests/fault_proxy.py, without faults): a remote store's round trip on loopback."""
+    from tests.fault_proxy import FaultProxy
+
+    endpoint = fsspec.config.conf["s3"]["endpoint_url"]
+    host, port = endpoint.rsplit("//", 1)[1].split(":")
+    proxy = FaultProxy((host, int(port)), delay_s=delay_s)
+    storage.configure(storage.RetryPolicy(), endpoint_url=proxy.endpoint)
+    return proxy
 
 
 class _Payload:
@@ -164,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ld.add_argument("--seq-len", type=int, default=2048)
     ld.add_argument("--samples", type=int, default=2000)
     ld.add_argument("--ranks", type=int, default=8, help="data-parallel ranks; rank 0's share is read")
+    ld.add_argument("--range-ahead", type=int, nargs="+", default=[shard_reader.RANGE_AHEAD],
+                    help="samples whose ranges are read ahead on the store (one s3 range row each)")
+    ld.add_argument("--latency-ms", type=float, default=0,
+                    help="also read ranges through a proxy adding this round trip to each request")
     ck = sub.add_parser("checkpoint")
     ck.add_argument("--model", default="configs/model/vort-125m.yaml")
     for p in (ld, ck):

@@ -30,7 +30,7 @@ from data_pipeline.tokenizer import smallest_dtype
 _OPEN_HANDLES = 16
 _CACHED_INDEXES = 64
 _INFLIGHT = 2
-RANGE_AHEAD = 4
+RANGE_AHEAD = 16
 """Byte ranges of upcoming samples read concurrently on an object store (range mode): one GET costs a
 round trip, so reading one sample at a time would leave a rank waiting on latency, not bandwidth."""
 
@@ -123,7 +123,7 @@ class ShardReader:
             return
         lo, hi = self._byte_span(idx, start, stop)
         self._ranges[key] = self._range_pool.submit(self._read_range, idx, lo, hi)
-        while len(self._ranges) > RANGE_AHEAD:
+        while len(self._ranges) > 4 * RANGE_AHEAD:  # ranges never asked for (a skip, a new iteration)
             self._ranges.popitem(last=False)
 
     def span(self, idx: int, start: int, stop: int, following: int | None) -> np.ndarray:

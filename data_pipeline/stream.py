@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data_pipeline import shard_reader
 from data_pipeline.order import Mixture, SourceOrder
-from data_pipeline.shard_reader import RANGE_AHEAD, ReadPolicy, ReadStats, ShardReader
+from data_pipeline.shard_reader import ReadPolicy, ReadStats, ShardReader
 from data_pipeline.shards import Manifest, ShardError, load_manifest
 from data_pipeline.skips import SkipRanges
 from data_pipeline.tokenizer import TokenizerMismatchError, check_tokenizer
@@ -154,7 +155,7 @@ class PackedStream(IterableDataset):
         self.max_samples = max_samples
         self.shuffle = shuffle
         self._read_stats = ReadStats()
-        self._read_ahead = RANGE_AHEAD if read == "range" and prefetch else 0
+        self._read_ahead = shard_reader.RANGE_AHEAD if read == "range" and prefetch else 0
         self._samples = 0
         self._skips = SkipRanges(skip_samples)
         self._sources = [

@@ -13,7 +13,7 @@ Each HTTP request the client sends (a chunk starting with a method name opens on
 
 The default plan faults every `every`-th request, cycling through the four kinds; `failing(pattern)`
 makes every request whose request line holds `pattern` fail (a fault outlasting any retry budget).
-Counts of what was done are in `done`.
+Counts of what was done are in `done`. `delay_s` holds every request back that long (a store's latency).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def _reset(sock: socket.socket) -> None:
 class FaultProxy:
     """Listens on 127.0.0.1:<free port> and forwards to `upstream` (host, port), faulting per plan."""
 
-    def __init__(self, upstream: tuple[str, int], every: int = 0, stall_s: float = 3.0) -> None:
-        self.upstream, self.every, self.stall_s = upstream, every, stall_s
+    def __init__(self, upstream: tuple[str, int], every: int = 0, stall_s: float = 3.0, delay_s: float = 0.0) -> None:
+        self.upstream, self.every, self.stall_s, self.delay_s = upstream, every, stall_s, delay_s
         self.plan: Callable[[int, bytes], str | None] = self._cycle
         self.requests = 0
         self.done: Counter[str] = Counter()
@@ -112,6 +112,8 @@ class FaultProxy:
                         break
                     if fault == "midread":
                         cut.set()
+                    if self.delay_s:  # a remote store's round trip, for benchmarks.object_store --latency-ms
+                        time.sleep(self.delay_s)
                 server.sendall(chunk)
         except OSError:
             pass

