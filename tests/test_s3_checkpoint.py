@@ -104,7 +104,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow if n == "overwrite-same-step" else ()) for n in sorted(SCENARIOS)]
-)  # the re-save makes ~3x the requests of a first save: ~1 min on 2 shared cores, so in test-long
+)  # the re-save makes ~3x the requests of a first save: 17-56 s on 2 shared cores, so in test-long
 def test_a_kill_before_any_request_of_a_commit_keeps_the_newest_committed_step(s3, tmp_path: Path, name: str) -> None:
     spec = SCENARIOS[name]
     fs, _ = fsspec.core.url_to_fs(s3.url())
