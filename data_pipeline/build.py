@@ -36,7 +36,6 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import numpy as np
 from fsspec.core import url_to_fs
 from tqdm import tqdm
@@ -52,8 +51,10 @@ from data_pipeline.shards import (
     load_manifest,
     save_manifest,
     sha256_hex,
+    write_bytes,
 )
 from data_pipeline.sources import Document, Unit, expand_inputs, read_unit, split_units
+from data_pipeline.storage import retrying
 from data_pipeline.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 22
@@ -82,8 +83,7 @@ def _write_shard(url: str, key: str, tokens: list[np.ndarray]) -> dict[str, Any]
     flat = np.concatenate(tokens)
     payload = encode_shard(key, flat, lengths)
     name = f"{key}.tar"
-    with fsspec.open(join_url(url, name), "wb") as f:
-        f.write(payload)
+    write_bytes(join_url(url, name), payload)
     return {
         "path": name,
         "tokens": int(flat.size),
@@ -183,7 +183,7 @@ def _finished(plan: BuildPlan, part: int) -> dict[str, Any] | None:
     """The part's record if it belongs to this plan and its shards are all there with their sizes."""
     fs, path = url_to_fs(plan.record_url(part))
     try:
-        record = json.loads(fs.cat_file(path))
+        record = json.loads(retrying(plan.record_url(part), lambda: fs.cat_file(path), what="read part record"))
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     if not isinstance(record, dict) or record.get("plan") != plan.digest:
@@ -223,8 +223,7 @@ def _build_part(plan: BuildPlan, part: int, pool: Executor | None, workers: int,
             continue
         shards.add(ids)
     record = {"plan": plan.digest, "part": part, "shards": shards.entries(), "stats": stats}
-    with fsspec.open(plan.record_url(part), "w") as f:
-        f.write(json.dumps(record, sort_keys=True, indent=1) + "\n")
+    write_bytes(plan.record_url(part), (json.dumps(record, sort_keys=True, indent=1) + "\n").encode())
 
 
 def _tokenizer_pool(workers: int) -> ProcessPoolExecutor:

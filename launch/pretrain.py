@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     from data_pipeline.shards import ManifestError, ShardError
+    from data_pipeline.storage import StorageError
     from pretrain.checkpoint.layout import CheckpointError
     from pretrain.run.directory import RunRefusedError
     from pretrain.trainer import DataError, RunLockedError, train
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     resume = "none" if args.start_over else args.resume
     try:
         return train(cfg, resume=resume, preempted_marker=args.preempted_marker, start_over=args.start_over)
-    except (DataError, ConfigError, RunLockedError, RunRefusedError, CheckpointError, ManifestError, ShardError) as err:
+    except (DataError, ConfigError, RunLockedError, RunRefusedError, CheckpointError, ManifestError, ShardError,
+            StorageError) as err:
         log.debug("stopped on bad input", exc_info=True)
         log.error("%s", " ".join(str(err).split()))
         return EXIT_BAD_INPUT

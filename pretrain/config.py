@@ -280,6 +280,35 @@ class LogSection:
 
 
 @dataclasses.dataclass
+class StorageSection:
+    """Object storage (s3:// and other fsspec URLs in data.train, checkpoint.dir, init.from): the retry
+    policy of every remote call and the settings of new s3:// filesystems (data_pipeline/storage.py).
+    Null: the AWS environment's (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION). Credentials never go here,
+    where they would be saved with the run: they come from the AWS variables or files."""
+
+    retries: int = 5
+    backoff_s: float = 0.5
+    backoff_max_s: float = 20.0
+    read_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    endpoint_url: str | None = None
+    region: str | None = None
+    block_size: int | None = None  # bytes an opened remote file reads at a time (s3fs's default_block_size)
+
+    def __post_init__(self) -> None:
+        check_range("retries", self.retries, low=0)
+        check_range("backoff_s", self.backoff_s, low=0)
+        check_range("backoff_max_s", self.backoff_max_s, low=self.backoff_s, note=" (at least backoff_s)")
+        check_range("read_timeout_s", self.read_timeout_s, low=0, low_open=True)
+        check_range("connect_timeout_s", self.connect_timeout_s, low=0, low_open=True)
+        if self.block_size is not None:
+            check_range("block_size", self.block_size, low=1)
+        if self.endpoint_url is not None and "@" in self.endpoint_url.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError("endpoint_url: must not hold credentials (user:secret@host); set them in the AWS "
+                             "environment variables, which are never saved")
+
+
+@dataclasses.dataclass
 class RunConfig:
     """The whole resolved configuration of one run."""
 
@@ -292,6 +321,7 @@ class RunConfig:
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     init: InitSection = dataclasses.field(default_factory=InitSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
+    storage: StorageSection = dataclasses.field(default_factory=StorageSection)
 
 
 def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunConfig:

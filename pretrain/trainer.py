@@ -26,7 +26,7 @@ from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.layout import step_dir_name
 from pretrain.checkpoint.run_lock import RunLock, RunLockedError
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
-from pretrain.data import StepBatches, make_loader
+from pretrain.data import StepBatches, configure_storage, make_loader
 from pretrain.distributed.parallel_dims import ParallelDims
 from pretrain.distributed.process_group import all_reduce_mean, all_reduce_sum, barrier, device_for_rank
 from pretrain.engines import build_engine, engine_class, join_process_group
@@ -168,6 +168,7 @@ def _start(cfg: RunConfig, resume: str | None, start_over: bool = False) -> Run:
     """Check, join the process group, take the run and settle what it continues (pretrain/run/directory.py),
     build, and restore the chosen checkpoint; config.yaml and the metrics are written only then, so
     that a refused start leaves the run directory as it was."""
+    configure_storage(cfg)
     check_data(cfg)
     rank, world = join_process_group(cfg)
     dims, gas = check_start(cfg, world)
@@ -313,6 +314,7 @@ def _log_step(run: Run, info: Any, lr: float, window: tuple[float, int], times: 
         "perf/mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * run.world),
         **memory_stats(),
         **{f"data/{k}": v for k, v in run.batches.stats().items()},
+        "ckpt/retries": run.checkpointer.retries,
         **_times(run.pace, state.step),
     }
     model_scalars, model_hists = model_statistics(run.model)

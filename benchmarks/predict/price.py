@@ -88,13 +88,13 @@ def cost(captured: Captured, gpu: Gpu) -> Costed:
 
 
 def fused_memory(ops: list[Op], launches: list[Launch]) -> tuple[float, int]:
-    """(bytes, kernels) of the memory ops when fused as torch.compile's inductor fuses them, to first
-    order: a run of memory ops with no GEMM, attention op or Triton launch between them is fused; the
-    fused code reads each storage it did not itself produce once, and writes each storage it changed
-    that anything after it reads or that it did not create (a parameter, gradient or optimizer state
-    updated in place); what it creates and nothing reads is never written. Each distinct output size in a run (a reduction's, a pointwise op's) is one
-    kernel. Views and allocations move nothing. A first-order model of inductor, not inductor: it
-    fuses across every pointwise/reduction boundary inductor would and no further."""
+    """(bytes, kernels) of the memory ops when fused as torch.compile's inductor fuses them, to first order: a run of
+    memory ops with no GEMM, attention op or Triton launch between them is fused; the fused code reads each
+    storage it did not itself produce once, and writes each storage it changed that anything after it reads or
+    that it did not create (a parameter, gradient or optimizer state updated in place); what it creates and
+    nothing reads is never written. Each distinct output size in a run (a reduction's, a pointwise op's) is one
+    kernel. Views and allocations move nothing. A first-order model of inductor, not inductor: it fuses across
+    every pointwise/reduction boundary inductor would and no further."""
     barriers = {launch.position for launch in launches if launch.position >= 0}
     last_read: dict[int, int] = {}
     for i, op in enumerate(ops):

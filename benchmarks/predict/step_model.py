@@ -1,11 +1,12 @@
-"""A training step of one of this project's configs, predicted: its Triton launches by the launch model,
-its aten ops by the step model's rules, beside fla's chunk retention on the same work.
+"""A training step of one of this project's configs, predicted: its Triton launches by the launch model, its aten
+ops by the step model's rules, beside fla's chunk retention on the same work.
 
 `predict_step` captures the step (benchmarks.predict.step.capture_step_ops), prices it and splits out the
-scans: their launches and the aten ops their autograd Functions make (ops whose innermost project
-frame is in kernels/). "compiled" is the same step with its memory ops fused as torch.compile fuses them
-(benchmarks.predict.price.fused_memory, a first-order model of inductor). fla's retention runs the same layers on the same tokens with every SOE term of a
-head as a head of its own (B, T, heads x terms, features; values as wide as the head).
+scans: their launches and the aten ops their autograd Functions make (ops whose innermost project frame is in
+kernels/). "compiled" is the same step with its memory ops fused as torch.compile fuses them
+(benchmarks.predict.price.fused_memory, a first-order model of inductor). fla's retention runs the same layers
+on the same tokens with every SOE term of a head as a head of its own (B, T, heads x terms, features; values
+as wide as the head).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from safetensors.torch import load_model, save_model
 from model import CausalLM, build_model
 from model.config import as_trained, model_config_from_dict
 from model.config_loader import ConfigError
-from pretrain.checkpoint.consolidate import load_newest
+from pretrain.checkpoint.consolidate import load_newest, origin
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.config import RunConfig
 from pretrain.engines import engine_class
@@ -68,7 +68,7 @@ def export(checkpoint: str | Path, out: str | Path, allow_network: bool = False)
     except (OSError, json.JSONDecodeError) as err:
         raise ExportError(f"{step_dir / 'trainer_state.json'}: {err}") from err
     step = int(trainer.get("step", 0))
-    training = {"checkpoint": str(step_dir.resolve()), "step": step, "tokens_seen": int(trainer.get("tokens_seen", 0))}
+    training = {"checkpoint": origin(step_dir), "step": step, "tokens_seen": int(trainer.get("tokens_seen", 0))}
     return write_export(model, cfg, out, training, eval_metrics(step_dir, cfg, step), allow_network)
 
 
