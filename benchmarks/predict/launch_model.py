@@ -36,15 +36,17 @@ _RATE = {"fp32": "fp32", "sfu": "sfu", "cvt": "cvt", "int": "int", "global": "ls
 
 @dataclasses.dataclass(frozen=True)
 class Constants:
-    """The model's fitted constants (docs/kernels.md, "Predicted GPU times": their fit on fla's
-    published H100 times)."""
+    """The model's constants as fitted on fla's published H100 times (`python -m
+    benchmarks.predict.calibrate --fit`, 2026-12-06; docs/kernels.md, "Predicted GPU times"). Two sit at
+    the bounds of benchmarks.predict.calibrate.BOUNDS: the dependent-path terms, which only the
+    latency-bound case (B2 T16384) constrains, want to be longer still."""
 
-    hmma_efficiency: float = 0.6  # mma.sync's share of the dense tensor peak (wgmma runs at the peak)
-    cycles_per_instruction: float = 4.0  # a lone warp's cycles per issued instruction (dependencies)
-    load_latency_cycles: float = 600.0  # global-load latency a sequential loop waits each iteration
-    hbm_efficiency: float = 0.85  # achievable share of the HBM peak
-    launch_seconds: float = 4e-6  # per launch (triton or aten): the device's gap between kernels
-    host_seconds_per_launch: float = 5e-5  # the host's Python and driver time to issue one Triton launch
+    hmma_efficiency: float = 1.0  # mma.sync's share of the dense tensor peak (wgmma runs at the peak)
+    cycles_per_instruction: float = 16.0  # a lone warp's cycles per issued instruction (dependencies)
+    load_latency_cycles: float = 1500.0  # global-load latency a sequential loop waits each iteration
+    hbm_efficiency: float = 0.8205  # achievable share of the HBM peak
+    launch_seconds: float = 1.387e-05  # per launch (triton or aten): the device's gap between kernels
+    host_seconds_per_launch: float = 6.85e-05  # the host's Python and driver time to issue one Triton launch
 
     def vector(self) -> list[float]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
