@@ -26,6 +26,7 @@ from model import CausalLM, build_model
 from pretrain import carry, straggler, watchdog
 from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.run_lock import RunLock, RunLockedError
+from pretrain.compiling import compile_mode
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
 from pretrain.data import StepBatches, make_loader
 from pretrain.distributed.parallel_dims import ParallelDims
@@ -339,6 +340,7 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
     pending: list[tuple[int, torch.Tensor]] = []  # (step, applied) flags the host has not read yet
     window_start, window_tokens = time.time(), 0
     run.pace = Pace(cfg.train.steps, run.state.step, started)
+    first_step = True  # this process's first: it compiles under train.compile
     while run.state.step < cfg.train.steps:
         state = run.state  # a rollback replaces it
         lr = lr_at(state.step, cfg.train)
@@ -347,8 +349,12 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
         micro_batches = run.batches.next_step()
         times.data_ready()
         watchdog.phase("forward_backward")
+        step_deadline, step_start = watchdog.deadline("step"), time.monotonic()
         info = run.engine.train_step(micro_batches, lr)
         watchdog.phase("step_end")
+        if first_step and compile_mode(cfg) is not None:
+            _log_compile(cfg, time.monotonic() - step_start, step_deadline)
+        first_step = False
         times.step_ends()
         if run.carrier is not None:
             run.carrier.update(info.states)
@@ -391,6 +397,14 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
             _save(run, pending)
     _save(run, pending)
     return 0
+
+
+def _log_compile(cfg: RunConfig, seconds: float, deadline: float | None) -> None:
+    """Log the first step's time, which includes torch.compile's tracing and code generation, beside the
+    watchdog's deadline that step was held to (the watchdog's first-step allowance, pretrain/watchdog.py)."""
+    held = "no watchdog" if deadline is None else f"the watchdog's deadline for it was {deadline:.0f} s"
+    get_logger().info("first step took %.1f s with train.compile=%s (%s mode, compiling included); %s",
+                      seconds, cfg.train.compile, compile_mode(cfg), held)
 
 
 def train(
