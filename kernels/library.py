@@ -54,14 +54,11 @@ def _backward(function: Any, inputs: tuple, grads: tuple, needs: Sequence[bool])
 
 
 def _filled(grads: tuple, likes: Sequence[Tensor]) -> OpResult:
-    """Gradients as op outputs: zeros where the Function returned None, each a fresh tensor of its input's
-    shape and dtype."""
-    out = []
-    for grad, like in zip(grads, likes):
-        if grad is None:
-            grad = torch.zeros_like(like, memory_format=torch.contiguous_format)
-        out.append(grad.to(like.dtype).clone() if _aliases(grad, likes) else grad.to(like.dtype))
-    return tuple(out)
+    """Gradients as op outputs: zeros where the Function returned None, each a fresh tensor (no view of an
+    input or of another gradient) of its input's shape and dtype."""
+    out = tuple(torch.zeros_like(like, memory_format=torch.contiguous_format) if grad is None else grad.to(like.dtype)
+                for grad, like in zip(grads, likes))
+    return _fresh(out, likes)
 
 
 def _aliases(x: Tensor, others: Sequence[Tensor | None]) -> bool:

@@ -25,6 +25,13 @@ CompileMode = Literal["blocks", "model"]
 DEFAULT_MODE: CompileMode = "blocks"
 """What ``train.compile: true`` means (the module docstring gives the reasons)."""
 
+DYNAMO_SETTINGS = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+"""torch._dynamo settings of a compiled run. The layers keep what their last forward measured (VORT's
+orders, PMNet's slot use and balance loss) as module attributes; under activation checkpointing a
+compiled checkpoint would otherwise break its graph there, since eager checkpointing sets them again
+when the backward recomputes the forward. The recompute sets the values the forward set, so not
+replaying it loses nothing."""
+
 
 def compile_mode(cfg: RunConfig) -> CompileMode | None:
     """The run's compile mode: None when `train.compile` is false, the default for true."""
@@ -45,6 +52,9 @@ def compile_model(cfg: RunConfig, model: nn.Module) -> bool:
     """Apply the run's compile mode to `model` as far as the model goes (``blocks``: compile them now)
     and say whether the engine must compile its whole training module (``model``)."""
     mode = compile_mode(cfg)
+    if mode is not None:
+        for name, value in DYNAMO_SETTINGS.items():
+            setattr(torch._dynamo.config, name, value)
     if mode == "blocks":
         compile_blocks(model)
     return mode == "model"
