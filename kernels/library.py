@@ -67,9 +67,11 @@ def _aliases(x: Tensor, others: Sequence[Tensor | None]) -> bool:
 
 
 def _fresh(outputs: tuple, inputs: Sequence[Tensor | None]) -> OpResult:
-    """``outputs`` with every tensor that aliases an input or an earlier output copied."""
+    """``outputs`` as the fake implementations describe them: contiguous, and none a view of an input or
+    of an earlier output (those are copied)."""
     out: list[Tensor] = []
     for x in outputs:
+        x = x.contiguous()
         out.append(x.clone() if _aliases(x, [*inputs, *out]) else x)
     return tuple(out)
 
@@ -184,6 +186,10 @@ def soe_entering_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (q, log_lam, g_in, b_in)."""
     args = _entering_args(q, log_lam, g_in, b_in, chunk_size, backend)
+    if d_o is None:  # the CPU Function takes both gradients (autograd materialises them for it)
+        d_o = g_in.new_zeros(*q.shape[:3], g_in.shape[-1])
+    if d_z is None:
+        d_z = g_in.new_zeros(q.shape[:3])
     grads = _backward(_entering_function(backend), args, (d_o, d_z), (*needs, False))
     return _filled(grads[:4], (q, log_lam, g_in, b_in))
 

@@ -18,7 +18,14 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from kernels.library import phasor_scan_op, soe_entering_op, soe_scan_op
+from kernels.library import (
+    phasor_scan_backward_op,
+    phasor_scan_op,
+    soe_entering_backward_op,
+    soe_entering_op,
+    soe_scan_backward_op,
+    soe_scan_op,
+)
 from kernels.testing import phasor_inputs, resets, soe_inputs
 from model import build_model
 from model.config import ModelConfig
@@ -71,6 +78,20 @@ def test_phasor_scan_op_passes_opcheck(backend: str, with_reset: bool) -> None:
     delta, init = x["delta"].float().requires_grad_(), x["init"].float().requires_grad_()
     reset = resets(T, [[3], [9, 20]]) if with_reset else None
     _opcheck(phasor_scan_op, (delta, x["slots"], n_slots, init, reset, backend))
+
+
+def test_backward_ops_pass_opcheck() -> None:
+    """The backward ops on their own (opcheck of a forward op runs them, but checks only the forward's
+    fake outputs against the real ones): gradients of every input, including those given as None."""
+    q, k, v, coef, log_lam, g0, b0, chunk, reset = (a.detach() if isinstance(a, torch.Tensor) else a
+                                                    for a in _soe_args(torch.float32, True))  # fmt: skip
+    d_o, d_z = torch.randn(B, T, H, D), torch.randn(B, T, H)
+    _opcheck(soe_scan_backward_op, (q, k, v, coef, log_lam, g0, b0, chunk, reset, "torch", d_o, d_z, None, None,
+                                    [True] * 7))  # fmt: skip
+    _opcheck(soe_entering_backward_op, (q, log_lam, g0, b0, chunk, "torch", d_o, None, [True, False, True, True]))
+    x, n_slots = phasor_inputs(B, T, 3, 4, 2, with_state=True, seed=2)
+    delta, init = x["delta"].float(), x["init"].float()
+    _opcheck(phasor_scan_backward_op, (delta, x["slots"], n_slots, init, None, "torch", torch.randn_like(delta), None))
 
 
 def test_soe_op_equals_the_eager_function_forward_and_backward() -> None:
