@@ -3,9 +3,9 @@
     python -m benchmarks.compile_gain [--models vort-125m,pmnet-119m] [--tokens 16384] [--mode model]
                                       [--json out.json]
 
-For each model (configs/model/<name>.yaml, fp32, one sequence of --tokens tokens) it runs a training
-step (forward, loss, backward, AdamW) eagerly and compiled as `train.compile: <mode>` compiles it
-(pretrain/compiling.py), in one process, and prints per step:
+For each model (configs/model/<name>.yaml, fp32, one sequence of --tokens tokens, activation
+checkpointing on) it runs a training step (forward, loss, backward, AdamW) eagerly and compiled as
+`train.compile: <mode>` compiles it (pretrain/compiling.py), in one process, and prints per step:
 
 - kernels: the ATen kernels the step dispatches (views and allocations, which launch none, left out),
   and, compiled, the kernels inductor generated, as the profiler sees them run. Each scan
@@ -181,6 +181,7 @@ def measure(name: str, tokens: int, mode: str) -> dict:
     config = load_model_config(CONFIGS / f"{name}.yaml")
     torch.manual_seed(0)
     model = build_model(config).train()
+    model.activation_checkpointing = True  # as the configs train: without it 16k tokens take over 20 GB here
     ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     _step(model, ids[:, :256])[0]()  # numba compiles the CPU scans at their first call
     step, update_bytes = _step(model, ids)
