@@ -375,7 +375,9 @@ def exchange_with_neighbours(
     n = x.numel()
     send = [n if r in (rank, rank + 1) else 0 for r in range(size)]
     receive = [n if r in (rank - 1, rank) else 0 for r in range(size)]
-    out = _waited(funcol.all_to_all_single(x.reshape(-1), receive, send, _group(group)))
+    flat = x.reshape(-1)
+    outgoing = torch.cat((flat, flat)) if rank + 1 < size else flat  # one copy per destination, in rank order
+    out = _waited(funcol.all_to_all_single(outgoing, receive, send, _group(group)))
     if rank == 0:
         return out.view_as(x), None
     return out[n:].view_as(x), out[:n].view_as(x)
