@@ -228,16 +228,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", choices=("blocks", "model"), default="model")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = [measure(name, args.tokens, args.mode) for name in args.models.split(",")]
     print("| model | tokens | compile | kernels/step eager | compiled | elementwise GB eager | compiled | "
           "steps/s eager | compiled | first compiled step s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    rows = []
+    for name in args.models.split(","):  # each row as soon as it is measured: a 125M model's row takes minutes
+        r = measure(name, args.tokens, args.mode)
+        rows.append(r)
         print(f"| {r['model']} | {r['tokens']:,} | {r['mode']} | {r['kernels_eager']:,} | {r['kernels_compiled']:,} | "
               f"{r['elementwise_gb_eager']:.2f} | {_gb(r['elementwise_gb_compiled'])} | {r['steps_per_s_eager']:.4f} | "
-              f"{r['steps_per_s_compiled']:.4f} | {r['first_compiled_step_s']:.0f} |")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+              f"{r['steps_per_s_compiled']:.4f} | {r['first_compiled_step_s']:.0f} |", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
