@@ -16,7 +16,8 @@ checkpointing on) it runs a training step (forward, loss, backward, AdamW) eager
   bytes its generated kernels and its fallbacks to such ops access (`--mode model` only: with blocks the
   embedding and loss stay outside the graphs and are not separated here).
 - steps/s: one step each (at 16k tokens a CPU step takes minutes, far above the profiler's per-op cost);
-  compiled, the step after the first, which compiles.
+  compiled, the step after the first, which compiles; and the CPU seconds of that step (with
+  OMP_NUM_THREADS=1, the step's own work, which other jobs on the cores do not inflate).
 - the first compiled step's time, compiling included.
 
 Counts and times come from the same step: eager, the first at --tokens (after a short step that has
@@ -106,13 +107,15 @@ def _launches(events: list) -> int:
     return count
 
 
-def _measured(step: Callable[[], None]) -> tuple[float, int]:
-    """(seconds, kernels launched) of one step, profiled (the profiler's cost is per op: microseconds)."""
+def _measured(step: Callable[[], None]) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds of this process, kernels launched) of one step, profiled (the profiler's
+    cost is per op: microseconds). With one thread the CPU seconds are the step's work whatever else
+    shares the cores; the wall seconds are not, on a shared machine."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         step()
-        seconds = time.perf_counter() - start
-    return seconds, _launches(list(prof.events()))
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return seconds, cpu, _launches(list(prof.events()))
 
 
 class _InductorBytes:
@@ -188,7 +191,7 @@ def measure(name: str, tokens: int, mode: str) -> dict:
     _scans_as_ops(True)  # eager through the scans' ops, as compiled: each scan call counts as one kernel
     try:
         with _ElementwiseBytes() as eager_bytes:
-            eager_s, eager_kernels = _measured(step)
+            eager_s, eager_cpu, eager_kernels = _measured(step)
     finally:
         _scans_as_ops(False)
     optimizer_bytes = update_bytes()
@@ -203,7 +206,7 @@ def measure(name: str, tokens: int, mode: str) -> dict:
         start = time.perf_counter()
         step()
         first_s = time.perf_counter() - start
-        compiled_s, compiled_kernels = _measured(step)
+        compiled_s, compiled_cpu, compiled_kernels = _measured(step)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     # the compiled graphs' bytes, each forward and backward graph run once per step (whole model) or once
     # per block; blocks mode leaves the embedding and loss outside, whose bytes this does not separate
@@ -214,6 +217,7 @@ def measure(name: str, tokens: int, mode: str) -> dict:
         "elementwise_gb_eager": eager_bytes.total / 1e9,
         "elementwise_gb_compiled": compiled_gb,
         "steps_per_s_eager": 1 / eager_s, "steps_per_s_compiled": 1 / compiled_s, "first_compiled_step_s": first_s,
+        "cpu_s_eager": eager_cpu, "cpu_s_compiled": compiled_cpu,
     }
 
 
@@ -229,15 +233,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     print("| model | tokens | compile | kernels/step eager | compiled | elementwise GB eager | compiled | "
-          "steps/s eager | compiled | first compiled step s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+          "steps/s eager | compiled | CPU s/step eager | compiled | first compiled step s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     rows = []
     for name in args.models.split(","):  # each row as soon as it is measured: a 125M model's row takes minutes
         r = measure(name, args.tokens, args.mode)
         rows.append(r)
         print(f"| {r['model']} | {r['tokens']:,} | {r['mode']} | {r['kernels_eager']:,} | {r['kernels_compiled']:,} | "
               f"{r['elementwise_gb_eager']:.2f} | {_gb(r['elementwise_gb_compiled'])} | {r['steps_per_s_eager']:.4f} | "
-              f"{r['steps_per_s_compiled']:.4f} | {r['first_compiled_step_s']:.0f} |", flush=True)
+              f"{r['steps_per_s_compiled']:.4f} | {r['cpu_s_eager']:.0f} | {r['cpu_s_compiled']:.0f} | "
+              f"{r['first_compiled_step_s']:.0f} |", flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
