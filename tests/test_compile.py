@@ -238,11 +238,13 @@ def test_train_compile_refuses_an_unknown_mode() -> None:
 # ----------------------------------------------------------------------------- through the trainer
 
 STEPS = 20
-LOSS_TOLERANCE = 2e-4
+LOSS_TOLERANCE = 1e-5
 """Relative gap allowed between compiled and eager losses at every one of the 20 steps. Both run the same
 fp32 CPU scan kernels (the custom ops call the eager Functions); what differs is inductor's fusion of the
 elementwise ops and reductions around them (other summation orders, fp32 rounding ~1e-7 per op), which
-the updates carry forward. Measured worst gap over the runs below: see the assertion messages."""
+the updates carry forward. Measured on 2026-12-06: 6.6e-8 (DeepSpeed, sequence-parallel 2) and 1.1e-7
+(FSDP2) at worst over the 20 steps; the bound leaves room for other CPU kernel sets and thread counts.
+The test prints the largest gap it measured."""
 
 
 def _args(family: str, shards: dict[str, str], run_dir: Path, extra: list[str]) -> list[str]:
