@@ -251,7 +251,7 @@ def phasor_scan_backward_op(
     delta: Tensor, slots: Tensor, n_slots: int, init: Tensor, reset: Tensor | None, backend: str,
     d_read: Tensor | None, d_final: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """Gradients of (delta, init)."""
+    """Gradients of (delta, init); ``delta`` is read for its shape, dtype and device only."""
     inputs = (delta, slots, n_slots, init, reset)
     grads = _backward(_phasor_function(backend), inputs, (d_read, d_final), (True, False, False, True, False))
     return _filled((grads[0], grads[3]), (delta, init))
@@ -265,7 +265,8 @@ def _(delta, slots, n_slots, init, reset, backend, d_read, d_final):
 
 def _phasor_setup(ctx, inputs, output) -> None:
     delta, slots, n_slots, init, reset, backend = inputs
-    ctx.save_for_backward(delta, slots, init, reset)
+    # the backward reads only delta's shape, dtype and device: a broadcast scalar keeps no [B, T, E, M] alive
+    ctx.save_for_backward(delta.new_zeros(()).expand(delta.shape), slots, init, reset)
     ctx.n_slots, ctx.backend = n_slots, backend
 
 
