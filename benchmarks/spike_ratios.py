@@ -5,7 +5,7 @@ defaults of `train.spike` (docs/training.md, "Loss spikes").
 
 For each run (metrics.jsonl logged with train.log_every=1, so every step's loss is there) and each
 window, prints the largest ratio loss / median of the `window` finite losses before it, the step where
-it happened, and how many steps were judged; the rule of pretrain/spike.py flags a step whose ratio
+it happened, and how many steps were judged; the rule of pretrain/resilience/spike.py flags a step whose ratio
 exceeds train.spike.factor. A run with rollbacks logs some steps twice; each logged value is taken in
 the order it was written.
 """
@@ -18,12 +18,12 @@ import math
 from pathlib import Path
 
 from pretrain.config import SpikeSection
-from pretrain.spike import SpikeDetector
+from pretrain.resilience.spike import SpikeDetector
 
 
 def ratios(losses: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
     """(step, loss / median of the `window` finite losses before it) for every step with a full window,
-    judged by the detector itself (pretrain/spike.py)."""
+    judged by the detector itself (pretrain/resilience/spike.py)."""
     detector = SpikeDetector(SpikeSection(window=window))
     out = []
     for step, loss in losses:

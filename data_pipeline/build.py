@@ -13,8 +13,9 @@ once all its shards are written, leaves a record ``parts/part-NNNNNN.json``; a r
 skips the parts whose record matches the current plan (same inputs, sizes, tokenizer and flags),
 so a build killed mid-way redoes at most the parts it was writing.
 
-Inside a task, reading runs in a thread, tokenizing in ``--workers`` processes (or the main
-thread) and tar encoding, hashing and writing in another thread, with bounded queues between them.
+Inside a task, reading runs in a thread, tokenizing in ``--workers`` processes (or the main thread;
+both stages are ``data_pipeline/encode.py``) and tar encoding, hashing and writing in another thread,
+with bounded queues between them.
 The output is the same bytes whatever the number of workers or tasks (neither is recorded).
 
 Skip-and-count policy at build time: empty documents (zero bytes or zero tokens) are skipped and
@@ -28,21 +29,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import queue
 import re
 import sys
-import threading
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import fsspec
 import numpy as np
 from fsspec.core import url_to_fs
 from tqdm import tqdm
 
+from data_pipeline.encode import encoded, in_thread
 from data_pipeline.errors import DATA_ERRORS, report_data_error
 from data_pipeline.shards import (
     MANIFEST_NAME,
@@ -53,108 +51,19 @@ from data_pipeline.shards import (
     load_manifest,
     save_manifest,
     sha256_hex,
+    write_bytes,
 )
 from data_pipeline.sources import Document, Unit, expand_inputs, read_unit, split_units
+from data_pipeline.storage import retrying
 from data_pipeline.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 22
 DEFAULT_PART_BYTES = 1 << 28
 PARTS_DIR = "parts"
 _SHARDS_PER_PART = 1_000_000
-_BATCH_BYTES = 4 << 20
-_QUEUE_DEPTH = 64
 _WRITES_IN_FLIGHT = 2
 _SHARD_FILE = re.compile(r"shard-\d{6,}\.tar")
 _PART_RECORD = re.compile(r"part-(\d{6})\.json")
-
-T = TypeVar("T")
-
-
-def _encode_batch(tokenizer: Tokenizer, datas: list[bytes]) -> list[tuple[np.ndarray, bool]]:
-    """Tokenize a batch of documents (runs in a worker process when workers > 1)."""
-    return [tokenizer.encode(d) for d in datas]
-
-
-def _batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
-    """Group documents into batches of about ``_BATCH_BYTES`` for the worker pool."""
-    batch: list[Document] = []
-    size = 0
-    for doc in docs:
-        batch.append(doc)
-        size += len(doc.data)
-        if size >= _BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _in_thread(items: Iterable[T], depth: int = _QUEUE_DEPTH) -> Iterator[T]:
-    """Iterate ``items`` in a background thread, ``depth`` items ahead; its exceptions re-raise here.
-
-    Leaving the loop early stops the thread at its next item.
-    """
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def put(entry: tuple[object, BaseException | None]) -> bool:
-        """Queue ``entry`` unless the consumer has left; whether it was queued."""
-        while not stop.is_set():
-            try:
-                q.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def run() -> None:
-        try:
-            for item in items:
-                if not put((item, None)):
-                    return
-            put((done, None))
-        except BaseException as exc:
-            put((done, exc))
-
-    thread = threading.Thread(target=run, name="build-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, exc = q.get()
-            if item is done:
-                if exc is not None:
-                    raise exc
-                return
-            yield item
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _encoded(
-    tokenizer: Tokenizer, docs: Iterator[Document], pool: Executor | None, workers: int
-) -> Iterator[tuple[Document, np.ndarray, bool]]:
-    """Yield ``(document, ids, invalid_utf8)`` in input order, tokenizing in ``pool`` when given.
-
-    At most ``2 * workers`` batches are in flight, so memory stays bounded for any corpus size.
-    """
-    if pool is None:
-        for doc in docs:
-            ids, invalid = tokenizer.encode(doc.data)
-            yield doc, ids, invalid
-        return
-    pending: deque[tuple[list[Document], Future]] = deque()
-    for batch in _batches(docs):
-        pending.append((batch, pool.submit(_encode_batch, tokenizer, [d.data for d in batch])))
-        while len(pending) >= 2 * workers:
-            done_batch, fut = pending.popleft()
-            for doc, (ids, invalid) in zip(done_batch, fut.result()):
-                yield doc, ids, invalid
-    while pending:
-        done_batch, fut = pending.popleft()
-        for doc, (ids, invalid) in zip(done_batch, fut.result()):
-            yield doc, ids, invalid
 
 
 def shard_name(part: int, index: int) -> str:
@@ -174,8 +83,7 @@ def _write_shard(url: str, key: str, tokens: list[np.ndarray]) -> dict[str, Any]
     flat = np.concatenate(tokens)
     payload = encode_shard(key, flat, lengths)
     name = f"{key}.tar"
-    with fsspec.open(join_url(url, name), "wb") as f:
-        f.write(payload)
+    write_bytes(join_url(url, name), payload)
     return {
         "path": name,
         "tokens": int(flat.size),
@@ -275,7 +183,7 @@ def _finished(plan: BuildPlan, part: int) -> dict[str, Any] | None:
     """The part's record if it belongs to this plan and its shards are all there with their sizes."""
     fs, path = url_to_fs(plan.record_url(part))
     try:
-        record = json.loads(fs.cat_file(path))
+        record = json.loads(retrying(plan.record_url(part), lambda: fs.cat_file(path), what="read part record"))
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     if not isinstance(record, dict) or record.get("plan") != plan.digest:
@@ -307,16 +215,15 @@ def _build_part(plan: BuildPlan, part: int, pool: Executor | None, workers: int,
     """Read, tokenize and write one part, then its record."""
     shards = _ShardWriter(plan.output, part, plan.tokenizer.storage_dtype, plan.build["shard_tokens"], writer)
     stats = {"empty_documents": 0, "invalid_utf8_documents": 0}
-    docs = _in_thread(_read_units(plan.parts[part], plan.build["text_field"], bar))
-    for _, ids, invalid in _encoded(plan.tokenizer, docs, pool, workers):
+    docs = in_thread(_read_units(plan.parts[part], plan.build["text_field"], bar))
+    for _, ids, invalid in encoded(plan.tokenizer, docs, pool, workers):
         stats["invalid_utf8_documents"] += int(invalid)
         if ids.size == 0:
             stats["empty_documents"] += 1
             continue
         shards.add(ids)
     record = {"plan": plan.digest, "part": part, "shards": shards.entries(), "stats": stats}
-    with fsspec.open(plan.record_url(part), "w") as f:
-        f.write(json.dumps(record, sort_keys=True, indent=1) + "\n")
+    write_bytes(plan.record_url(part), (json.dumps(record, sort_keys=True, indent=1) + "\n").encode())
 
 
 def _tokenizer_pool(workers: int) -> ProcessPoolExecutor:

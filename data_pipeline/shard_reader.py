@@ -17,17 +17,22 @@ from data_pipeline.shards import (
     Manifest,
     ShardError,
     ShardIndex,
+    cat,
     checked_shard,
     read_bytes,
     read_index,
     sha256_hex,
     with_retries,
 )
+from data_pipeline.storage import is_remote
 from data_pipeline.tokenizer import smallest_dtype
 
 _OPEN_HANDLES = 16
 _CACHED_INDEXES = 64
 _INFLIGHT = 2
+RANGE_AHEAD = 16
+"""Byte ranges of upcoming samples read concurrently on an object store (range mode): one GET costs a
+round trip, so reading one sample at a time would leave a rank waiting on latency, not bandwidth."""
 
 
 @dataclass
@@ -93,13 +98,33 @@ class ShardReader:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._inflight: OrderedDict[int, Future] = OrderedDict()
+        self._ranges: OrderedDict[tuple[int, int, int], Future] = OrderedDict()
+        self._range_pool: ThreadPoolExecutor | None = None
+        self._range_pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the shard cache, open files and the prefetch thread (workers rebuild them)."""
         state = dict(self.__dict__)
         state.update(_cache=OrderedDict(), _cached_tokens=0, _pool=None, _pool_pid=-1, _inflight=OrderedDict())
-        state.update(_handles=OrderedDict(), _handles_pid=-1)
+        state.update(_handles=OrderedDict(), _handles_pid=-1, _ranges=OrderedDict(), _range_pool=None, _range_pid=-1)
         return state
+
+    def prefetch(self, idx: int, start: int, stop: int) -> None:
+        """Start reading positions ``[start, stop)`` of shard ``idx`` in the background (range mode on
+        an object store; elsewhere nothing): at most RANGE_AHEAD reads wait, concurrently. The shard's
+        index is read here, in the caller's thread; the threads only fetch bytes."""
+        if self.policy.mode != "range" or not is_remote(self.shard_urls[idx]):
+            return
+        if self._range_pool is None or self._range_pid != os.getpid():
+            self._range_pool = ThreadPoolExecutor(max_workers=RANGE_AHEAD, thread_name_prefix="range-prefetch")
+            self._range_pid, self._ranges = os.getpid(), OrderedDict()
+        key = (idx, start, stop)
+        if key in self._ranges:
+            return
+        lo, hi = self._byte_span(idx, start, stop)
+        self._ranges[key] = self._range_pool.submit(self._read_range, idx, lo, hi)
+        while len(self._ranges) > 4 * RANGE_AHEAD:  # ranges never asked for (a skip, a new iteration)
+            self._ranges.popitem(last=False)
 
     def span(self, idx: int, start: int, stop: int, following: int | None) -> np.ndarray:
         """Positions ``[start, stop)`` of shard ``idx``'s stream; ``following`` is the shard read next
@@ -127,7 +152,11 @@ class ShardReader:
             f.close()
 
     def _read_range(self, idx: int, start: int, stop: int) -> tuple[bytes, int]:
-        """Bytes ``[start, stop)`` of shard ``idx`` through its cached handle."""
+        """Bytes ``[start, stop)`` of shard ``idx``: one range GET on an object store (an open
+        file there would read whole blocks ahead), a seek and read of a cached handle on disk."""
+        url = self.shard_urls[idx]
+        if is_remote(url):
+            return with_retries(url, self.policy.retries, lambda: cat(url, start, stop))
 
         def read() -> bytes:
             f = self._handle(idx)
@@ -220,14 +249,27 @@ class ShardReader:
             self._indexes.popitem(last=False)
         return index
 
+    def _byte_span(self, idx: int, start: int, stop: int) -> tuple[int, int]:
+        """The bytes of shard ``idx`` holding the tokens of stream positions ``[start, stop)``."""
+        index = self._index(idx)
+        first, last = int(index.eos_positions.searchsorted(start)), int(index.eos_positions.searchsorted(stop))
+        item = index.dtype.itemsize
+        return index.data_offset + (start - first) * item, index.data_offset + (stop - last) * item
+
     def _range(self, idx: int, start: int, stop: int) -> np.ndarray:
-        """Stream positions ``[start, stop)`` of shard ``idx`` read as one byte range (no whole-shard read)."""
+        """Stream positions ``[start, stop)`` of shard ``idx`` read as one byte range (no whole-shard
+        read), or taken from a prefetch started for them."""
         index = self._index(idx)
         eos = index.eos_positions
         first, last = int(eos.searchsorted(start)), int(eos.searchsorted(stop))
         lo, hi = start - first, stop - last
         item = index.dtype.itemsize
-        raw, used = self._read_range(idx, index.data_offset + lo * item, index.data_offset + hi * item)
+        pending = self._ranges.pop((idx, start, stop), None) if self._range_pid == os.getpid() else None
+        if pending is not None:
+            raw, used = pending.result()
+            self.stats.prefetched += 1
+        else:
+            raw, used = self._read_range(idx, index.data_offset + lo * item, index.data_offset + hi * item)
         self.stats.read_retries += used
         self.stats.shard_bytes_read += len(raw)
         if len(raw) != (hi - lo) * item:

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import numpy as np
 from fsspec.core import url_to_fs
+
+from data_pipeline.storage import StorageError, is_remote, retrying
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "recurrent-pretrain-shards"
@@ -105,8 +106,7 @@ def load_manifest(source: str) -> Manifest:
     """Read and validate a manifest from a directory or ``.json`` URL (any fsspec protocol)."""
     url = manifest_url(source)
     try:
-        with fsspec.open(url, "rb") as f:
-            raw = f.read()
+        raw = retrying(url, lambda: cat(url), what="read manifest")
     except (OSError, ValueError) as exc:
         raise ManifestError(f"cannot read manifest {url!r}: {exc}") from exc
     try:
@@ -163,9 +163,26 @@ def _check_paths_and_totals(manifest: Manifest, doc: dict[str, Any]) -> None:
 def save_manifest(manifest: Manifest, output: str) -> str:
     """Write ``manifest.json`` into the output directory URL; returns its URL."""
     url = join_url(output, MANIFEST_NAME)
-    with fsspec.open(url, "wb") as f:
-        f.write(manifest.to_json().encode())
+    write_bytes(url, manifest.to_json().encode())
     return url
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write a whole file (an object, on a store) under the retry policy: a retried write rewrites it."""
+
+    def write() -> None:
+        fs, path = url_to_fs(url)
+        if not is_remote(url):
+            fs.makedirs(fs._parent(path), exist_ok=True)
+        fs.pipe_file(path, data)
+
+    retrying(url, write, what="write")
+
+
+def cat(url: str, start: int | None = None, end: int | None = None) -> bytes:
+    """One read of a whole file or of its bytes ``[start, end)`` (one range GET on a store)."""
+    fs, path = url_to_fs(url)
+    return fs.cat_file(path, start=start, end=end)
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -310,32 +327,26 @@ def checked_shard(
 def with_retries(
     url: str, retries: int, read: Callable[[], bytes], on_error: Callable[[], None] | None = None
 ) -> tuple[bytes, int]:
-    """Run ``read()`` retrying transient ``OSError``s; returns ``(data, retries_used)``.
+    """Run ``read()`` under ``data_pipeline.storage.retrying`` (``retries`` retries, the process's
+    backoff); returns ``(data, retries_used)``. A missing file is not retried. ``on_error`` runs after
+    each failed attempt (e.g. to drop a cached file handle). Failures raise ``ShardError`` naming the URL."""
+    used = [0]
 
-    A missing file is not retried. ``on_error`` runs after each failed attempt (e.g. to drop a
-    cached file handle). Failures raise ``ShardError`` naming the URL.
-    """
-    last: Exception | None = None
-    for attempt in range(retries + 1):
-        try:
-            return read(), attempt
-        except FileNotFoundError as exc:
-            raise ShardError(f"shard {url!r} is missing: {exc}") from exc
-        except (OSError, ValueError) as exc:
-            last = exc
-            if on_error is not None:
-                on_error()
-    raise ShardError(f"cannot read shard {url!r} after {retries + 1} attempts: {last}") from last
+    def count(n: int) -> None:
+        used[0] += n
+
+    try:
+        return retrying(url, read, count, on_error, retries, what="read shard"), used[0]
+    except FileNotFoundError as exc:
+        raise ShardError(f"shard {url!r} is missing: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise ShardError(str(exc) if isinstance(exc, StorageError) else f"cannot read shard {url!r}: {exc}") from exc
 
 
 def read_bytes(url: str, retries: int = 2, start: int | None = None, end: int | None = None) -> tuple[bytes, int]:
     """Read a file (or its byte range ``[start, end)``) through fsspec with ``with_retries``."""
 
-    def read() -> bytes:
-        fs, path = url_to_fs(url)
-        return fs.cat_file(path, start, end)
-
-    return with_retries(url, retries, read)
+    return with_retries(url, retries, lambda: cat(url, start, end))
 
 
 def sha256_hex(data: bytes) -> str:

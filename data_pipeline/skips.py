@@ -1,5 +1,5 @@
 """Global sample numbers a training stream never reads: `data.skip_samples` set by hand, and the ranges a
-loss-spike rollback adds (pretrain/spike.py).
+loss-spike rollback adds (pretrain/resilience/spike.py).
 
 Every loader numbers its samples globally (docs/data.md) and keeps as its resumable state the number
 of the next sample to read. With skipped ranges that number still counts in the full numbering: the

@@ -8,6 +8,7 @@ number of global samples consumed plus the mixture bookkeeping (see docs/data.md
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data_pipeline import shard_reader
 from data_pipeline.order import Mixture, SourceOrder
 from data_pipeline.shard_reader import ReadPolicy, ReadStats, ShardReader
 from data_pipeline.shards import Manifest, ShardError, load_manifest
@@ -56,6 +58,12 @@ class _Source:
         self.order = SourceOrder(self.reader.lengths, seq_len, seed, salt, window, shuffle, self.url)
         self.samples_per_epoch = self.order.samples_per_epoch
 
+    def prefetch(self, position: int, with_prev: bool) -> None:
+        """Let the reader start fetching the ``position``-th sample (range mode on an object store)."""
+        epoch, start, stop, _ = self.order.sample_span(position, with_prev)
+        for idx, first, end, _ in self.order.pieces(epoch, start, stop):
+            self.reader.prefetch(idx, first, end)
+
     def sample(self, position: int, with_prev: bool) -> tuple[np.ndarray, bool]:
         """Tokens of the source's ``position``-th sample (``seq_len + 1`` of them, or one more in front
         when ``with_prev`` and the sample does not start the epoch); returns ``(tokens, has_prev)``."""
@@ -92,7 +100,8 @@ class PackedStream(IterableDataset):
         max_samples: stop before global sample ``max_samples`` (None: infinite stream, epochs repeat).
         mix_block: samples per mixture block (the mixture is exact within each block).
         read_retries: retries of a failed (non-missing) shard read before raising ``ShardError``.
-        prefetch: read (and hash) the next shard in a background thread while packing the current one.
+        prefetch: read (and hash) the next shard in a background thread while packing the current one;
+            with ``read="range"`` on an object store, read the next RANGE_AHEAD samples' ranges concurrently.
         read: ``"shard"`` reads, verifies and caches whole shards (every rank reads every shard of its
             shuffle windows); ``"range"`` reads only each sample's byte range plus a small per-shard
             index, so a rank reads ~1/world_size of the data. sha256 needs whole files, so
@@ -146,6 +155,7 @@ class PackedStream(IterableDataset):
         self.max_samples = max_samples
         self.shuffle = shuffle
         self._read_stats = ReadStats()
+        self._read_ahead = shard_reader.RANGE_AHEAD if read == "range" and prefetch else 0
         self._samples = 0
         self._skips = SkipRanges(skip_samples)
         self._sources = [
@@ -234,8 +244,16 @@ class PackedStream(IterableDataset):
         if get_worker_info() is None:
             self._start = self._skips.nth(self._start, self._yielded * self.world_size)
         self._yielded = 0
-        for j in self._local_indices():
-            g = self._skips.nth(self._start, self.rank + j * self.world_size)
+        ahead: deque[int] = deque()
+        upcoming = self._local_indices()
+        while True:
+            while len(ahead) <= self._read_ahead:  # range reads of the next samples start now
+                g = self._skips.nth(self._start, self.rank + next(upcoming) * self.world_size)
+                if self._read_ahead and (self.max_samples is None or g < self.max_samples):
+                    s, position = self.locate(g)
+                    self._sources[s].prefetch(position, self.doc_boundaries)
+                ahead.append(g)
+            g = ahead.popleft()
             if self.max_samples is not None and g >= self.max_samples:
                 return
             sample = self.get(g)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments import EXPERIMENTS
 from experiments.runner import ExperimentError
 from pretrain.config import ConfigError
-from pretrain.log import setup_logging
+from pretrain.telemetry.log import setup_logging
 
 EXIT_BAD_INPUT = 2
 

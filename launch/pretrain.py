@@ -3,9 +3,10 @@
 Also runs under `torchrun ... engine.kind=fsdp`, as one `srun` task per GPU (ranks from SLURM's
 variables; launch/slurm/) and as a plain `python launch/pretrain.py` in one process. Bad
 configuration or data stops here, before any compute, with a message naming the key or file, and
-so does a start the run directory cannot take (another run's config, changed data; pretrain/run_dir.py).
+so does a start the run directory cannot take (another run's config, changed data; pretrain/run/directory.py).
 Exit codes: 0 done (or nothing left to do), 2 bad input, 3 preempted or interrupted (saved) or a rank
-hung (requeue either), 4 diverged, 130 a second Ctrl-C (stopped at once, unsaved) (docs/cluster.md).
+hung (requeue either), 4 diverged, 130 a second Ctrl-C (stopped at once, unsaved); the batch script exits 5
+when a requeue would find no newer checkpoint once more (pretrain/resilience/requeue.py, docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.config import ConfigError, load_config
 from pretrain.distributed.process_group import adopt_slurm_environment
-from pretrain.log import setup_logging
-
-EXIT_BAD_INPUT = 2
-EXIT_ABORTED = 130  # the shell's code for a process ended by SIGINT: a second Ctrl-C, nothing saved
+from pretrain.resilience.requeue import EXIT_ABORTED, EXIT_BAD_INPUT
+from pretrain.telemetry.log import setup_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,14 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     from data_pipeline.shards import ManifestError, ShardError
+    from data_pipeline.storage import StorageError
     from pretrain.checkpoint.layout import CheckpointError
-    from pretrain.run_dir import RunRefusedError
+    from pretrain.run.directory import RunRefusedError
     from pretrain.trainer import DataError, RunLockedError, train
 
     resume = "none" if args.start_over else args.resume
     try:
         return train(cfg, resume=resume, preempted_marker=args.preempted_marker, start_over=args.start_over)
-    except (DataError, ConfigError, RunLockedError, RunRefusedError, CheckpointError, ManifestError, ShardError) as err:
+    except (DataError, ConfigError, RunLockedError, RunRefusedError, CheckpointError, ManifestError, ShardError,
+            StorageError) as err:
         log.debug("stopped on bad input", exc_info=True)
         log.error("%s", " ".join(str(err).split()))
         return EXIT_BAD_INPUT

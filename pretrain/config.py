@@ -74,7 +74,7 @@ class DataSection:
     `mixture_change: true` declares that `train` differs on purpose from what the run's checkpoint
     was reading (sources added, removed or reweighted, or a source's shards rebuilt): the resume then
     continues with the new mixture from the saved position. Without it such a resume is refused
-    (pretrain/resume_rules.py); set it on the command line of the one start that changes the data."""
+    (pretrain/run/resume_rules.py); set it on the command line of the one start that changes the data."""
 
     train: list[DataSource] = dataclasses.field(default_factory=list)
     task: TaskSource | None = None
@@ -105,19 +105,22 @@ class DataSection:
 
 @dataclasses.dataclass
 class SpikeSection:
-    """Loss-spike rollback (pretrain/spike.py): a step whose global mean loss exceeds `factor` times the
+    """Loss-spike rollback (pretrain/resilience/spike.py): a step whose global mean loss exceeds `factor` times the
     median of the `window` finite losses before it is a spike; the run restores the newest checkpoint
-    from before it and skips the samples read since. docs/training.md, "Loss spikes", gives the reason
+    from before it and skips the samples read since, at most `max_rollbacks` times in any
+    `rollback_window` steps. docs/training.md, "Loss spikes", gives the reason
     for each default."""
 
     window: int = 50
     factor: float = 2.0
-    max_rollbacks: int = 3  # 0 turns the detector off; one more spike after this many saves and exits 4
+    max_rollbacks: int = 3  # per rollback_window steps; 0 turns the detector off; one more stops the run (exit 4)
+    rollback_window: int = 1000  # the steps over which max_rollbacks counts (the spikes' steps)
 
     def __post_init__(self) -> None:
         check_range("window", self.window, low=1)
         check_range("factor", self.factor, low=1, low_open=True)
         check_range("max_rollbacks", self.max_rollbacks, low=0, note=" (0 turns spike rollback off)")
+        check_range("rollback_window", self.rollback_window, low=1, note=" (steps)")
 
 
 @dataclasses.dataclass
@@ -146,12 +149,15 @@ class TrainSection:
     carry_state: bool = False  # truncated BPTT: each batch row continues its text (pretrain/carry.py)
     log_every: int = 10
     max_runtime: float | None = None
-    # the hang watchdog's deadline for each phase of a step (pretrain/watchdog.py); null: derived from
+    # the hang watchdog's deadline for each phase of a step (pretrain/resilience/watchdog.py); null: derived from
     # the measured step time, at least HANG_FLOOR_S
     hang_timeout_s: float | None = None
     # a rank whose time per step outside communication exceeds this many times the median rank's is
-    # named at each log step (pretrain/straggler.py)
+    # named at each log step (pretrain/resilience/straggler.py)
     straggler_factor: float = 1.5
+    # requeues in a row that find no checkpoint newer than the job before's, after which the batch script
+    # stops the job (exit 5) instead of requeueing it again (pretrain/resilience/requeue.py)
+    max_no_progress_requeues: int = 2
     spike: SpikeSection = dataclasses.field(default_factory=SpikeSection)
 
     def __post_init__(self) -> None:
@@ -174,6 +180,7 @@ class TrainSection:
             raise ValueError(f"max_runtime: must be > 0 seconds or null, got {self.max_runtime}")
         check_hang_timeout(self.hang_timeout_s)
         check_range("straggler_factor", self.straggler_factor, low=1, low_open=True)
+        check_range("max_no_progress_requeues", self.max_no_progress_requeues, low=0)
 
 
 @dataclasses.dataclass
@@ -184,7 +191,9 @@ class EngineSection:
     zero_stage: int = 2
     offload_optimizer: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
-    dist_timeout_s: float = 600.0
+    # every process group's timeout; above the hang watchdog's first-step allowance (3 x 300 s) with room to
+    # spare, since the watchdog's derived deadlines stay below 0.9 of it (docs/training.md, "Deadlines")
+    dist_timeout_s: float = 1800.0
     sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
@@ -273,6 +282,35 @@ class LogSection:
 
 
 @dataclasses.dataclass
+class StorageSection:
+    """Object storage (s3:// and other fsspec URLs in data.train, checkpoint.dir, init.from): the retry
+    policy of every remote call and the settings of new s3:// filesystems (data_pipeline/storage.py).
+    Null: the AWS environment's (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION). Credentials never go here,
+    where they would be saved with the run: they come from the AWS variables or files."""
+
+    retries: int = 5
+    backoff_s: float = 0.5
+    backoff_max_s: float = 20.0
+    read_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    endpoint_url: str | None = None
+    region: str | None = None
+    block_size: int | None = None  # bytes an opened remote file reads at a time (s3fs's default_block_size)
+
+    def __post_init__(self) -> None:
+        check_range("retries", self.retries, low=0)
+        check_range("backoff_s", self.backoff_s, low=0)
+        check_range("backoff_max_s", self.backoff_max_s, low=self.backoff_s, note=" (at least backoff_s)")
+        check_range("read_timeout_s", self.read_timeout_s, low=0, low_open=True)
+        check_range("connect_timeout_s", self.connect_timeout_s, low=0, low_open=True)
+        if self.block_size is not None:
+            check_range("block_size", self.block_size, low=1)
+        if self.endpoint_url is not None and "@" in self.endpoint_url.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError("endpoint_url: must not hold credentials (user:secret@host); set them in the AWS "
+                             "environment variables, which are never saved")
+
+
+@dataclasses.dataclass
 class RunConfig:
     """The whole resolved configuration of one run."""
 
@@ -285,6 +323,7 @@ class RunConfig:
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     init: InitSection = dataclasses.field(default_factory=InitSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
+    storage: StorageSection = dataclasses.field(default_factory=StorageSection)
 
 
 def config_from_dict(tree: dict, sources: dict[str, str] | None = None) -> RunConfig:

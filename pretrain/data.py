@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from data_pipeline import storage
 from data_pipeline.lanes import recorded_source
 from data_pipeline.shards import load_manifest
 from data_pipeline.stream import PackedStream, StreamLoader, recorded_sources
@@ -17,6 +18,14 @@ from pretrain.config import RunConfig
 from pretrain.distributed.parallel_dims import local_slice
 from pretrain.preflight import task_generator
 from pretrain.protocols import Batch
+
+
+def configure_storage(cfg: RunConfig) -> None:
+    """This process's retry policy and s3:// settings from the config's `storage` section
+    (data_pipeline/storage.py); before anything remote is read."""
+    s = cfg.storage
+    storage.configure(storage.RetryPolicy(s.retries, s.backoff_s, s.backoff_max_s), s.endpoint_url, s.region,
+                      s.read_timeout_s, s.connect_timeout_s, s.block_size)
 
 
 def make_task_data(cfg: RunConfig, rank: int, world: int) -> TaskBatches:
@@ -40,6 +49,7 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
         batch_size=cfg.train.micro_batch,
         expected_tokenizer=cfg.data.tokenizer,
         skip_samples=cfg.data.skip_samples,
+        read_retries=cfg.storage.retries,
     )
     # pinned batches copy to the GPU without making the host wait (the loop's non_blocking copies)
     return StreamLoader(stream, num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available())

@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from model import CausalLM, SequenceParallel
-from pretrain import watchdog
 from pretrain.carry import detach_state
 from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.dcp_format import load_dcp_state, save_dcp_state
@@ -47,6 +46,7 @@ from pretrain.distributed.parallel_dims import sequence_parallel_loss
 from pretrain.distributed.process_group import init_distributed
 from pretrain.optim import param_groups
 from pretrain.protocols import Batch, Engine, StepInfo
+from pretrain.resilience import watchdog
 
 
 class TrainModule(nn.Module):

@@ -3,17 +3,15 @@
 Read top to bottom: `train()` sets a run up (`_start`) and steps it (`_loop`); each step's data is
 pretrain/data.py's, the engine behind pretrain/protocols.py's interface, the start-up rules
 pretrain/preflight.py's, the periodic evaluation pretrain/validate.py's and everything on disk
-pretrain/checkpoint/'s. Three guards watch the loop through small hooks: the hang watchdog
-(pretrain/watchdog.py, told each phase), the straggler report (pretrain/straggler.py, at log steps) and
-the loss-spike rollback (pretrain/spike.py and `_roll_back`, at log and checkpoint steps).
+pretrain/checkpoint/'s. Three guards of pretrain/resilience/ watch the loop through small hooks: the
+hang watchdog (`watchdog`, told each phase), the straggler report (`straggler`, at log steps) and the
+loss-spike rollback (`spike` and `_roll_back`, at log and checkpoint steps).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,30 +21,33 @@ import numpy as np
 import torch
 
 from model import CausalLM, build_model
-from pretrain import carry, straggler, watchdog
+from pretrain import carry
 from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.layout import step_dir_name
 from pretrain.checkpoint.run_lock import RunLock, RunLockedError
 from pretrain.compiling import compile_mode
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
-from pretrain.data import StepBatches, make_loader
+from pretrain.data import StepBatches, configure_storage, make_loader
 from pretrain.distributed.parallel_dims import ParallelDims
 from pretrain.distributed.process_group import all_reduce_mean, all_reduce_sum, barrier, device_for_rank
 from pretrain.engines import build_engine, engine_class, join_process_group
-from pretrain.init_from import load_initial_weights
-from pretrain.log import get_logger
-from pretrain.metrics import MetricsLogger, measure_peak_flops, memory_stats
 from pretrain.optim import lr_at
 from pretrain.preflight import DataError, check_data, check_start
-from pretrain.progress import Pace
 from pretrain.protocols import Engine
-from pretrain.run_dir import RunComplete, claim_run
-from pretrain.spike import Spike, SpikeDetector
+from pretrain.resilience import requeue, straggler, watchdog
+from pretrain.resilience.spike import Spike, SpikeDetector
+from pretrain.run.directory import RunComplete, claim_run
+from pretrain.run.init_from import load_initial_weights
+from pretrain.telemetry.log import get_logger
+from pretrain.telemetry.metrics import MetricsLogger, measure_peak_flops, memory_stats
+from pretrain.telemetry.progress import Pace
 from pretrain.validate import periodic_evaluation
 
 __all__ = ["EXIT_DIVERGED", "EXIT_PREEMPTED", "DataError", "RunLockedError", "train"]
 
-EXIT_PREEMPTED = 3  # saved and stopped on SIGTERM/SIGUSR1/SIGINT or the wall-clock limit: requeue me
-EXIT_DIVERGED = 4  # non-finite loss under nan_policy=stop (or too many skipped steps)
+EXIT_PREEMPTED = requeue.EXIT_REQUEUE  # saved and stopped on SIGTERM/SIGUSR1/SIGINT or the wall-clock limit
+EXIT_DIVERGED = requeue.EXIT_DIVERGED
+SPIKED_DIR = "spiked"  # under the run directory: the weights of a spike past the rollback budget
 
 
 @dataclass
@@ -57,25 +58,6 @@ class TrainerState:
     tokens_seen: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
-
-
-class StopFlag:
-    """Set by SIGTERM / SIGUSR1, and by a first SIGINT (Ctrl-C): checked (and agreed on by all ranks)
-    at step boundaries, where the run saves and exits with EXIT_PREEMPTED. A second SIGINT raises
-    KeyboardInterrupt at once: stop without saving."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if signum == signal.SIGINT:
-            if self.signal == signal.SIGINT:
-                raise KeyboardInterrupt
-            os.write(2, b"Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C again: stop now, "
-                        b"unsaved)\n")
-        self.signal = signum
 
 
 def seed_everything(seed: int) -> None:
@@ -184,9 +166,10 @@ def _lock_run(rank: int, run_dir: Path, checkpoint_root: str) -> RunLock | None:
 
 
 def _start(cfg: RunConfig, resume: str | None, start_over: bool = False) -> Run:
-    """Check, join the process group, take the run and settle what it continues (pretrain/run_dir.py),
+    """Check, join the process group, take the run and settle what it continues (pretrain/run/directory.py),
     build, and restore the chosen checkpoint; config.yaml and the metrics are written only then, so
     that a refused start leaves the run directory as it was."""
+    configure_storage(cfg)
     check_data(cfg)
     rank, world = join_process_group(cfg)
     dims, gas = check_start(cfg, world)
@@ -239,43 +222,77 @@ def _restored_state(batches: StepBatches | carry.StateCarrier, spikes: SpikeDete
     return TrainerState(**restored["trainer"])
 
 
-def _save(run: Run, pending: list[tuple[int, torch.Tensor]]) -> None:
+def _join_commit(run: Run) -> None:
+    """Collective: rank 0 waits for its asynchronous commit in flight (a full hash, and the upload to a
+    remote root) and the others for rank 0, timed apart from the save that follows."""
+    watchdog.phase("checkpoint_commit")
+    run.checkpointer.wait()
+    barrier()
+
+
+def _save(run: Run, pending: list[tuple[int, torch.Tensor]], apart: Checkpointer | None = None) -> None:
+    """Collective: checkpoint the current step (under `apart`'s root instead of the run's, when given)."""
+    _join_commit(run)
     watchdog.phase("checkpoint_save")
     account_skips(run.state, pending, run.cfg.train)
     trainer_state = {"trainer": vars(run.state), "data": run.batches.state_dict(), "spike": run.spikes.state_dict()}
-    run.checkpointer.save(run.state.step, run.engine, trainer_state, config_text(run.cfg),
-                          run.carrier.save if run.carrier else None)
-    run.metrics.console(f"checkpoint of step {run.state.step} written (async={run.cfg.checkpoint.async_save})")
+    (apart or run.checkpointer).save(run.state.step, run.engine, trainer_state, config_text(run.cfg),
+                                     run.carrier.save if run.carrier else None)
+    if apart is None:
+        run.metrics.console(f"checkpoint of step {run.state.step} written (async={run.cfg.checkpoint.async_save})")
+    if run.rank == 0:  # what this job measured, for the deadlines of the next one after a requeue
+        watchdog.save_longest(Path(run.cfg.run.dir))
+
+
+def _save_spiked(run: Run, pending: list[tuple[int, torch.Tensor]], said: str) -> int:
+    """Collective: the spike budget is spent. The spiked weights are written apart, to `<run dir>/spiked/`
+    (kept for a post-mortem; `--resume auto` reads only the checkpoints' root, so it never picks them);
+    returns EXIT_DIVERGED."""
+    cfg = run.cfg.train.spike
+    run_dir = Path(run.cfg.run.dir)
+    apart = Checkpointer(str(run_dir / SPIKED_DIR), run_dir / ".checkpoint_staging", keep_last=1 << 30,
+                         milestone_every=0, async_save=False)
+    _save(run, pending, apart)
+    newest = run.checkpointer.last_committed or (run.checkpointer.list() or ["none"])[0]
+    get_logger().warning(
+        "%s; %d rollbacks in the last train.spike.rollback_window=%d steps (train.spike.max_rollbacks=%d): "
+        "stopping. The spiked weights of step %d are written apart to %s, never resumed by --resume auto; the "
+        "newest checkpoint is still %s", said, run.spikes.rollbacks_near(run.state.step), cfg.rollback_window,
+        cfg.max_rollbacks, run.state.step, run_dir / SPIKED_DIR / step_dir_name(run.state.step), newest)
+    return EXIT_DIVERGED
 
 
 def _roll_back(run: Run, pending: list[tuple[int, torch.Tensor]], spike: Spike) -> int | None:
     """Collective: answer a loss spike. Restore the newest checkpoint from before it in these processes,
     skip the global samples read from that checkpoint through the spike's batch (kept in the data state,
-    so every later resume skips them too) and go on; returns None. After train.spike.max_rollbacks
-    rollbacks, save and return EXIT_DIVERGED instead."""
+    so every later resume skips them too) and go on; returns None. With train.spike.max_rollbacks
+    rollbacks made in the train.spike.rollback_window steps before it, write the spiked weights apart and
+    return EXIT_DIVERGED instead (`_save_spiked`)."""
     cfg = run.cfg.train.spike
     said = (f"loss spike at step {spike.step}: {spike.loss:.4f} > train.spike.factor={cfg.factor} x the median "
             f"{spike.median:.4f} of the {cfg.window} steps before")
-    if run.spikes.exhausted:
-        get_logger().warning("%s; train.spike.max_rollbacks=%d rollbacks made: saving and stopping", said,
-                             cfg.max_rollbacks)
-        _save(run, pending)
-        return EXIT_DIVERGED
+    if run.spikes.exhausted(spike.step):
+        return _save_spiked(run, pending, said)
     watchdog.phase("checkpoint_load")
     restored = run.checkpointer.restore_before(spike.step, run.engine)
     if restored is None:
         get_logger().warning("%s; no checkpoint from before it to roll back to: going on", said)
         return None
     pending.clear()
+    since = run.state.step
     run.state = _restored_state(run.batches, run.spikes, restored, rollback=True)
-    run.spikes.rollbacks += 1
+    run.spikes.rollback_steps.append(spike.step)
+    run.checkpointer.restored_step = None  # the state now skips the spike's samples: a save of this step is new
+    if run.pace is not None:
+        run.pace.rewind(since, run.state.step)
     first = run.batches.position()
     run.batches.skip(first, spike.end_sample)
     skipped = [first, spike.end_sample]
     run.metrics.event(
         {"event": "rollback", "step": spike.step, "to_step": run.state.step, "skipped_samples": skipped},
         f"{said}; rolled back to step {run.state.step}, skipping global samples [{first}, {spike.end_sample}) "
-        f"(rollback {run.spikes.rollbacks} of train.spike.max_rollbacks={cfg.max_rollbacks})",
+        f"(rollback {run.spikes.rollbacks_near(spike.step)} of train.spike.max_rollbacks={cfg.max_rollbacks} in "
+        f"train.spike.rollback_window={cfg.rollback_window} steps)",
     )
     return None
 
@@ -298,6 +315,7 @@ def _log_step(run: Run, info: Any, lr: float, window: tuple[float, int], times: 
         "perf/mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * run.world),
         **memory_stats(),
         **{f"data/{k}": v for k, v in run.batches.stats().items()},
+        "ckpt/retries": run.checkpointer.retries,
         **_times(run.pace, state.step),
     }
     model_scalars, model_hists = model_statistics(run.model)
@@ -325,13 +343,32 @@ def _times(pace: Pace | None, step: int) -> dict[str, float]:
 
 
 def _evaluate(run: Run) -> None:
+    """Collective: the periodic evaluation, rank 0's tasks and its logging included, all under the
+    evaluation's deadline: the other ranks wait for rank 0 at a barrier inside it, not in the next
+    step's collective under the step's deadline."""
     watchdog.phase("evaluation")
     results = periodic_evaluation(run.cfg, run.engine, run.rank, run.world, run.device)
     run.metrics.log(run.state.step, results)
     run.metrics.console("eval " + " ".join(f"{k.removeprefix('eval/')}={v:.4f}" for k, v in results.items()))
+    barrier()
 
 
-def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) -> int:
+def _check(run: Run, pending: list[tuple[int, torch.Tensor]]) -> int | None:
+    """Collective, before every save: the verdict on the steps since the last check. An exit code when
+    the run diverged or a spike found the rollback budget spent; else None, after rolling back a spike
+    found (run.state is then the restored checkpoint's)."""
+    train_cfg = run.cfg.train
+    diverged_at = account_skips(run.state, pending, train_cfg)
+    if diverged_at is not None:
+        get_logger().warning("diverged at step %d (train.nan_policy=%s, train.max_skipped_steps=%d)",
+                             diverged_at, train_cfg.nan_policy, train_cfg.max_skipped_steps)
+        _save(run, pending)
+        return EXIT_DIVERGED
+    spike = run.spikes.check()
+    return _roll_back(run, pending, spike) if spike is not None else None
+
+
+def _loop(run: Run, started: float, stop: requeue.StopFlag, times: straggler.StepTimes) -> int:
     """Step until train.steps, a divergence or a stop; returns the exit code. The host waits for the
     device only at log and checkpoint steps (every step under nan_policy "stop"); every rank reads
     the same flags, so every rank agrees to stop."""
@@ -346,6 +383,7 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
         lr = lr_at(state.step, cfg.train)
         watchdog.phase("data", state.step + 1)
         times.step_begins()
+        committing = not run.checkpointer.join(0.0)  # this rank's commit in flight: the step is not compared
         micro_batches = run.batches.next_step()
         times.data_ready()
         watchdog.phase("forward_backward")
@@ -355,7 +393,7 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
         if first_step and compile_mode(cfg) is not None:
             _log_compile(cfg, time.monotonic() - step_start, step_deadline)
         first_step = False
-        times.step_ends()
+        times.step_ends(counted=not committing and run.checkpointer.join(0.0))
         if run.carrier is not None:
             run.carrier.update(info.states)
         run.checkpointer.poll()
@@ -367,41 +405,38 @@ def _loop(run: Run, started: float, stop: StopFlag, times: straggler.StepTimes) 
         log_step = state.step % cfg.train.log_every == 0 or state.step == cfg.train.steps
         checkpoint_step = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0
         if log_step or checkpoint_step or cfg.train.nan_policy == "stop":
-            diverged_at = account_skips(state, pending, cfg.train)
-            if diverged_at is not None:
-                get_logger().warning("diverged at step %d (train.nan_policy=%s, train.max_skipped_steps=%d)",
-                                     diverged_at, cfg.train.nan_policy, cfg.train.max_skipped_steps)
-                _save(run, pending)
-                return EXIT_DIVERGED
-            spike = run.spikes.check()
-            if spike is not None:
-                exit_code = _roll_back(run, pending, spike)
-                if exit_code is not None:
-                    return exit_code
-                if run.state is not state:  # rolled back: the next step is the checkpoint's
-                    window_start, window_tokens = time.time(), 0
-                    times.take()
-                    continue
+            exit_code = _check(run, pending)
+            if exit_code is not None:
+                return exit_code
+            if run.state is not state:  # rolled back: the next step is the checkpoint's
+                window_start, window_tokens = time.time(), 0
+                times.take()
+                continue
         if log_step:
             _log_step(run, info, lr, (window_start, window_tokens), times)
             window_start, window_tokens = time.time(), 0
         if cfg.eval.every and state.step % cfg.eval.every == 0:
             _evaluate(run)
             watchdog.phase("step_end")
+            times.skip_next()
         out_of_time = cfg.train.max_runtime is not None and _projected_past(started, state.step, cfg)
         if _any_rank(stop.signal is not None or out_of_time):
+            exit_code = _check(run, pending)  # a stop between two checks: the steps since are judged first
+            if exit_code is not None:
+                return exit_code
             _save(run, pending)
-            run.metrics.console(f"stopping at step {state.step}: {'signal' if stop.signal else 'max_runtime'}")
+            run.metrics.console(f"stopping at step {run.state.step}: {'signal' if stop.signal else 'max_runtime'}")
             return EXIT_PREEMPTED
         if checkpoint_step and state.step < cfg.train.steps:
             _save(run, pending)
+            times.skip_next()
     _save(run, pending)
     return 0
 
 
 def _log_compile(cfg: RunConfig, seconds: float, deadline: float | None) -> None:
     """Log the first step's time, which includes torch.compile's tracing and code generation, beside the
-    watchdog's deadline that step was held to (the watchdog's first-step allowance, pretrain/watchdog.py)."""
+    watchdog's deadline that step was held to (the first-step allowance, pretrain/resilience/watchdog.py)."""
     held = "no watchdog" if deadline is None else f"the watchdog's deadline for it was {deadline:.0f} s"
     get_logger().info("first step took %.1f s with train.compile=%s (%s mode, compiling included); %s",
                       seconds, cfg.train.compile, compile_mode(cfg), held)
@@ -413,22 +448,30 @@ def train(
     """Run (or continue) the configured training; returns the process exit code. After a
     preemption save has committed, rank 0 writes `preempted_marker` (when given): the file a
     batch script checks to requeue the job. `start_over` moves a previous run in the directory aside
-    first (pretrain/run_dir.py)."""
+    first (pretrain/run/directory.py)."""
     started = time.time()
     try:
         run = _start(cfg, resume, start_over)
     except RunComplete as done:
         get_logger().info("%s", done)
         return 0
-    watchdog.start_for(cfg, run.rank, Path(preempted_marker) if preempted_marker else None)
+    deadlines = watchdog.start_for(cfg, run.rank, Path(preempted_marker) if preempted_marker else None)
+    watchdog.guard_commit(run.checkpointer.join)
+    allowance = watchdog.FIRST_TIME_FACTOR * watchdog.HANG_FLOOR_S
+    if cfg.train.hang_timeout_s is None and deadlines.first_time_s() < allowance:
+        get_logger().warning(
+            "the hang watchdog's first-step allowance of %.0f s is clamped to %.0f s, below engine.dist_timeout_s=%.0f "
+            "(a collective fails by itself past it, with no requeue); raise engine.dist_timeout_s or set "
+            "train.hang_timeout_s", allowance, deadlines.first_time_s(), cfg.engine.dist_timeout_s)
     times = straggler.StepTimes(run.world)
     try:
-        stop = StopFlag()
+        stop = requeue.StopFlag()
         exit_code = _loop(run, started, stop, times)
-        watchdog.phase("checkpoint_save")  # the last commit, and the other ranks' wait for it
+        # the last commit, rank 0's closing of the metrics (wandb) and the other ranks' wait for both
+        watchdog.phase("finish")
         run.checkpointer.wait()
         if exit_code == EXIT_PREEMPTED and preempted_marker and run.rank == 0:
-            write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed,
+            requeue.write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed,
                                    stop.signal)
         run.metrics.close()
         # No rank leaves before rank 0 has committed: a launcher that kills the job when its first
@@ -440,12 +483,6 @@ def train(
         if run.lock is not None:
             run.lock.release()
     return exit_code
-
-
-def write_preempted_marker(path: Path, step: int, checkpoint: str | None, signum: int | None) -> None:
-    """Atomically write the JSON note that asks the batch script to requeue this job."""
-    reason = signal.Signals(signum).name if signum else "max_runtime"
-    watchdog.write_requeue_marker(path, {"step": step, "checkpoint": checkpoint, "reason": reason})
 
 
 def _projected_past(started: float, steps_done: int, cfg: RunConfig) -> bool:

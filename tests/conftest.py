@@ -51,3 +51,41 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     import os
 
     os.environ["RECURRENT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """moto's S3 server on loopback for the whole session (benchmarks/local_s3.py), stopped at the end."""
+    from benchmarks.local_s3 import LocalS3
+
+    server = LocalS3(tmp_path_factory.mktemp("moto") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """A fresh bucket on the test S3 server, with this process's AWS variables pointing at it; the
+    fsspec settings and retry policy a test changes are put back afterwards."""
+    import copy
+
+    import fsspec
+
+    from data_pipeline import storage
+    from tests.s3_server import S3Env, forget_filesystems
+
+    env = S3Env(s3_server.endpoint, s3_server.new_bucket())
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.env.items():
+        monkeypatch.setenv(key, value)
+    from s3fs import S3FileSystem
+
+    saved = copy.deepcopy(fsspec.config.conf), storage.retry_policy(), S3FileSystem.retries
+    forget_filesystems()
+    yield env
+    fsspec.config.conf.clear()
+    fsspec.config.conf.update(saved[0])
+    storage.set_retry_policy(saved[1])
+    S3FileSystem.retries = saved[2]
+    forget_filesystems()

@@ -27,7 +27,7 @@ from pretrain.checkpoint.manifest import manifest_for, verify
 from pretrain.config import ConfigError, config_from_dict, config_text, config_to_dict, load_config
 from pretrain.export import ExportError, export
 from pretrain.export import main as export_main
-from pretrain.init_from import read_initial_weights
+from pretrain.run.init_from import read_initial_weights
 from tests.test_checkpoint import make_engine, save_steps
 
 REPO = Path(__file__).resolve().parents[1]

@@ -150,7 +150,7 @@ def test_transient_read_errors_are_retried_and_counted(shards: Path, monkeypatch
     s.get(0)
     assert s.stats()["read_retries"] == 2
     failures["left"] = 10
-    with pytest.raises(ShardError, match=r"cannot read shard .*shard-0000\d\d\.tar.* after 3 attempts"):
+    with pytest.raises(ShardError, match=r"cannot read shard .*shard-0000\d\d\.tar.*: failed 3 times \(2 retries"):
         s.get(s.samples_per_epoch()[0] - 1)
 
 

@@ -15,6 +15,7 @@ import pytest
 import zstandard
 
 from data_pipeline import build as build_cli
+from data_pipeline import encode
 from data_pipeline import tokenizer as tokenizer_cli
 from data_pipeline.build import build_shards
 from data_pipeline.shards import decode_shard, load_manifest
@@ -46,7 +47,7 @@ def test_build_is_deterministic_and_worker_independent(tmp_path: Path, monkeypat
     inputs = [str(DEMO / "train" / "sonnets.txt"), str(DEMO / "train" / "tempest.txt")]
     build_shards(inputs, str(tmp_path / "one"), shard_tokens=50_000)
     build_shards(inputs, str(tmp_path / "two"), shard_tokens=50_000)
-    monkeypatch.setattr(build_cli, "_BATCH_BYTES", 1)  # one document per batch, several in flight
+    monkeypatch.setattr(encode, "_BATCH_BYTES", 1)  # one document per batch, several in flight
     build_shards(inputs, str(tmp_path / "par"), shard_tokens=50_000, workers=2)
     one = _tree_bytes(tmp_path / "one")
     assert one == _tree_bytes(tmp_path / "two") == _tree_bytes(tmp_path / "par")

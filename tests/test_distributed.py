@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from pretrain.distributed.process_group import adopt_slurm_environment
+from tests.launchers import REPO, free_port
 
 SLURM_TASK = {
     "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
@@ -47,3 +51,22 @@ def test_missing_rendezvous_address_is_named(slurm_task: pytest.MonkeyPatch) -> 
     slurm_task.delenv("MASTER_ADDR")
     with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
         adopt_slurm_environment()
+
+
+def test_every_group_made_after_the_default_one_gets_its_timeout() -> None:
+    """torch gives a group made without a timeout 30 minutes, whatever the default group's; the project's
+    `new_group` (the host group, the sequence-parallel groups) passes engine.dist_timeout_s on."""
+    script = textwrap.dedent("""
+        import datetime, os, torch
+        import torch.distributed as dist
+        from pretrain.distributed import process_group as pg
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+        pg.init_process_group("gloo", datetime.timedelta(seconds=123))
+        ours, bare = pg.new_group(backend="gloo"), dist.new_group(backend="gloo")
+        for group in (ours, bare):
+            print(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), PORT=str(free_port())))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["123.0", "1800.0"], done.stdout

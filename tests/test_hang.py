@@ -1,4 +1,4 @@
-"""The hang watchdog (pretrain/watchdog.py) against hangs made from outside the trainer: one rank of a
+"""The hang watchdog (pretrain/resilience/watchdog.py) against hangs made from outside the trainer: one rank of a
 2-rank run stopped with SIGSTOP mid-training. The other rank, blocked in a collective, must end the job
 within `train.hang_timeout_s` plus a margin, with the stacks of every thread in the log and the requeue
 marker saying "hang"; the rerun resumes from the newest checkpoint and logs the uninterrupted run's
@@ -18,7 +18,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pretrain.watchdog import EXIT_HANG, FIRST_TIME_FACTOR, HANG_FLOOR_S, MEASURED_FACTOR, Deadlines
+from pretrain.resilience.watchdog import (
+    COMMIT_GRACE_S,
+    EXIT_HANG,
+    FILE_WAIT_S,
+    FIRST_TIME_FACTOR,
+    HANG_FLOOR_S,
+    MEASURED_FACTOR,
+    Deadlines,
+)
 from tests.launchers import REPO, kill_tree, run_training
 from tests.test_preemption import start, wait_for_step
 from tests.test_resume import STEPS, config_args, step_losses
@@ -29,6 +37,8 @@ HANG_TIMEOUT_S = 20.0
 MARGIN_S = 60.0
 """What the issue allows beyond the timeout: the watchdog's poll, the write, and the launcher's teardown
 of the stopped rank (the DeepSpeed launcher and torchrun give it 30 s after SIGTERM, then SIGKILL)."""
+FIFO_MARGIN_S = 90.0
+"""What the issue allows beyond the deadline when the files the watchdog writes block on open."""
 
 
 def test_watchdog_fires_while_the_main_thread_is_blocked_in_a_c_call(tmp_path: Path) -> None:
@@ -38,7 +48,7 @@ def test_watchdog_fires_while_the_main_thread_is_blocked_in_a_c_call(tmp_path: P
     marker = tmp_path / "marker.json"
     script = textwrap.dedent(f"""
         import os
-        from pretrain import watchdog
+        from pretrain.resilience import watchdog
         from pretrain.config import load_config
         cfg = load_config({str(REPO / 'configs' / 'tiny.yaml')!r}, ["run.dir={tmp_path}", "train.hang_timeout_s=1"])
         watchdog.start_for(cfg, 0, __import__("pathlib").Path({str(marker)!r}))
@@ -61,6 +71,74 @@ def test_watchdog_fires_while_the_main_thread_is_blocked_in_a_c_call(tmp_path: P
         assert "in _fire" in log  # and the watchdog's own thread
 
 
+
+def _blocked_rank(tmp_path: Path, marker: Path, block: str, prelude: str = "") -> tuple[subprocess.CompletedProcess,
+                                                                                       float]:
+    """A process whose watchdog (train.hang_timeout_s=1) watches a main thread stuck in `block`; its run
+    and how long it took."""
+    script = textwrap.dedent(f"""
+        import os, pathlib, re
+        from pretrain.resilience import watchdog
+        from pretrain.config import load_config
+        {prelude}
+        cfg = load_config({str(REPO / 'configs' / 'tiny.yaml')!r}, ["run.dir={tmp_path}", "train.hang_timeout_s=1"])
+        watchdog.start_for(cfg, 0, pathlib.Path({str(marker)!r}))
+        watchdog.phase("data", 7)
+        {block}
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=200,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return done, time.monotonic() - started
+
+
+def test_a_log_file_that_blocks_on_open_still_ends_the_rank_with_its_marker(tmp_path: Path) -> None:
+    """A FIFO planted where the watchdog writes its log: opening it blocks (as on a stuck filesystem). The
+    stacks are on stderr before the open, the wait on it is bounded, the marker is written and the rank ends
+    within the deadline plus FILE_WAIT_S and a margin."""
+    os.mkfifo(tmp_path / "hang_rank0.log")
+    marker = tmp_path / "marker.json"
+    done, took = _blocked_rank(tmp_path, marker, "os.read(os.pipe()[0], 1)")
+    assert done.returncode == EXIT_HANG, done.stderr[-3000:]
+    assert took < 1 + FILE_WAIT_S + 30, took
+    assert "has been in phase 'data' of step 7" in done.stderr and "Thread 0x" in done.stderr
+    assert done.stderr.index("Thread 0x") < done.stderr.index("gave up on writing")  # stacks first
+    assert f"gave up on writing {tmp_path / 'hang_rank0.log'} after {FILE_WAIT_S:.0f} s" in done.stderr
+    assert json.loads(marker.read_text())["reason"] == "hang"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_marker_that_cannot_be_written_still_ends_the_rank(tmp_path: Path) -> None:
+    """An error in the handler (the marker's directory is a file) is reported; the exit still happens."""
+    (tmp_path / "not_a_dir").write_text("")
+    done, _ = _blocked_rank(tmp_path, tmp_path / "not_a_dir" / "marker.json", "os.read(os.pipe()[0], 1)")
+    assert done.returncode == EXIT_HANG, done.stderr[-3000:]
+    assert "writing the requeue marker" in done.stderr and "failed" in done.stderr
+    assert "has been in phase 'data' of step 7" in (tmp_path / "hang_rank0.log").read_text()
+
+
+
+def test_the_commit_in_flight_gets_its_grace_before_the_exit(tmp_path: Path) -> None:
+    """Before it exits, the watchdog waits for the asynchronous commit in flight (bounded by COMMIT_GRACE_S),
+    so that the newest checkpoint is not lost: the stand-in commit's wait runs, and finishes, first."""
+    waited = tmp_path / "waited"
+    commit = f"lambda s: (time.sleep(1), pathlib.Path({str(waited)!r}).write_text(str(s)))"
+    done, _ = _blocked_rank(tmp_path, tmp_path / "marker.json",
+                            f"import time; watchdog.guard_commit({commit}); os.read(os.pipe()[0], 1)")
+    assert done.returncode == EXIT_HANG, done.stderr[-3000:]
+    assert float(waited.read_text()) == COMMIT_GRACE_S
+
+def test_a_hang_that_holds_the_gil_is_ended_by_the_backstop(tmp_path: Path) -> None:
+    """A regular expression that backtracks for hours never releases the GIL: the watchdog's thread cannot
+    run, and faulthandler's C thread dumps the stacks and ends the process (exit 1: no marker)."""
+    done, took = _blocked_rank(tmp_path, tmp_path / "marker.json", "re.match(r'(a+)+$', 'a' * 64 + 'b')",
+                               prelude="watchdog.BACKSTOP_S = 2.0")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert took < 60, took
+    assert "Timeout (0:00:03)!" in done.stderr and "Thread 0x" in done.stderr
+    assert not (tmp_path / "marker.json").exists()
+
+
 def test_deadlines_come_from_the_config_or_the_measured_times() -> None:
     deadlines = Deadlines({"step": None, "eval": 42.0, "checkpoint": None}, collective_timeout_s=1800.0)
     assert deadlines("eval") == 42.0
@@ -73,6 +151,30 @@ def test_deadlines_come_from_the_config_or_the_measured_times() -> None:
     deadlines.observe("step", 400.0)
     assert deadlines("step") == 0.9 * 1800.0  # capped below the collectives' own timeout
     assert Deadlines({"step": None}, collective_timeout_s=100.0)("step") == 90.0
+
+
+def test_measured_deadlines_carry_over_and_the_first_step_keeps_its_allowance() -> None:
+    """A requeued job starts from the durations the job before measured (deadlines.json): its first step
+    gets the larger of the first-time allowance and the measured deadline; the default dist_timeout_s leaves
+    the allowance unclamped."""
+    from pretrain.config import EngineSection
+
+    default_cap = EngineSection().dist_timeout_s
+    slow = Deadlines({}, default_cap, longest={"step": 120.0, "commit": 30.0})
+    assert slow("step") == MEASURED_FACTOR * 120.0  # above the 900 s allowance
+    assert slow("commit") == FIRST_TIME_FACTOR * HANG_FLOOR_S  # 300 s measured, below it
+    assert Deadlines({}, default_cap)("step") == FIRST_TIME_FACTOR * HANG_FLOOR_S == slow.first_time_s()
+    assert Deadlines({}, 600.0).first_time_s() == 540.0  # clamped: the trainer warns at its start
+
+
+def test_the_measured_durations_are_read_back_from_the_run_directory(tmp_path: Path) -> None:
+    from pretrain.resilience.watchdog import DEADLINES_FILE, load_longest
+
+    assert load_longest(tmp_path) == {}  # a first job
+    (tmp_path / DEADLINES_FILE).write_text(json.dumps({"step": 120.5, "eval": 30, "unknown": 1}))
+    assert load_longest(tmp_path) == {"step": 120.5, "eval": 30.0}
+    (tmp_path / DEADLINES_FILE).write_text("{cut short")  # a file left half-written: start from the allowance
+    assert load_longest(tmp_path) == {}
 
 
 def _rank_process(launcher_pid: int, rank: int) -> psutil.Process:
@@ -135,8 +237,11 @@ def test_a_stopped_rank_ends_the_job_marked_for_requeue_and_the_rerun_is_exact(
 def test_slurm_job_with_a_stopped_rank_is_requeued_and_resumes(demo_shards: dict[str, str], tmp_path: Path) -> None:
     """The templates on the stand-ins, 1 node x 2 DeepSpeed ranks: rank 1 stopped mid-run; rank 0's
     watchdog exits 3 with the marker, srun kills the stopped rank at once (--kill-on-bad-exit) and the
-    batch script requeues; the requeued job resumes and finishes."""
+    batch script requeues; the requeued job resumes and finishes. Rank 0's hang log is a FIFO (opening it
+    blocks, as on a stuck filesystem): the job still ends within the deadline plus FIFO_MARGIN_S."""
     job = tmp_path / "job"
+    job.mkdir()
+    os.mkfifo(job / "hang_rank0.log")
     overrides = config_args(demo_shards, job, ["engine.kind=deepspeed", "train.hang_timeout_s=10"])[1:]
     log = tmp_path / "job.log"
     first = submit("deepspeed", overrides, tmp_path, 0, log)
@@ -148,8 +253,13 @@ def test_slurm_job_with_a_stopped_rank_is_requeued_and_resumes(demo_shards: dict
     print(f"slurm: the job ended {took:.1f} s after SIGSTOP (hang_timeout_s=10)")
     assert first.returncode == 0, output[-3000:]  # the batch script requeued and exited 0
     assert requeues(tmp_path) == ["777"], output[-3000:]
-    assert took < 10 + MARGIN_S
-    assert "a rank hung" in output and "requeueing job 777" in output and '"reason": "hang"' in output
+    assert took < 10 + FIFO_MARGIN_S
+    assert f"gave up on writing {job / 'hang_rank0.log'}" in output
+    record = json.loads((job / "collectives_rank0.json").read_text())  # torch's flight recorder, gloo here
+    in_flight = [e["profiling_name"] for e in record["entries"] if not e["retired"]]  # the one it waits in
+    print("collectives in flight on rank 0:", in_flight)
+    assert in_flight, record["entries"][-3:]
+    assert "rank 0 hung in phase" in output and "requeueing job 777" in output and '"reason": "hang"' in output
     assert reached < STEPS
 
     second = submit("deepspeed", overrides, tmp_path, 1, log)
@@ -160,3 +270,27 @@ def test_slurm_job_with_a_stopped_rank_is_requeued_and_resumes(demo_shards: dict
     assert second.returncode == 0, log.read_text()[-3000:]
     assert requeues(tmp_path) == ["777"]
     assert sorted(step_losses(job)) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_an_evaluation_slower_than_the_step_deadline_is_not_a_hang(demo_shards: dict[str, str], tmp_path: Path) -> None:
+    """2 DeepSpeed ranks; rank 0 alone runs the evaluation's tasks, made slower (many long examples) than
+    train.hang_timeout_s, while rank 1 waits for it. Both wait under the evaluation's deadline, at a barrier
+    inside it, so the run finishes with no hang; the evaluation took longer than the step deadline
+    (deadlines.json, the longest durations the run measured)."""
+    run = tmp_path / "run"
+    step_deadline = 4.0
+    args = config_args(demo_shards, run, [
+        "engine.kind=deepspeed", "train.steps=4", "checkpoint.every=0", "eval.every=2", "eval.tasks=[copy]",
+        "eval.task_examples=384", "eval.task_len=4096", f"train.hang_timeout_s={step_deadline}",
+        "eval.hang_timeout_s=300",
+    ])
+    proc = run_training("deepspeed", 2, args, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "hang:" not in output
+    longest = json.loads((run / "deadlines.json").read_text())
+    print(f"longest evaluation {longest['eval']:.1f} s, longest step {longest['step']:.2f} s "
+          f"(train.hang_timeout_s={step_deadline})")
+    assert longest["eval"] > step_deadline, longest
+    assert len([line for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/copy_exact" in line]) == 2

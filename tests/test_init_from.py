@@ -16,7 +16,7 @@ from model import build_model
 from pretrain.checkpoint.consolidate import consolidate, read_run_config, resolve_checkpoint
 from pretrain.config import ConfigError, load_config
 from pretrain.export import export
-from pretrain.init_from import load_initial_weights
+from pretrain.run.init_from import load_initial_weights
 from tests.launchers import run_training
 
 REPO = Path(__file__).resolve().parents[1]

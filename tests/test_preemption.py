@@ -131,3 +131,26 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(demo_shards, tmp_path: Pat
     errors = [line for line in text.splitlines() if " ERROR " in line]
     assert proc.returncode == EXIT_ABORTED and len(errors) == 1 and "stopped at once without saving" in errors[0], text
     assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_ctrl_c_under_a_launcher_saves_within_its_30_s(launcher: str, demo_shards, tmp_path: Path) -> None:
+    """Ctrl-C in a terminal reaches the launcher and its ranks (one process group); the launcher then sends
+    the ranks SIGTERM and SIGKILL 30 s later. Both signals ask for the same save: on this small model it
+    is committed, at the step the ranks stopped at, well before the SIGKILL."""
+    engine = "engine.kind=deepspeed" if launcher == "deepspeed" else "engine.kind=fsdp"
+    args = config_args(demo_shards, tmp_path, [engine, "checkpoint.every=0", "train.steps=400"])
+    log = tmp_path / "log.txt"
+    with start(launcher, 2, args, log) as proc:
+        wait_for_step(proc, tmp_path, 3, log)
+        interrupted = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        proc.wait(timeout=120)
+        took = time.monotonic() - interrupted
+    output = log.read_text()
+    print(f"{launcher}: Ctrl-C to the end of the job {took:.1f} s")
+    stopped_at = max(step_losses(tmp_path))
+    assert stopped_at < 400
+    assert (tmp_path / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}", output[-3000:]
+    assert took < 30, output[-3000:]

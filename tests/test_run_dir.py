@@ -1,9 +1,9 @@
-"""A run directory belongs to one run (pretrain/run_dir.py, pretrain/resume_rules.py), through the real
+"""A run directory belongs to one run (pretrain/run/directory.py, pretrain/run/resume_rules.py), through the real
 entry point, `python launch/pretrain.py`: a start that cannot continue the run in its directory exits 2
 with one line naming the keys (old and new values) or the source and the ways forward, and leaves every
 file of the directory byte for byte as it was; the changes a run may take are logged and trained; the
 old run moves aside on --start-over; a finished run says so and changes nothing; the errors of bad
-input say the fix; step lines show the time left; `python -m pretrain.plot` draws a run's curves."""
+input say the fix; step lines show the time left; `python -m pretrain.telemetry.plot` draws a run's curves."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from model.config_loader import dump_yaml
 from pretrain.config import config_to_dict, load_config, read_saved_config
-from pretrain.resume_rules import RULES, compare, flatten, rule_for
+from pretrain.run.resume_rules import RULES, compare, flatten, rule_for
 from tests.launchers import REPO, run_training
 from tests.test_checkpoint_trust import reseal
 
@@ -262,7 +262,7 @@ def test_a_pmnet_run_saved_before_route_input_resumes_as_trained(tmp_path: Path,
 
 def test_plot_draws_loss_throughput_and_eval_curves_from_a_real_run(finished: Path, tmp_path: Path) -> None:
     out = tmp_path / "curves.png"
-    proc = subprocess.run([sys.executable, "-m", "pretrain.plot", str(finished), "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "pretrain.telemetry.plot", str(finished), "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -27,12 +27,14 @@ CASES = {
 FAST = {"deepspeed-transformer"}
 
 
-def submit(template: str, overrides: list[str], tmp_path: Path, restart: int, log: Path) -> subprocess.Popen:
-    """`sbatch launch/slurm/<template>.sbatch` through the stand-ins, 1 node x 2 ranks."""
+def submit(template: str, overrides: list[str], tmp_path: Path, restart: int, log: Path,
+           python: str = sys.executable) -> subprocess.Popen:
+    """`sbatch launch/slurm/<template>.sbatch` through the stand-ins, 1 node x 2 ranks (`python`: the
+    template's PYTHON)."""
     bin_dir = tmp_path / "bin"
     install(bin_dir)
     env = dict(
-        os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHON=sys.executable,
+        os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHON=python,
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", STANDIN_JOB_ID="777", STANDIN_RESTART_COUNT=str(restart),
         STANDIN_REQUEUE_LOG=str(tmp_path / "requeued"), PREEMPTED_MARKER=str(tmp_path / "preempted"),
         MASTER_PORT=str(free_port()),

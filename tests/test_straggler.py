@@ -1,5 +1,6 @@
-"""The straggler report (pretrain/straggler.py): the judgment on given times, and a 2-rank run in which
-one rank is slowed from outside by a SIGSTOP/SIGCONT duty cycle and must be the rank named."""
+"""The straggler report (pretrain/resilience/straggler.py): the judgment on given times, the steps left out of
+it, and a 2-rank run in which one rank is slowed from outside by a SIGSTOP/SIGCONT duty cycle and must be the
+rank named, while the other, which writes the checkpoints, never is."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pretrain.straggler import judge
+from pretrain.resilience.straggler import StepTimes, judge
 from tests.launchers import logged
 from tests.test_hang import _rank_process
 from tests.test_preemption import start, wait_for_step
@@ -18,8 +19,8 @@ from tests.test_resume import config_args, step_losses
 
 
 def test_a_rank_slower_than_the_median_by_the_factor_is_named() -> None:
-    # (data, communication, rest) per rank: rank 2 computes 0.9 s a step while the others wait for it
-    shared = [0.01, 0.50, 0.40, 0.02, 0.48, 0.42, 0.01, 0.00, 0.90, 0.01, 0.49, 0.41]
+    # (data, communication, rest, counted steps) per rank: rank 2 computes 0.9 s a step while the others wait
+    shared = [0.01, 0.50, 0.40, 10, 0.02, 0.48, 0.42, 10, 0.01, 0.00, 0.90, 10, 0.01, 0.49, 0.41, 10]
     scalars, per_rank, message = judge(shared, factor=1.5)
     assert scalars["perf/straggler_rank"] == 2
     assert scalars["perf/straggler_slowdown"] == pytest.approx(0.91 / 0.42)  # against the lower median
@@ -27,8 +28,31 @@ def test_a_rank_slower_than_the_median_by_the_factor_is_named() -> None:
     assert message is not None and message.startswith("straggler: rank 2 spends 2.17x")
     calm, _, quiet = judge(shared, factor=2.5)
     assert calm["perf/straggler_rank"] == -1 and quiet is None
-    two = judge([0.0, 0.3, 0.2, 0.0, 0.0, 0.5], factor=1.5)[0]  # two ranks: compared with the faster one
+    two = judge([0.0, 0.3, 0.2, 10, 0.0, 0.0, 0.5, 10], factor=1.5)[0]  # two ranks: compared with the faster one
     assert two["perf/straggler_rank"] == 1 and two["perf/straggler_slowdown"] == pytest.approx(2.5)
+    # a rank with no step counted in the window (its commit ran throughout) is not judged
+    left_out = judge([0.0, 0.3, 0.2, 10, 0.0, 0.0, 0.0, 0, 0.0, 0.3, 0.21, 10], factor=1.5)[0]
+    assert left_out["perf/straggler_rank"] == -1 and left_out["perf/straggler_slowdown"] == pytest.approx(1.05)
+    alone = judge([0.0, 0.3, 0.2, 10, 0.0, 0.0, 0.9, 0], factor=1.5)[0]
+    assert alone["perf/straggler_rank"] == -1
+
+
+def test_steps_under_a_commit_or_after_a_save_are_not_counted() -> None:
+    """The steps of a rank whose checkpoint commit runs during them, and the first step after a save or an
+    evaluation, stay out of the window: the 0.2 s steps here never reach the means."""
+    times = StepTimes(world=1)
+    for seconds, counted, skip in [(0.02, True, False), (0.2, False, False), (0.2, True, True), (0.02, True, False)]:
+        if skip:
+            times.skip_next()
+        times.step_begins()
+        time.sleep(0.005)
+        times.data_ready()
+        time.sleep(seconds)
+        times.step_ends(counted=counted)
+    data, comm, rest, counted_steps = times.take()
+    assert counted_steps == 2 and comm == 0.0
+    assert 0.004 < data < 0.05 and 0.019 < rest < 0.1, (data, rest)
+    assert times.take()[3] == 0  # a new window
 
 
 def duty_cycle(process: psutil.Process, stopped_s: float, running_s: float, until: threading.Event) -> None:
@@ -45,8 +69,9 @@ def duty_cycle(process: psutil.Process, stopped_s: float, running_s: float, unti
 def test_a_rank_slowed_from_outside_is_the_one_named(engine: str, demo_shards: dict[str, str],
                                                      tmp_path: Path) -> None:
     launcher = "deepspeed" if engine == "deepspeed" else "torchrun"
-    args = config_args(demo_shards, tmp_path, [f"engine.kind={engine}", "train.steps=100000", "checkpoint.every=0",
-                                                "train.log_every=10"])
+    # rank 0 also writes a checkpoint every 10 steps (committed in the background): it must never be named
+    args = config_args(demo_shards, tmp_path, [f"engine.kind={engine}", "train.steps=100000", "checkpoint.every=10",
+                                                "checkpoint.async_save=true", "train.log_every=10"])
     log = tmp_path / "log.txt"
     with start(launcher, 2, args, log) as proc:
         wait_for_step(proc, tmp_path, 30, log)  # three windows of the undisturbed run

@@ -28,6 +28,9 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(
 # time limit). This shell only has to outlive srun to reach the requeue below; the trap (rather
 # than the default action, which would end the script) runs once srun has returned.
 trap 'echo "batch shell: signal received; the ranks save and stop"' TERM USR1
+# The requeue state in the run directory (pretrain/resilience/requeue.py): the newest committed step now,
+# to tell at the end whether this job moved the run forward.
+"$PYTHON" -m pretrain.resilience.requeue begin --config "$CONFIG" "${ENGINE_ARGS[@]}" "$@"
 srun --kill-on-bad-exit=1 "$PYTHON" launch/pretrain.py --config "$CONFIG" --resume auto \
   --preempted-marker "$MARKER" "${ENGINE_ARGS[@]}" "$@"
 STATUS=$?
@@ -35,13 +38,17 @@ STATUS=$?
 # Requeue on the trainer's note, not on srun's exit status (whatever status the ranks or srun ended
 # with). Rank 0 writes it once a preemption checkpoint has committed; a rank's hang watchdog writes it
 # (reason "hang") when that rank stayed in one phase past its deadline, and srun --kill-on-bad-exit
-# then ends the other ranks. Either way the requeued job resumes from the newest verified checkpoint.
+# then ends the other ranks. Either way the requeued job resumes from the newest verified checkpoint,
+# unless the requeue could not help: train.max_no_progress_requeues requeues in a row without a newer
+# checkpoint stop the job here, with the no-progress line and exit 5 (a preemption never counts).
 if [ -f "$MARKER" ]; then
-  if grep -q '"reason": "hang"' "$MARKER"; then
-    echo "a rank hung ($(cat "$MARKER")): requeueing job $SLURM_JOB_ID"
-  else
-    echo "preempted after a committed checkpoint ($(cat "$MARKER")): requeueing job $SLURM_JOB_ID"
+  echo "job $SLURM_JOB_ID left the requeue marker: $(cat "$MARKER")"
+  "$PYTHON" -m pretrain.resilience.requeue decide --config "$CONFIG" --marker "$MARKER" "${ENGINE_ARGS[@]}" "$@"
+  VERDICT=$?
+  if [ "$VERDICT" -ne 0 ]; then
+    exit "$VERDICT"
   fi
+  echo "requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from fsspec.core import url_to_fs
 from safetensors.torch import load_file, save_file
 
+from data_pipeline.storage import StorageError
 from pretrain.checkpoint.layout import (
     DELETING_SUFFIX,
     LATEST,
@@ -33,6 +33,7 @@ from pretrain.checkpoint.layout import (
     TMP_SUFFIX,
     TRAINER_STATE,
     CheckpointError,
+    old_number,
     step_dir_name,
     step_number,
 )
@@ -46,22 +47,16 @@ from pretrain.checkpoint.manifest import (
     manifest_for,
     verify_local,
 )
+from pretrain.checkpoint.object_store import ObjectStore
 from pretrain.checkpoint.rng import rng_state, set_rng_state
 from pretrain.distributed import process_group as distributed
-from pretrain.log import get_logger
 from pretrain.protocols import Engine
-
-
-def _old_number(names: list[str], name: str) -> int:
-    """The next free n for `<name>.old-<n>` among the directory names `names`."""
-    suffixes = [n[len(name + OLD_SUFFIX) :] for n in names if n.startswith(name + OLD_SUFFIX)]
-    taken = [int(s) for s in suffixes if s.isdigit()]
-    return max(taken, default=0) + 1
+from pretrain.telemetry.log import get_logger
 
 
 def next_old_number(root: Path, name: str) -> int:
     """The next free n for `<root>/<name>.old-<n>`, the name of a directory renamed aside."""
-    return _old_number([p.name for p in root.iterdir()], name)
+    return old_number([p.name for p in root.iterdir()], name)
 
 
 class Checkpointer:
@@ -80,6 +75,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_committed: str | None = None
         self.restored_step: int | None = None  # the committed step this run resumed from
+        self.retries = 0  # retried object-store calls (ckpt/retries in metrics.jsonl)
 
     # -- saving
 
@@ -152,29 +148,13 @@ class Checkpointer:
         os.replace(self.staging / (LATEST + ".tmp"), self.staging / LATEST)
 
     def _commit_remote(self, stage: Path, name: str) -> None:
-        """Upload under `<name>.tmp`, manifest last. Object stores move by copying: the old copy of
-        the step is copied aside (complete before anything of it is removed), so that whichever
-        of the two is whole verifies against its own manifest."""
-        fs, root = url_to_fs(self.root)
-        remote_tmp, remote_final = f"{root}/{name}.tmp", f"{root}/{name}"
-        if fs.exists(remote_tmp):
-            fs.rm(remote_tmp, recursive=True)
-        files = sorted(p for p in stage.rglob("*") if p.is_file() and p.name != MANIFEST)
-        for path in [*files, stage / MANIFEST]:  # the manifest last: it marks completeness
-            rel = path.relative_to(stage).as_posix()
-            fs.makedirs(f"{remote_tmp}/{rel}".rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(str(path), f"{remote_tmp}/{rel}")
-        if fs.exists(remote_final):
-            names = [Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)]
-            aside = f"{root}/{name}{OLD_SUFFIX}{_old_number(names, name)}"
-            fs.copy(remote_final, aside, recursive=True)
-            fs.rm(remote_final, recursive=True)
-        fs.mv(remote_tmp, remote_final, recursive=True)
-        for old in [p for p in fs.ls(root, detail=False) if Path(p.rstrip("/")).name.startswith(name + OLD_SUFFIX)]:
-            fs.rm(old, recursive=True)
-        with fs.open(f"{root}/{LATEST}", "w") as f:
-            f.write(name)
+        """Upload in place, the manifest last (pretrain/checkpoint/object_store.py: an object store
+        has no rename), then drop the staged copy."""
+        ObjectStore(self.root, self._count_retry).commit(stage, name)
         shutil.rmtree(stage, ignore_errors=True)
+
+    def _count_retry(self, n: int) -> None:
+        self.retries += n
 
     def poll(self) -> None:
         """Raise, in the caller's thread, an error that happened in a background save."""
@@ -189,11 +169,19 @@ class Checkpointer:
             self._thread = None
         self.poll()
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait `timeout_s` at most for the commit in flight (the hang watchdog's grace before it exits);
+        whether none is left. An error it raised stays for `poll`."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
     def prune(self) -> None:
         """Delete committed checkpoints beyond the newest `keep_last`, keeping every milestone.
         Each goes by a rename to `<name>.del` first, so that it disappears at once rather than
         file by file (a half-deleted step would otherwise look committed)."""
-        fs, root = url_to_fs(self.root)
         if self.local:  # left by a kill in the middle of an earlier prune
             for doomed in self.staging.glob(f"step_*{DELETING_SUFFIX}"):
                 shutil.rmtree(doomed, ignore_errors=True)
@@ -208,7 +196,7 @@ class Checkpointer:
                     os.replace(self.staging / name, doomed)
                     shutil.rmtree(doomed, ignore_errors=True)
                 else:
-                    fs.rm(f"{root}/{name}", recursive=True)
+                    ObjectStore(self.root, self._count_retry).delete(name)
 
     # -- listing and restoring
 
@@ -222,7 +210,7 @@ class Checkpointer:
         cache = self.staging / "restore"
         shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir(parents=True)
-        return fetch(url, cache)
+        return fetch(url, cache, self._count_retry)
 
     def _verified(self, candidates: list[str]) -> Path | None:
         """Rank 0: a local copy of the first of `candidates` (step directory names, consumed from
@@ -276,7 +264,7 @@ class Checkpointer:
         if distributed.rank() == 0:
             try:
                 choice = str(self.choose(mode) or "")
-            except CheckpointError as err:
+            except (CheckpointError, StorageError) as err:  # a store out of reach stops every rank alike
                 problem = str(err)
         problem = share_text(problem)
         if problem:

@@ -10,17 +10,19 @@ engine's payload).
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from data_pipeline.storage import is_remote
 from model import CausalLM, build_model
 from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.layout import DELETING_SUFFIX, TMP_SUFFIX, CheckpointError
-from pretrain.checkpoint.manifest import committed_steps, verify_local
+from pretrain.checkpoint.manifest import committed_steps, fetch, verify_local
 from pretrain.config import ConfigError, RunConfig, config_from_dict, read_saved_config
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -34,7 +36,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def iter_checkpoints(path: str | Path) -> Iterator[Path]:
     """The step directories `path` may mean, best first: `path` itself when it is a committed step
     directory, else the committed steps under it (or its checkpoints/) that verify, newest first,
-    each failing one reported. Raises CheckpointError when there is none at all."""
+    each failing one reported. Raises CheckpointError when there is none at all. On an object store
+    (an s3:// URL...) each is first copied here by its manifest (`remote_checkpoints`)."""
+    if is_remote(str(path)):
+        yield from remote_checkpoints(str(path))
+        return
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint or run directory")
@@ -49,6 +55,47 @@ def iter_checkpoints(path: str | Path) -> Iterator[Path]:
             yield from _verified(root, steps)
             return
     raise CheckpointError(f"{path}: not a checkpoint (no engine/ and config.yaml) and holds no step_* checkpoints")
+
+
+_downloads: tempfile.TemporaryDirectory | None = None
+_origins: dict[Path, str] = {}
+
+
+def origin(step_dir: Path) -> str:
+    """Where a step directory came from: its URL for a local copy of a remote one, else its path."""
+    return _origins.get(step_dir, str(step_dir.resolve()))
+
+
+def remote_checkpoints(url: str) -> Iterator[Path]:
+    """Local, verified copies of the step directories the URL `url` means, best first, as
+    `iter_checkpoints`: the step itself when `url/manifest.json` exists, else the committed steps
+    under `url` or `url/checkpoints`. The copies live in a temporary directory until the process ends."""
+    global _downloads
+    if _downloads is None:
+        _downloads = tempfile.TemporaryDirectory(prefix="remote-checkpoints-")
+    url = url.rstrip("/")
+    parent, _, name = url.rpartition("/")
+    if "/" in url.split("://", 1)[-1] and name in committed_steps(parent):
+        candidates = [(parent, name)]
+    else:
+        candidates = next(([(root, n) for n in steps] for root in (url, f"{url}/checkpoints")
+                           if (steps := committed_steps(root))), [])
+    if not candidates:
+        raise CheckpointError(f"{url}: not a committed checkpoint (no manifest.json) and holds no committed step_*")
+    first_error = None
+    for i, (root, step) in enumerate(candidates):
+        into = Path(_downloads.name) / str(len(_origins)) / str(i)
+        try:
+            local = fetch(f"{root}/{step}", into)
+            verify_local(local)
+        except CheckpointError as err:
+            get_logger().warning("skipping checkpoint %s/%s: %s", root, step, err)
+            first_error = first_error or err
+            continue
+        _origins[local] = f"{root}/{step}"
+        yield local
+    if first_error is not None:
+        raise CheckpointError(f"{url}: no committed checkpoint verifies (the newest: {first_error})")
 
 
 def _verified(root: Path, steps: list[str]) -> Iterator[Path]:

@@ -29,7 +29,7 @@ import torch
 from pretrain.checkpoint.fit import Spec, check_fit
 from pretrain.checkpoint.layout import CheckpointError, cause, strip_model_prefix
 from pretrain.distributed import process_group as distributed
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 DEEPSPEED_TAG = "ds"
 DEEPSPEED_FORMAT = "format.json"

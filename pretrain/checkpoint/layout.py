@@ -41,6 +41,12 @@ def step_number(name: str) -> int:
     return int(name.split(".")[0].split("_")[1])
 
 
+def old_number(names: list[str], name: str) -> int:
+    """The next free n for `<name>.old-<n>` among the directory names `names`."""
+    suffixes = [n[len(name + OLD_SUFFIX) :] for n in names if n.startswith(name + OLD_SUFFIX)]
+    return max([int(s) for s in suffixes if s.isdigit()], default=0) + 1
+
+
 def strip_model_prefix(state: dict[str, torch.Tensor], source: Path | str) -> dict[str, torch.Tensor]:
     """The CausalLM's own names for an engine state dict; raises naming `source` on a stray key."""
     odd = [k for k in state if not k.startswith(MODEL_PREFIX)]

@@ -7,12 +7,14 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fsspec.core import url_to_fs
 
 from pretrain.checkpoint.layout import MANIFEST, CheckpointError
+from pretrain.checkpoint.object_store import ObjectStore
 
 
 def sha256_file(path: Path) -> str:
@@ -97,14 +99,11 @@ def verify(url: str | Path) -> dict[str, Any]:
         return verify_local(fetch(str(url), Path(tmp)))
 
 
-def fetch(url: str, into: Path) -> Path:
-    """Copy a remote checkpoint directory to local disk (DeepSpeed and DCP read local files)."""
-    fs, path = url_to_fs(url)
-    if not fs.exists(path):
-        raise CheckpointError(f"{url}: checkpoint not found")
-    target = into / Path(path).name
-    fs.get(path.rstrip("/") + "/", str(target), recursive=True)
-    return target
+def fetch(url: str, into: Path, count: Callable[[int], None] | None = None) -> Path:
+    """Copy a remote step directory to local disk by its manifest (DeepSpeed and DCP read local
+    files); `count` is told of each retry. CheckpointError when it has no manifest."""
+    root, _, name = str(url).rstrip("/").rpartition("/")
+    return ObjectStore(root, count).download(name, into)
 
 
 def committed_steps(root: str) -> list[str]:
@@ -112,10 +111,13 @@ def committed_steps(root: str) -> list[str]:
     first: each step's own directory, then its `.old-<n>` copies (newest first), which hold the
     committed step when a re-save was interrupted. `.tmp` (being written) and `.del` (being
     pruned) never count. A listed directory may still fail verification."""
-    fs, path = url_to_fs(root)
-    if not fs.exists(path):
-        return []
-    names = [Path(p.rstrip("/")).name for p in fs.ls(path, detail=False)]
+    if not is_local(root):  # listed by manifest: without one a step is not committed (object_store.py)
+        names = ObjectStore(root).committed()
+    else:
+        fs, path = url_to_fs(root)
+        if not fs.exists(path):
+            return []
+        names = [Path(p.rstrip("/")).name for p in fs.ls(path, detail=False)]
     return sorted((n for n in names if _candidate(n)), key=_order, reverse=True)
 
 

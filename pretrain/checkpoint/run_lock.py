@@ -28,8 +28,9 @@ from typing import IO, Any
 
 from fsspec.core import url_to_fs
 
+from data_pipeline.storage import retrying
 from pretrain.checkpoint.manifest import is_local
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 LOCK_FILE = ".lock"
 LEASE_FILE = ".lease.json"
@@ -114,13 +115,18 @@ class RunLock:
         return f"{self.remote_root}/{LEASE_FILE}"
 
     def _read_lease(self) -> dict[str, Any]:
+        """The lease's holder ({} when there is none), read under the storage retry policy."""
         fs, path = url_to_fs(self._lease_url())
-        return _read_json(fs.cat_file(path).decode()) if fs.exists(path) else {}
+        try:
+            return _read_json(retrying(self._lease_url(), lambda: fs.cat_file(path), what="read lease").decode())
+        except FileNotFoundError:
+            return {}
 
     def _write_lease(self) -> None:
         fs, path = url_to_fs(self._lease_url())
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(path, json.dumps({**self.me, "heartbeat": time.time()}).encode())
+        payload = json.dumps({**self.me, "heartbeat": time.time()}).encode()
+        retrying(self._lease_url(), lambda: fs.pipe_file(path, payload), what="write lease")
 
     def _stale_reason(self, holder: dict[str, Any]) -> str | None:
         """Why `holder` no longer owns the lease, or None while it does."""
@@ -179,7 +185,7 @@ class RunLock:
             self._heartbeat = None
             fs, path = url_to_fs(self._lease_url())
             if self._read_lease().get("token") == self.me["token"]:
-                fs.rm(path)
+                retrying(self._lease_url(), lambda: fs.rm(path), what="delete lease")
         if self._file is not None:  # emptied: the next start sees a clean hand-over, not a takeover
             self._file.seek(0)
             self._file.truncate()

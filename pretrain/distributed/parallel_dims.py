@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from model import CausalLM, SequenceParallel
 from pretrain.config import ConfigError, RunConfig
+from pretrain.distributed.process_group import new_group
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class ParallelDims:
             return None
         mine = None
         for first in range(0, self.world, n):
-            group = dist.new_group(list(range(first, first + n)))
+            group = new_group(list(range(first, first + n)))
             if first <= rank < first + n:
                 mine = group
         sp_rank = self.sp_rank(rank)

@@ -36,6 +36,29 @@ def barrier() -> None:
 
 
 _host_group: dist.ProcessGroup | None = None
+_timeout: datetime.timedelta | None = None  # the default group's, given to every group made after it
+
+FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+"""torch's flight recorder: each rank keeps its last 2,000 collectives (gloo and NCCL), which the hang
+watchdog writes out when it fires (`flight_record`), and NCCL dumps them by itself when a collective times
+out (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE, /tmp/nccl_trace_rank_<r> unless set). Each is set unless already in
+the environment."""
+
+
+def flight_record() -> bytes | None:
+    """This rank's flight record as JSON bytes (its last collectives, the ones in flight marked so), or
+    None where torch has none (a build without it, no process group)."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    if dump is None or not dist.is_initialized():
+        return None
+    return dump(True, False)
+
+
+def new_group(ranks: list[int] | None = None, backend: str | None = None) -> dist.ProcessGroup:
+    """A process group over `ranks` (all when None) with the default group's timeout (engine.dist_timeout_s):
+    torch gives a group made without one its own default (30 minutes), whatever the default group has."""
+    return dist.new_group(ranks, timeout=_timeout, backend=backend)
 
 
 def host_group() -> dist.ProcessGroup:
@@ -46,7 +69,7 @@ def host_group() -> dist.ProcessGroup:
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
     if _host_group is None:
-        _host_group = dist.new_group(backend="gloo")
+        _host_group = new_group(backend="gloo")
     return _host_group
 
 
@@ -72,6 +95,8 @@ def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
     reading one before its peer has replaced it would connect to nothing (gloo's connectFullMesh
     then fails, and with it the restart).
     """
+    global _timeout
+    _timeout = timeout
     store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"attempt_{attempt}", store)
@@ -125,6 +150,8 @@ def init_distributed(
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    for name, value in FLIGHT_RECORDER.items():
+        os.environ.setdefault(name, value)
     init_process_group(backend, timeout)
     joined(backend, timeout)
     return dist.get_rank(), dist.get_world_size()

@@ -32,7 +32,7 @@ from data_pipeline.stream import document_starts
 from data_pipeline.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from model import CausalLM
 from pretrain.export import SENTENCEPIECE_FILE, TOKENIZER_JSON, ExportError, load_exported, read_export_config
-from pretrain.progress import Pace, announce
+from pretrain.telemetry.progress import Pace, announce
 from pretrain.validate import run_tasks
 
 

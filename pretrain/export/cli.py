@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
+from data_pipeline.storage import StorageError, is_remote
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.export.directory import export
 from pretrain.export.layout import ExportError
-from pretrain.log import get_logger
+from pretrain.export.object_store import publish
+from pretrain.telemetry.log import get_logger
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,13 +22,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m pretrain.export", description="Export a checkpoint as a self-contained model directory."
     )
     parser.add_argument("--checkpoint", required=True, help="step directory, checkpoints directory or run directory")
-    parser.add_argument("--out", required=True, help="export directory (created)")
+    parser.add_argument("--out", required=True, help="export directory (created), or an object-store URL (uploaded)")
     parser.add_argument("--allow-network", action="store_true",
                         help="read remote paths the checkpoint's config names (tokenizer, data manifests)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, args.allow_network)
-    except (ExportError, CheckpointError) as err:
+        if is_remote(args.out):
+            with tempfile.TemporaryDirectory(prefix="export-") as tmp:
+                publish(export(args.checkpoint, Path(tmp) / "export", args.allow_network), args.out)
+            out = args.out
+        else:
+            out = export(args.checkpoint, args.out, args.allow_network)
+    except (ExportError, CheckpointError, StorageError) as err:
         get_logger().debug("export failed", exc_info=True)
         print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2

@@ -12,14 +12,14 @@ from safetensors.torch import load_model, save_model
 from model import CausalLM, build_model
 from model.config import as_trained, model_config_from_dict
 from model.config_loader import ConfigError
-from pretrain.checkpoint.consolidate import load_newest
+from pretrain.checkpoint.consolidate import load_newest, origin
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.config import RunConfig
 from pretrain.engines import engine_class
 from pretrain.export.layout import CONFIG, EXPORT_FORMAT, WEIGHTS, ExportError
 from pretrain.export.metadata import data_fingerprint, eval_metrics, hf_config, model_card, write_tokenizer
 from pretrain.export.remote_code import write_code
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 
 def write_export(
@@ -68,7 +68,7 @@ def export(checkpoint: str | Path, out: str | Path, allow_network: bool = False)
     except (OSError, json.JSONDecodeError) as err:
         raise ExportError(f"{step_dir / 'trainer_state.json'}: {err}") from err
     step = int(trainer.get("step", 0))
-    training = {"checkpoint": str(step_dir.resolve()), "step": step, "tokens_seen": int(trainer.get("tokens_seen", 0))}
+    training = {"checkpoint": origin(step_dir), "step": step, "tokens_seen": int(trainer.get("tokens_seen", 0))}
     return write_export(model, cfg, out, training, eval_metrics(step_dir, cfg, step), allow_network)
 
 

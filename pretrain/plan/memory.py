@@ -34,7 +34,7 @@ from model import CausalLM, build_model
 from pretrain.config import ConfigError, RunConfig, load_config
 from pretrain.engines import TrainModule, engine_class, eval_loss
 from pretrain.preflight import check_start
-from pretrain.progress import Pace, announce
+from pretrain.telemetry.progress import Pace, announce
 from pretrain.validate import eval_piece_tokens, streamed_loss
 
 GIB = 2**30

@@ -35,6 +35,11 @@ class Pace:
         per_item = (time.time() - self.counting_from) / (done - self.first)
         return per_item * (self.total - done)
 
+    def rewind(self, since: int, to: int) -> None:
+        """The item count went back from `since` to `to` (a loss-spike rollback): the items made in between
+        still count in the pace, and `to` is again `total - to` items from the end."""
+        self.first -= since - to
+
     def report(self, done: int) -> str:
         """`elapsed M:SS, left ~M:SS` (the estimate once one item is done)."""
         left = self.left(done)

@@ -1,4 +1,4 @@
-"""`python -m pretrain.plot <run dir> [--out curves.png]`: a run's curves from its metrics.jsonl.
+"""`python -m pretrain.telemetry.plot <run dir> [--out curves.png]`: a run's curves from its metrics.jsonl.
 
 Three panels: the training loss, the throughput (tokens/s over all ranks), and every held-out
 evaluation the run logged (`eval/*`: bits per token at each context, task accuracies), each against
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pretrain.metrics import METRICS_FILE, read_metrics
+from pretrain.telemetry.metrics import METRICS_FILE, read_metrics
 
 PANELS = (("train/loss", "training loss (nats)"), ("perf/tokens_per_s", "tokens/s"))
 
@@ -57,7 +57,7 @@ def plot(run_dir: Path, out: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.plot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.telemetry.plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run directory (holding metrics.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="the PNG to write (default: <run dir>/curves.png)")
     args = parser.parse_args(argv)

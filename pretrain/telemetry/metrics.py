@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import torch
 
-from pretrain.log import get_logger
+from pretrain.telemetry.log import get_logger
 
 
 def measure_peak_flops(size: int = 1024, repeats: int = 6) -> float:
@@ -57,6 +57,7 @@ def histogram(values: torch.Tensor) -> Any:
 
 
 METRICS_FILE = "metrics.jsonl"
+STEP_KEY = "train/step"  # the x-axis of every wandb chart: the training step, which a rollback sets back
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -92,6 +93,10 @@ class MetricsLogger:
                 project=project, name=run_dir.name, dir=str(run_dir), config=config, mode=mode,
                 settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
             )
+            # wandb's own step only grows: a step redone after a rollback would be dropped if it were the
+            # x-axis. Records go in at wandb's next step and are drawn against the training step instead.
+            self._wandb.define_metric(STEP_KEY)
+            self._wandb.define_metric("*", step_metric=STEP_KEY)
 
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, torch.Tensor] | None = None) -> None:
         if not self.enabled:
@@ -103,7 +108,7 @@ class MetricsLogger:
         if self._wandb is not None:
             payload: dict[str, Any] = dict(scalars)
             payload.update({k: histogram(v) for k, v in (histograms or {}).items()})
-            self._wandb.log(payload, step=step)
+            self._wandb.log({**payload, STEP_KEY: step})
 
     def event(self, record: dict[str, Any], message: str) -> None:
         """A line of its own in metrics.jsonl (a record with an "event" key, not a step's metrics),
@@ -111,6 +116,10 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:  # its numbers, as event/<name>/<key>, at its step
+            name = record["event"]
+            numbers = {f"event/{name}/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            self._wandb.log({f"event/{name}": 1, **numbers, STEP_KEY: record.get("step", 0)})
         get_logger().warning(message)
 
     def console(self, message: str) -> None:

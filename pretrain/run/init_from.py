@@ -11,26 +11,32 @@ those of the new config.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
 
+from data_pipeline.storage import is_remote
 from model import CausalLM
 from pretrain.checkpoint.consolidate import load_newest
 from pretrain.checkpoint.fit import misfit, specs
 from pretrain.checkpoint.layout import CheckpointError
 from pretrain.config import ConfigError
 from pretrain.export import CONFIG, ExportError, load_exported
+from pretrain.export.object_store import download, is_export
 
 
 def read_initial_weights(source: str) -> dict[str, torch.Tensor]:
-    """The parameters (fp32, CPU) of the export, checkpoint or run directory `source`."""
-    path = Path(source)
+    """The parameters (fp32, CPU) of the export, checkpoint or run directory `source`: a local path or
+    an object-store URL (an export prefix is downloaded; a checkpoint's steps are read by manifest)."""
     try:
-        if (path / CONFIG).is_file():
-            model = load_exported(path)
+        if is_remote(source) and is_export(source):
+            with tempfile.TemporaryDirectory(prefix="init-from-") as tmp:
+                model = load_exported(download(source, Path(tmp)))
+        elif not is_remote(source) and (Path(source) / CONFIG).is_file():
+            model = load_exported(Path(source))
         else:
-            model = load_newest(path, "init.from")[2]
+            model = load_newest(source, "init.from")[2]
     except (ExportError, CheckpointError) as err:
         raise ConfigError(f"init.from: {err}") from err
     return {name: param.detach() for name, param in model.named_parameters()}

@@ -14,8 +14,10 @@ measurements behind the defaults.
 
 Each step's loss stays on the device until a log or checkpoint step, where the losses of the window
 are read in one transfer and averaged over ranks in one host all-reduce: every rank sees the same values
-and reaches the same decision, and steps that do not log wait for nothing. The history and the count
-of rollbacks go into every checkpoint, so a resumed run judges its first steps against the same history.
+and reaches the same decision, and steps that do not log wait for nothing. The history and the steps of
+the rollbacks made go into every checkpoint, so a resumed run judges its first steps against the same
+history and the same budget: `max_rollbacks` rollbacks in any `rollback_window` steps (a run that spikes
+again and again is sick; spikes weeks apart are not).
 """
 
 from __future__ import annotations
@@ -49,17 +51,20 @@ class SpikeDetector:
     def __init__(self, cfg: SpikeSection) -> None:
         self.cfg = cfg
         self.history: deque[float] = deque(maxlen=cfg.window)
-        self.rollbacks = 0
+        self.rollback_steps: list[int] = []  # the spikes rolled back, by step
         self._pending: list[tuple[int, torch.Tensor, int]] = []
 
     @property
     def enabled(self) -> bool:
         return self.cfg.max_rollbacks > 0
 
-    @property
-    def exhausted(self) -> bool:
-        """Whether max_rollbacks rollbacks have been made: one more spike stops the run."""
-        return self.rollbacks >= self.cfg.max_rollbacks
+    def rollbacks_near(self, step: int) -> int:
+        """The rollbacks made for spikes in the `rollback_window` steps up to `step`."""
+        return sum(step - self.cfg.rollback_window < s <= step for s in self.rollback_steps)
+
+    def exhausted(self, step: int) -> bool:
+        """Whether a spike at `step` finds the window's budget spent: it stops the run."""
+        return self.rollbacks_near(step) >= self.cfg.max_rollbacks
 
     def record(self, step: int, loss: torch.Tensor, end_sample: int) -> None:
         """Keep step `step`'s loss (a device tensor, not read here) and where its batch ended."""
@@ -96,13 +101,14 @@ class SpikeDetector:
         self._pending.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "rollbacks": self.rollbacks}
+        return {"history": list(self.history), "rollback_steps": list(self.rollback_steps)}
 
     def load_state_dict(self, state: dict[str, Any] | None, keep_rollbacks: bool = False) -> None:
-        """Restore a checkpoint's history (none in checkpoints older than this detector). A rollback keeps
-        its own count (`keep_rollbacks`): the checkpoint it restores predates the rollbacks made since."""
+        """Restore a checkpoint's history (none in checkpoints older than this detector; older ones kept a
+        count of rollbacks without their steps, which starts the budget afresh). A rollback keeps its own
+        (`keep_rollbacks`): the checkpoint it restores predates the rollbacks made since."""
         state = state or {}
         self.history = deque(state.get("history", []), maxlen=self.cfg.window)
         if not keep_rollbacks:
-            self.rollbacks = int(state.get("rollbacks", 0))
+            self.rollback_steps = [int(s) for s in state.get("rollback_steps", [])]
         self._pending.clear()

@@ -10,7 +10,7 @@ before it writes `config.yaml` or builds a model. Rank 0 decides and every rank 
   step of either.
 - otherwise the checkpoint to resume is chosen and verified (`Checkpointer.choose`), and this start's
   config is compared with the directory's `config.yaml` and with the checkpoint's
-  (pretrain/resume_rules.py): a change the saved state cannot continue from is refused, naming the
+  (pretrain/run/resume_rules.py): a change the saved state cannot continue from is refused, naming the
   keys with their old and new values and the ways forward; the allowed changes are logged as a diff.
 - a checkpoint at or past `train.steps` means the run is complete (`RunComplete`): nothing is
   trained and nothing written.
@@ -37,8 +37,8 @@ from pretrain.config import ConfigError, RunConfig, read_saved_config
 from pretrain.data import rebuilt_sources
 from pretrain.distributed import process_group as distributed
 from pretrain.engines import engine_class
-from pretrain.log import get_logger
-from pretrain.resume_rules import Change, compare, describe
+from pretrain.run.resume_rules import Change, compare, describe
+from pretrain.telemetry.log import get_logger
 
 
 class RunRefusedError(RuntimeError):

@@ -14,6 +14,11 @@ Each rank therefore measures, with no host sync:
   near zero and the device's waits stay in "the rest";
 - the rest: the step's wall time minus both.
 
+Only steps that compare like with like count: not a step during which this rank's asynchronous checkpoint
+commit runs (rank 0 hashes and renames in a thread, so its steps slow while the others wait: it would be
+named for writing the checkpoint), and not the first step after a save or an evaluation on any rank. A
+rank with no step counted in a window is left out of that window's judgment.
+
 At a log step one host all-reduce shares the window's per-step means. A rank whose time outside
 communication (data wait plus the rest) exceeds `train.straggler_factor` times the lower median of all
 ranks' (with 2 ranks, the faster one's) is named on the console and in metrics.jsonl
@@ -63,37 +68,50 @@ class CommSampler:
 
 
 class StepTimes:
-    """This rank's data wait, communication wait and step time summed over the steps since the last
-    report; the loop marks each step's start, the end of its data phase and its end."""
+    """This rank's data wait, communication wait and step time summed over the counted steps since the
+    last report; the loop marks each step's start, the end of its data phase and its end."""
 
     def __init__(self, world: int) -> None:
         self.sampler = CommSampler() if world > 1 else None
-        self.data_s = self.step_s = 0.0
+        self.data_s = self.step_s = self.comm_s = 0.0
         self.steps = 0
-        self._comm_at_report = 0.0
-        self._started = self._data_done = 0.0
+        self._started = self._data_s = self._comm_at_start = 0.0
+        self._skip_next = False
+
+    def _comm_total(self) -> float:
+        return self.sampler.comm_s if self.sampler else 0.0
 
     def step_begins(self) -> None:
         self._started = time.perf_counter()
+        self._comm_at_start = self._comm_total()
 
     def data_ready(self) -> None:
-        self._data_done = time.perf_counter()
-        self.data_s += self._data_done - self._started
+        self._data_s = time.perf_counter() - self._started
 
-    def step_ends(self) -> None:
-        self.step_s += time.perf_counter() - self._started
-        self.steps += 1
+    def skip_next(self) -> None:
+        """Leave the next step out (the first after a save or an evaluation, on every rank)."""
+        self._skip_next = True
 
-    def take(self) -> tuple[float, float, float]:
-        """(data, communication, rest) seconds per step since the last call, and start a new window."""
-        comm_total = self.sampler.comm_s if self.sampler else 0.0
-        comm, self._comm_at_report = comm_total - self._comm_at_report, comm_total
+    def step_ends(self, counted: bool = True) -> None:
+        """The step is done; it counts unless `counted` is False (a checkpoint commit of this rank ran
+        during it) or it was to be skipped."""
+        if counted and not self._skip_next:
+            self.step_s += time.perf_counter() - self._started
+            self.data_s += self._data_s
+            self.comm_s += self._comm_total() - self._comm_at_start
+            self.steps += 1
+        self._skip_next = False
+
+    def take(self) -> tuple[float, float, float, float]:
+        """(data, communication, rest) seconds per counted step since the last call and the number of
+        counted steps, and start a new window."""
         steps = max(self.steps, 1)
         data, step = self.data_s / steps, self.step_s / steps
-        self.data_s = self.step_s = 0.0
+        comm = min(self.comm_s / steps, step - data)
+        counted = float(self.steps)
+        self.data_s = self.step_s = self.comm_s = 0.0
         self.steps = 0
-        comm = min(comm / steps, step - data)
-        return data, comm, step - data - comm
+        return data, comm, step - data - comm, counted
 
     def stop(self) -> None:
         if self.sampler is not None:
@@ -103,20 +121,25 @@ class StepTimes:
 def report(times: StepTimes, rank: int, world: int, factor: float) -> tuple[dict[str, float], dict[str, torch.Tensor],
                                                                             str | None]:
     """Collective (a log step): share every rank's window (one host all-reduce) and judge it."""
-    shared = [0.0] * (3 * world)
-    shared[3 * rank: 3 * rank + 3] = times.take()
+    shared = [0.0] * (FIELDS * world)
+    shared[FIELDS * rank: FIELDS * (rank + 1)] = times.take()
     return judge(all_reduce_sum(shared), factor)
 
 
+FIELDS = 4  # per rank: data, communication, rest (seconds per counted step), counted steps
+
+
 def judge(shared: list[float], factor: float) -> tuple[dict[str, float], dict[str, torch.Tensor], str | None]:
-    """From every rank's (data, communication, rest) seconds per step, in rank order: the scalars, the
-    per-rank lists and, when a rank is a straggler, the console line naming it."""
-    data, comm, other = (torch.tensor(shared[i::3]) for i in range(3))
+    """From every rank's (data, communication, rest, counted steps), in rank order: the scalars, the
+    per-rank lists and, when a rank is a straggler, the console line naming it. Ranks with no counted step
+    are left out of the judgment."""
+    data, comm, other, counted = (torch.tensor(shared[i::FIELDS]) for i in range(FIELDS))
     busy = (data + other).tolist()
-    reference = statistics.median_low(busy)
-    slowest = max(range(len(busy)), key=busy.__getitem__)
+    judged = [r for r in range(len(busy)) if counted[r] > 0]
+    reference = statistics.median_low([busy[r] for r in judged]) if judged else 0.0
+    slowest = max(judged, key=busy.__getitem__) if judged else 0
     slowdown = busy[slowest] / reference if reference > 0 else 1.0
-    named = slowest if slowdown > factor else -1
+    named = slowest if slowdown > factor and len(judged) > 1 else -1
     scalars = {"perf/straggler_rank": float(named), "perf/straggler_slowdown": slowdown}
     per_rank = {"perf/rank_data_s": data, "perf/rank_comm_s": comm, "perf/rank_other_s": other}
     message = None

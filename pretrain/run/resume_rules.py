@@ -2,7 +2,7 @@
 
 A run directory belongs to one run. Its `config.yaml` and every checkpoint's `config.yaml` record the
 resolved config the run was started and saved with; a new start in the directory is compared with them,
-key by key, before anything is written (pretrain/run_dir.py). Each key falls under the longest entry of
+key by key, before anything is written (pretrain/run/directory.py). Each key falls under the longest entry of
 RULES that prefixes it:
 
 - a change that the saved state can continue from (more steps, the cadences, the learning-rate
@@ -93,6 +93,7 @@ RULES: dict[str, Rule] = {
     "eval": Rule(_always, ALWAYS, "evaluation only"),
     "init": Rule(_always, ALWAYS, "read by a fresh start only; a resume loads its own checkpoint"),
     "log": Rule(_always, ALWAYS, "where metrics go"),
+    "storage": Rule(_always, ALWAYS, "how the object store is reached, not what it holds"),
 }
 
 
@@ -101,7 +102,7 @@ def rule_for(key: str) -> tuple[str, Rule]:
     probe = key
     while probe not in RULES:
         if "." not in probe:
-            raise KeyError(f"no resume rule covers {key!r}: add one to pretrain/resume_rules.RULES")
+            raise KeyError(f"no resume rule covers {key!r}: add one to pretrain/run/resume_rules.RULES")
         probe = probe.rsplit(".", 1)[0]
     return probe, RULES[probe]
 

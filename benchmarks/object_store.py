@@ -1,0 +1,210 @@
+"""Object storage against local disk: the data loader's tokens/s per rank and a checkpoint's save and
+load time, each from a local S3 endpoint (moto's server on loopback, benchmarks/local_s3.py) beside the
+same thing on local disk in the same run. Results and commands: docs/data.md, "Object storage".
+
+``python -m benchmarks.object_store loader --input <files/globs> --workdir <dir> [--ranks 8]``
+    builds byte-level shards on disk, copies them to a bucket, and streams rank 0's share (of
+    ``--ranks``) from each: whole shards with sha256 and prefetch, and byte ranges (on the store with
+    each ``--range-ahead`` look-ahead depth, and with ``--latency-ms`` once more through a proxy that
+    adds that round trip to each request, as a remote store would). tokens/s per rank.
+
+``python -m benchmarks.object_store checkpoint --model configs/model/vort-125m.yaml --workdir <dir>``
+    saves and restores the state of that model with AdamW moments (engine.kind=single's payload)
+    through the Checkpointer to a local root and to the bucket. Seconds and MB/s.
+
+``--endpoint URL`` measures an S3 endpoint already running instead (credentials from the AWS
+variables); without it a local server is started and stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+
+from benchmarks.local_s3 import LocalS3
+from data_pipeline import shard_reader, storage
+from data_pipeline.build import build_shards
+from data_pipeline.stream import PackedStream
+
+
+@contextlib.contextmanager
+def bucket(endpoint: str | None, workdir: Path) -> Iterator[str]:
+    """An s3:// bucket URL on `endpoint`, or on a local server started for the block."""
+    server = None
+    if endpoint is None:
+        server = LocalS3(workdir / "moto.log")
+        endpoint = server.endpoint
+        for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            os.environ.setdefault(key, value)
+    storage.configure(storage.RetryPolicy(), endpoint_url=endpoint)
+    try:
+        name = server.new_bucket() if server else f"bench-{os.getpid()}"
+        if server is None:
+            fsspec.filesystem("s3").mkdir(name)
+        yield f"s3://{name}"
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def stream_rate(source: str, seq_len: int, samples: int, ranks: int, read: str) -> dict[str, Any]:
+    """tokens/s of rank 0's stream of `ranks` over `samples` samples, from a cold start."""
+    t0 = time.perf_counter()
+    stream = PackedStream([(source, 1.0)], seq_len=seq_len, seed=0, rank=0, world_size=ranks, shuffle_buffer=256,
+                          verify=read == "shard", read=read)
+    it = iter(stream)
+    t1 = time.perf_counter()
+    for _ in range(samples):
+        next(it)
+    elapsed = time.perf_counter() - t1
+    stats = stream.stats()
+    return {"read": read, "seq_len": seq_len, "samples": samples, "tokens_per_s": samples * seq_len / elapsed,
+            "startup_s": t1 - t0, "mb_read": stats["shard_bytes_read"] / 1e6, "read_retries": stats["read_retries"]}
+
+
+def loader(args: argparse.Namespace) -> list[dict[str, Any]]:
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    local = str(work / "shards")
+    m = build_shards(args.input, local, shard_tokens=args.shard_tokens, overwrite=True)
+    default_ahead, rows, proxy = shard_reader.RANGE_AHEAD, [], None
+    with bucket(args.endpoint, work) as root:
+        remote = f"{root}/shards"
+        fsspec.filesystem("s3").put(local + "/", remote + "/", recursive=True)
+        runs = [("shard", "local disk", local, None), ("shard", "s3 (loopback)", remote, None),
+                ("range", "local disk", local, None)]
+        runs += [("range", "s3 (loopback)", remote, n) for n in args.range_ahead]
+        if args.latency_ms:
+            runs += [("range", f"s3 (+{args.latency_ms:g} ms)", remote, n) for n in args.range_ahead]
+        for read, where, source, ahead in runs:
+            if "ms)" in where and proxy is None:
+                proxy = delayed(args.latency_ms / 1000)
+            shard_reader.RANGE_AHEAD = default_ahead if ahead is None else ahead
+            row = {"where": where, "ranks": args.ranks, "shards": len(m.shards), "in_flight": ahead,
+                   **stream_rate(source, args.seq_len, args.samples, args.ranks, read)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        shard_reader.RANGE_AHEAD = default_ahead
+    if proxy is not None:
+        proxy.close()
+    return rows
+
+
+def delayed(delay_s: float) -> Any:
+    """Route new s3:// filesystems of this process through a proxy that holds each request back
+    `delay_s` (tests/fault_proxy.py, without faults): a remote store's round trip on loopback."""
+    from tests.fault_proxy import FaultProxy
+
+    endpoint = fsspec.config.conf["s3"]["endpoint_url"]
+    host, port = endpoint.rsplit("//", 1)[1].split(":")
+    proxy = FaultProxy((host, int(port)), delay_s=delay_s)
+    storage.configure(storage.RetryPolicy(), endpoint_url=proxy.endpoint)
+    return proxy
+
+
+class _Payload:
+    """engine.kind=single's checkpoint payload of a model and its AdamW (the Engine protocol's half)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def save(self, path: str) -> None:
+        from pretrain.checkpoint.torch_format import save_torch_state
+
+        save_torch_state(path, self.model, self.optimizer)
+
+    def load(self, path: str, scratch: Path) -> None:
+        from pretrain.checkpoint.torch_format import load_torch_state
+
+        load_torch_state(path, self.model, self.optimizer)
+
+
+def checkpoint(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from model import build_model
+    from model.config import load_model_config
+    from pretrain.checkpoint.checkpointer import Checkpointer
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_model(load_model_config(args.model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # the moments exist, as in a checkpoint of a run
+    payload = _Payload(model, optimizer)
+    rows = []
+    with bucket(args.endpoint, work) as root:
+        for where, ckpt_root in (("local disk", str(work / "ckpt")), ("s3 (loopback)", f"{root}/ckpt")):
+            shutil.rmtree(work / "ckpt", ignore_errors=True)
+            saver = Checkpointer(ckpt_root, work / "stage", 2, 0, False)
+            t = time.perf_counter()
+            saver.save(1, payload, {"trainer": {"step": 1}, "data": {}}, "run: {}\n")
+            save_s = time.perf_counter() - t
+            size = _size(f"{ckpt_root}/step_00000001")
+            t = time.perf_counter()
+            Checkpointer(ckpt_root, work / "stage", 2, 0, False).resume("auto", payload)
+            load_s = time.perf_counter() - t
+            row = {"where": where, "model": Path(args.model).stem, "parameters": sum(p.numel() for p in
+                   model.parameters()), "mb": size / 1e6, "save_s": save_s, "load_s": load_s,
+                   "save_mb_per_s": size / 1e6 / save_s, "load_mb_per_s": size / 1e6 / load_s,
+                   "retries": saver.retries}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _size(url: str) -> int:
+    """Bytes under a directory or prefix."""
+    fs, path = fsspec.core.url_to_fs(url)
+    return sum(fs.du(path, total=False).values())
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{v:,.1f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.object_store", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ld = sub.add_parser("loader")
+    ld.add_argument("--input", nargs="+", required=True)
+    ld.add_argument("--shard-tokens", type=int, default=1 << 22)
+    ld.add_argument("--seq-len", type=int, default=2048)
+    ld.add_argument("--samples", type=int, default=2000)
+    ld.add_argument("--ranks", type=int, default=8, help="data-parallel ranks; rank 0's share is read")
+    ld.add_argument("--range-ahead", type=int, nargs="+", default=[shard_reader.RANGE_AHEAD],
+                    help="samples whose ranges are read ahead on the store (one s3 range row each)")
+    ld.add_argument("--latency-ms", type=float, default=0,
+                    help="also read ranges through a proxy adding this round trip to each request")
+    ck = sub.add_parser("checkpoint")
+    ck.add_argument("--model", default="configs/model/vort-125m.yaml")
+    for p in (ld, ck):
+        p.add_argument("--workdir", required=True)
+        p.add_argument("--endpoint", default=None, help="an S3 endpoint already running (default: start one)")
+        p.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    rows = loader(args) if args.command == "loader" else checkpoint(args)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The GPU performance model (benchmarks/predict, issue 54): instruction counts read from the SASS of
+kernels compiled here, loop trips from the TTGIR, occupancy, fla's launches captured from fla's own code,
+and the command line. Compiling runs in a fresh process (tests/predict_worker.py; see
+tests/test_kernels_compile.py for why)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@functools.lru_cache(maxsize=1)
+def facts() -> dict:
+    done = _run(str(ROOT / "tests" / "predict_worker.py"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case,m", [("sm90 BM64", 64), ("sm80 BM64", 64), ("sm90 BM16", 16)])
+def test_tensor_flops_counted_from_sass_times_loop_trips(case: str, m: int) -> None:
+    """A loop of n products [m, 32] @ [32, 64] per program: the SASS's tensor instructions times the
+    loop's trips (an argument) give exactly 2 m 64 32 n FLOPs, for n = 3 and 12."""
+    for n in (3, 12):
+        got = facts()[f"dot {case} n{n}"]
+        assert got["trips"] == [n]
+        assert got["flops"] == 2 * m * 64 * 32 * n
+
+
+def test_wgmma_on_sm90_mma_sync_elsewhere() -> None:
+    """A 64-row product runs as wgmma on an H100; 16 rows, or an A100, run mma.sync."""
+    assert facts()["dot sm90 BM64 n3"]["wgmma"] and not facts()["dot sm90 BM64 n3"]["hmma"]
+    assert facts()["dot sm80 BM64 n3"]["hmma"] and not facts()["dot sm80 BM64 n3"]["wgmma"]
+    assert facts()["dot sm90 BM16 n3"]["hmma"]
+
+
+def test_occupancy_from_registers_shared_and_warps() -> None:
+    """Programs per SM: the fewest that registers (per warp in units of 256 of 65,536), shared memory
+    (228 KB, 1 KB reserved per block) and warps (64) allow."""
+    for got, warps in ((facts()["dot sm90 BM64 n3"], 4), (facts()["dot sm90 BM16 n3"], 1)):
+        regs = -(-got["registers"] * 32 // 256) * 256
+        expected = min(65_536 // (regs * warps), 228 * 1024 // (got["shared"] + 1024), 64 // warps, 32)
+        assert got["occupancy"] == expected
+
+
+def test_inner_loop_bound_by_the_outer_variable() -> None:
+    """An inner loop of i iterations inside one of n: the TTGIR's bounds give n and n (n - 1) / 2
+    iterations exactly; in the SASS, LLVM unrolled the inner loop (a long main loop and a short
+    remainder loop after it, inside the outer one), and the main loop runs the inner total over its
+    unroll factor (a power of two) times."""
+    for n in (20, 40):
+        got = facts()[f"triangle n{n}"]
+        assert got["nest"] == [n, n * (n - 1) / 2]
+        (outer, main, rest) = got["loops"]
+        assert outer[0] < main[0] < main[1] < rest[0] < rest[1] <= outer[1]
+        assert got["trips"][0] == n
+        unroll = got["nest"][1] / got["trips"][1]
+        assert unroll in (2, 4, 8)
+
+
+def test_hbm_bytes_are_the_tensors_the_kernel_touches() -> None:
+    """A, B and C once each: A grows with n, B and C do not."""
+    n3, n12 = facts()["dot sm90 BM64 n3"]["hbm_bytes"], facts()["dot sm90 BM64 n12"]["hbm_bytes"]
+    a_row = 8 * 64 * 32 * 2
+    assert n12 - n3 == pytest.approx(9 * a_row)
+    assert n3 == 3 * a_row + 32 * 64 * 2 + 8 * 64 * 64 * 4
+
+
+@pytest.mark.slow
+def test_fla_op_predicted_from_its_own_launches() -> None:
+    """`python -m benchmarks.predict fla:retention` captures fla's launches (autotuned ones as
+    alternatives) and prints forward and forward + backward times; the backward adds time, and a
+    longer sequence costs more. Slow: fla autotunes over ~100 configurations, each compiled."""
+    pytest.importorskip("fla")
+    out = {}
+    for t in (512, 2048):
+        done = _run("-m", "benchmarks.predict", "fla:retention", "--shape", f"1,{t},2,64", "--json")
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[t] = json.loads(done.stdout)
+        assert set(out[t]) == {"fwd_ms", "fwdbwd_ms"}
+        assert 0 < out[t]["fwd_ms"] < out[t]["fwdbwd_ms"]
+    assert out[2048]["fwdbwd_ms"] > out[512]["fwdbwd_ms"]
+
+
+def test_bad_shape_is_refused() -> None:
+    done = _run("-m", "benchmarks.predict", "fla:retention", "--shape", "1,2048,2")
+    assert done.returncode == 2 and "B,T,H,D" in done.stderr
+
+
+def test_measure_needs_cuda(tmp_path: Path) -> None:
+    """--measure builds the measured step and stops, with a clear error, where it needs the device; the
+    step it would time runs on CPU (the tiny VORT config, torch scan backend)."""
+    import torch
+
+    from benchmarks.predict.measure import require_cuda, training_step
+    from model.config import load_model_config
+
+    cfg = load_model_config(ROOT / "configs" / "model" / "vort-tiny.yaml")
+    step = training_step(cfg, 1, 64, True, torch.device("cpu"))
+    step()
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            require_cuda()
