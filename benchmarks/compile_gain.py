@@ -198,7 +198,10 @@ def measure(name: str, tokens: int, mode: str) -> dict:
 
     torch._dynamo.reset()
     inductor_config.cpp.enable_kernel_profile = True  # generated kernels show in the profile
-    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), _InductorBytes() as compiled_bytes:
+    # no graph from the on-disk caches: a cached graph is not lowered again, so its bytes would not be counted
+    caches = {"fx_graph_cache": False, "autotune_local_cache": False}
+    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(caches), \
+            torch._functorch.config.patch(enable_autograd_cache=False), _InductorBytes() as compiled_bytes:
         if mode == "blocks":
             compile_blocks(model)
         else:
