@@ -287,9 +287,17 @@ ENGINE_CASES = {  # launcher, ranks, overrides: every engine, and sequence paral
 }
 
 
+# Known failure, kept visible (strict: the entry goes with the fix): FSDP2 with PMNet, activation
+# checkpointing and compiled blocks stops at the first backward with torch.utils.checkpoint's "a different
+# number of tensors was saved during the original forward and recomputation" (2026-12-06; the same run
+# without checkpointing trains, and so do the DeepSpeed cases and FSDP2 with VORT). Not diagnosed yet.
+FSDP_PMNET = pytest.mark.xfail(strict=True, reason="FSDP2 + PMNet + checkpointing + compile: recompute mismatch")
+ENGINE_PARAMS = [pytest.param(case, family, marks=FSDP_PMNET if (case, family) == ("fsdp2-sp2", "pmnet") else ())
+                 for case in ENGINE_CASES for family in ("vort", "pmnet")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["vort", "pmnet"])
-@pytest.mark.parametrize("case", list(ENGINE_CASES))
+@pytest.mark.parametrize(("case", "family"), ENGINE_PARAMS)
 def test_compiled_training_runs_under_every_engine(case: str, family: str, demo_shards, tmp_path: Path) -> None:
     """train.compile=true trains (finite losses, the first step's compile logged) under each engine and
     sequence-parallel split, activation checkpointing on as in the GPU configs."""
