@@ -34,10 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kernels.parallel import (
-    _GatherStates,
-    _peer,
+    _gather_states,
     _SoeStateCorrection,
-    _swap,
     phasor_scan_sequence_parallel,
     soe_scan_sequence_parallel,
 )
@@ -87,7 +85,7 @@ def _soe_row(T: int, args: argparse.Namespace) -> dict:
     parallel = _fwd_bwd(lambda: list(soe_scan_sequence_parallel(q, k, v, coef, log_lam, None, None, False,
                                                                 args.chunk)[:2]))
     correction = _fwd_bwd(lambda: list(_SoeStateCorrection.apply(q, log_lam, g, b, args.chunk)))
-    gather = _fwd_bwd(lambda: [*_GatherStates.apply(None, g), *_GatherStates.apply(None, b)])
+    gather = _fwd_bwd(lambda: [_gather_states(g, None), _gather_states(b, None)])
     state_bytes = (g.numel() + b.numel()) * 4
     return {"op": "soe", "T_rank": T, "local_s": _best(local, args.repeats),
             "parallel_s": _best(parallel, args.repeats), "correction_s": _best(correction, args.repeats),
@@ -104,10 +102,29 @@ def _phasor_row(T: int, args: argparse.Namespace) -> dict:
     parallel = _fwd_bwd(lambda: [phasor_scan_sequence_parallel(delta, slots, n_slots)[0]])
     entering = init.gather(1, slots.reshape(1, -1, 1).expand(-1, -1, 64))
     correction = _fwd_bwd(lambda: [init.gather(1, slots.reshape(1, -1, 1).expand(-1, -1, 64)) + entering.detach()])
-    gather = _fwd_bwd(lambda: list(_GatherStates.apply(None, init)))
+    gather = _fwd_bwd(lambda: [_gather_states(init, None)])
     return {"op": "phasor", "T_rank": T, "local_s": _best(local, args.repeats),
             "parallel_s": _best(parallel, args.repeats), "correction_s": _best(correction, args.repeats),
             "exchange_s": _best(gather, args.repeats), "bytes_sent": 2 * init.numel() * 4 * (dist.get_world_size() - 1)}
+
+
+def _peer(group: dist.ProcessGroup | None, step: int) -> int | None:
+    """The global rank of the group member `step` places after this one (None past either end)."""
+    rank = dist.get_rank(group) + step
+    if not 0 <= rank < dist.get_world_size(group):
+        return None
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _swap(send: torch.Tensor | None, send_to: int | None, receive: torch.Tensor, receive_from: int | None) -> None:
+    """Post the send and the receive together, then wait for both (no ordering deadlock)."""
+    requests = []
+    if send_to is not None:
+        requests.append(dist.isend(send.contiguous(), send_to))
+    if receive_from is not None:
+        requests.append(dist.irecv(receive, receive_from))
+    for request in requests:
+        request.wait()
 
 
 class _Receive(torch.autograd.Function):

@@ -19,54 +19,39 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from kernels._common import decay, decay_cutoff, resolve_backend, wrap_angle
+from kernels.library import compiling, soe_entering_op
 from kernels.phasor import phasor_scan, slot_phases
 from kernels.soe import soe_scan
 
 
-class _GatherStates(torch.autograd.Function):
-    """all_gather with a backward that sums, over ranks, the gradients of each rank's tensor: a
-    reduce-scatter, so each rank receives the sum for its own tensor only (1/N of the gathered size)."""
-
-    @staticmethod
-    def forward(ctx, group, x):
-        ctx.group, ctx.like = group, torch.empty_like(x, memory_format=torch.contiguous_format)
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return tuple(parts)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        parts = [torch.zeros_like(ctx.like) if g is None else g.contiguous() for g in grads]
-        mine = torch.empty_like(ctx.like)
-        dist.reduce_scatter(mine, parts, group=ctx.group)
-        return None, mine
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The process group a functional collective takes (the default group for None)."""
+    return dist.group.WORLD if group is None else group
 
 
-class _SumOverRanks(torch.autograd.Function):
-    """all_reduce (sum) whose backward is the same sum of the gradients: each rank's x enters every
-    rank's result, so its gradient is the sum of what every rank's result received."""
+def _waited(x: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result as a plain tensor: in eager mode it comes back as an
+    AsyncCollectiveTensor that waits on first use, and views of it would stay one (and would be
+    returned, saved and pickled as one); under torch.compile it is plain already."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
-    @staticmethod
-    def forward(ctx, group, x):
-        ctx.group = group
-        total = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=group)
-        return total
 
-    @staticmethod
-    def backward(ctx, grad):
-        total = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=ctx.group)
-        return None, total
+def _gather_states(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's x stacked [ranks, *x.shape], differentiable: a functional all-gather, whose backward
+    is a reduce-scatter, so each rank receives the sum over ranks of the gradients of its own x only."""
+    gathered = _waited(funcol.all_gather_single(x.contiguous(), 0, _group(group)))
+    return gathered.view(dist.get_world_size(group), *x.shape)
 
 
 def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The sum of x over the ranks of ``group``, on every rank, differentiable: a loss computed from it
     on each rank sends back to every rank's x the gradients of all of them (N x the gradient of the one
-    whole-sequence loss, the convention of the sequence-parallel LM loss: docs/kernels.md)."""
-    return _SumOverRanks.apply(group, x)
+    whole-sequence loss, the convention of the sequence-parallel LM loss: docs/kernels.md): a functional
+    all-reduce, whose backward is the same all-reduce of the gradients."""
+    return _waited(funcol.all_reduce(x.contiguous(), "sum", _group(group)))
 
 
 def _piece_lengths(piece_lengths: Sequence[int] | None, seq_len: int, rank: int, size: int) -> list[int]:
@@ -100,9 +85,7 @@ class _Pieces:
         self.has_reset = None  # [ranks, B] bool on the device; None: no piece has a reset
         if reset is not None:
             mine = reset.any(1).long()
-            every = [torch.empty_like(mine) for _ in range(size)]
-            dist.all_gather(every, mine, group=group)
-            self.has_reset = torch.stack(every).bool()
+            self.has_reset = _waited(funcol.all_gather_single(mine, 0, _group(group))).view(size, -1).bool()
 
     def reaches(self, source: int) -> torch.Tensor | float:
         """Weight of the state leaving piece ``source`` (-1: the initial state) here: bool [B], or a number
@@ -148,20 +131,27 @@ class _SoeStateCorrection(torch.autograd.Function):
     """
 
     @staticmethod
+    def prepare_backward(ctx, q, log_lam, g_in, b_in, chunk) -> torch.Tensor:
+        """Save what the backward reads (q, the decays, the state with b as its last column) and return
+        that state."""
+        state = torch.cat((g_in, b_in[..., None]), -1)  # [B, H, S, F, D+1]
+        ctx.save_for_backward(q, log_lam, state)
+        ctx.chunk = chunk
+        return state
+
+    @staticmethod
     def forward(ctx, q, log_lam, g_in, b_in, chunk):
         dtype = g_in.dtype
         B, T, H, _ = q.shape
         D = g_in.shape[-1]
         out = q.new_zeros(B, T, H, D + 1, dtype=dtype)
-        state = torch.cat((g_in, b_in[..., None]), -1)  # [B, H, S, F, D+1]
+        state = _SoeStateCorrection.prepare_backward(ctx, q, log_lam, g_in, b_in, chunk)
         live = _LiveState(state)
         for start, stop, terms in _chunks_with_live_terms(log_lam, T, chunk, dtype):
             if terms is None:  # no term reaches this chunk or any later one
                 break
             qd = _scaled_queries(q, log_lam[:, terms], start, stop, dtype)  # [B, H, c, A*F]
             out[:, start:stop] = (qd @ live.rows(terms)).transpose(1, 2)
-        ctx.save_for_backward(q, log_lam, state)
-        ctx.chunk = chunk
         return out[..., :D].contiguous(), out[..., D].contiguous()
 
     @staticmethod
@@ -299,8 +289,8 @@ def soe_scan_sequence_parallel(
     size = dist.get_world_size(group)
     o, z, (g_local, b_local) = soe_scan(q, k, v, coef, log_lam, None, True, chunk_size, backend, reset=reset)
     pieces = _Pieces(reset, q.shape[1], piece_lengths, group)
-    g_all = _GatherStates.apply(group, g_local)
-    b_all = _GatherStates.apply(group, b_local)
+    g_all = _gather_states(g_local, group)
+    b_all = _gather_states(b_local, group)
     log_decay = log_lam.to(g_local.dtype)
 
     def decayed(tokens: int, weight: torch.Tensor | float, g: torch.Tensor, b: torch.Tensor):
@@ -319,7 +309,10 @@ def soe_scan_sequence_parallel(
         g, b = decayed(pieces.tokens_between(source), pieces.reaches(source), g_all[source], b_all[source])
         g_in, b_in = g_in + g, b_in + b
     reads = q if reset is None else q * _before_first_reset(reset)[..., None, None]
-    if resolve_backend(backend, q) == "triton":
+    which = resolve_backend(backend, q)
+    if compiling():
+        o_in, z_in = soe_entering_op(reads, log_lam, g_in, b_in, chunk_size, which)
+    elif which == "triton":
         from kernels.soe.triton import SoeEnteringTriton
 
         o_in, z_in = SoeEnteringTriton.apply(reads, log_lam, g_in, b_in)
@@ -351,7 +344,7 @@ def phasor_scan_sequence_parallel(
     not enter."""
     read, local = phasor_scan(delta, slots, n_slots, None, True, backend, reset=reset)
     pieces = _Pieces(reset, delta.shape[1], None, group)
-    totals = _GatherStates.apply(group, local)
+    totals = _gather_states(local, group)
     entering = torch.zeros_like(local)
     if initial_state is not None:
         entering = _row_weight(pieces.reaches(-1), local, 2) * initial_state.to(local.dtype)
@@ -368,50 +361,23 @@ def phasor_scan_sequence_parallel(
 # ----------------------------------------------------------------------------- neighbour exchange
 
 
-def _peer(group: dist.ProcessGroup | None, step: int) -> int | None:
-    """The global rank of the group member `step` places after this one (None past either end)."""
-    rank = dist.get_rank(group) + step
-    if not 0 <= rank < dist.get_world_size(group):
-        return None
-    return dist.get_global_rank(group, rank) if group is not None else rank
-
-
-def _swap(send: torch.Tensor | None, send_to: int | None, receive: torch.Tensor, receive_from: int | None) -> None:
-    """Post the send and the receive together, then wait for both (no ordering deadlock)."""
-    requests = []
-    if send_to is not None:
-        requests.append(dist.isend(send.contiguous(), send_to))
-    if receive_from is not None:
-        requests.append(dist.irecv(receive, receive_from))
-    for request in requests:
-        request.wait()
-
-
-class _Exchange(torch.autograd.Function):
-    """Returns (x, the previous rank's x); x goes to the next rank. Backward: the other way round."""
-
-    @staticmethod
-    def forward(ctx, group, x):
-        ctx.group = group
-        received = torch.zeros_like(x)
-        _swap(x, _peer(group, 1), received, _peer(group, -1))
-        return x.view_as(x), received
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_received):
-        from_next = torch.zeros_like(grad_x, memory_format=torch.contiguous_format)  # irecv fills dense buffers
-        outgoing = torch.zeros_like(grad_x) if grad_received is None else grad_received
-        _swap(outgoing, _peer(ctx.group, -1), from_next, _peer(ctx.group, 1))
-        return None, grad_x + from_next
-
-
 def exchange_with_neighbours(
     x: torch.Tensor, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Send x to the next rank of ``group`` and receive the previous rank's (same shape): returns
     (x to use from here on, the previous rank's x or None on the first rank).
 
-    Use the returned x in place of the argument: it carries the gradients the next rank sends back.
+    One functional all-to-all in which each rank sends x to itself and to the next rank; its backward
+    sends the gradients the other way. Use the returned x (the copy sent to itself) in place of the
+    argument: every rank then reaches the all-to-all's backward, also the first, which receives nothing.
     """
-    x, received = _Exchange.apply(group, x)
-    return x, (received if dist.get_rank(group) > 0 else None)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    n = x.numel()
+    send = [n if r in (rank, rank + 1) else 0 for r in range(size)]
+    receive = [n if r in (rank - 1, rank) else 0 for r in range(size)]
+    flat = x.reshape(-1)
+    outgoing = torch.cat((flat, flat)) if rank + 1 < size else flat  # one copy per destination, in rank order
+    out = _waited(funcol.all_to_all_single(outgoing, receive, send, _group(group)))
+    if rank == 0:
+        return out.view_as(x), None
+    return out[n:].view_as(x), out[:n].view_as(x)

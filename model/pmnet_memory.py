@@ -306,8 +306,8 @@ class PhasorMemory(nn.Module):
             phase_w = self.address_phases(h if address_input is None else address_input)
         if self.update_train if self.training else self.update_eval:
             increment = self.write_increments(h)
-            if increment.requires_grad:
-                increment.register_hook(self._record_write_grad)
+            if increment.requires_grad and not torch.compiler.is_compiling():  # a hook that sets an attribute
+                increment.register_hook(self._record_write_grad)  # would break a compiled graph: eager only
         else:
             increment = phase_q.new_zeros(B, T, M)
         memory = state.memory

@@ -143,7 +143,9 @@ class TrainSection:
     nan_policy: Literal["skip", "stop"] = "skip"
     max_skipped_steps: int = 10
     activation_checkpointing: bool = False
-    compile: bool = False
+    # torch.compile: false, "blocks" (each block's forward), "model" (the whole training module) or true
+    # (the default mode, "blocks"): pretrain/compiling.py
+    compile: bool | Literal["blocks", "model"] = False
     carry_state: bool = False  # truncated BPTT: each batch row continues its text (pretrain/carry.py)
     log_every: int = 10
     max_runtime: float | None = None
@@ -370,8 +372,6 @@ def sequence_parallel_problem(cfg: RunConfig) -> str | None:
     if cfg.train.carry_state:
         return ("train.carry_state=true is not supported with sequence parallelism yet (the last rank's state "
                 "would have to reach the first rank of the next window); use one of the two")
-    if cfg.train.compile:
-        return "train.compile=true is not supported with sequence parallelism (the scans exchange states between ranks)"
     return None
 
 

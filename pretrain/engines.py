@@ -40,6 +40,7 @@ from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.dcp_format import load_dcp_state, save_dcp_state
 from pretrain.checkpoint.deepspeed_format import deepspeed_layout_problem, load_deepspeed, save_deepspeed
 from pretrain.checkpoint.torch_format import load_torch_state, save_torch_state
+from pretrain.compiling import compile_model
 from pretrain.config import RunConfig
 from pretrain.distributed.parallel_dims import sequence_parallel_loss
 from pretrain.distributed.process_group import init_distributed
@@ -177,7 +178,7 @@ class _TorchOptimizerEngine:
     def __init__(self, cfg: RunConfig, module: TrainModule, gas: int, stepped: nn.Module | None = None):
         """``stepped``: the module whose parameters the optimizer updates, ``module`` itself unless given."""
         self.cfg, self.gas, self.model = cfg, gas, module.model
-        self.module: nn.Module = torch.compile(module) if cfg.train.compile else module
+        self.module: nn.Module = torch.compile(module) if compile_model(cfg, module.model) else module
         self.optimizer = _adamw(cfg, module if stepped is None else stepped)
 
     def _set_sync(self, last: bool) -> None:
@@ -378,7 +379,7 @@ class DeepSpeedEngine:
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=self.optimizer, config=self.ds_config, dist_init_required=False
         )
-        if cfg.train.compile:
+        if compile_model(cfg, module.model):
             self.engine.compile()  # torch.compile of the wrapped module, DeepSpeed's hooks kept outside the graph
 
     @property

@@ -25,6 +25,7 @@ from pretrain import carry
 from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.layout import step_dir_name
 from pretrain.checkpoint.run_lock import RunLock, RunLockedError
+from pretrain.compiling import compile_mode
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
 from pretrain.data import StepBatches, configure_storage, make_loader
 from pretrain.distributed.parallel_dims import ParallelDims
@@ -376,6 +377,7 @@ def _loop(run: Run, started: float, stop: requeue.StopFlag, times: straggler.Ste
     pending: list[tuple[int, torch.Tensor]] = []  # (step, applied) flags the host has not read yet
     window_start, window_tokens = time.time(), 0
     run.pace = Pace(cfg.train.steps, run.state.step, started)
+    first_step = True  # this process's first: it compiles under train.compile
     while run.state.step < cfg.train.steps:
         state = run.state  # a rollback replaces it
         lr = lr_at(state.step, cfg.train)
@@ -385,8 +387,12 @@ def _loop(run: Run, started: float, stop: requeue.StopFlag, times: straggler.Ste
         micro_batches = run.batches.next_step()
         times.data_ready()
         watchdog.phase("forward_backward")
+        step_deadline, step_start = watchdog.deadline("step"), time.monotonic()
         info = run.engine.train_step(micro_batches, lr)
         watchdog.phase("step_end")
+        if first_step and compile_mode(cfg) is not None:
+            _log_compile(cfg, time.monotonic() - step_start, step_deadline)
+        first_step = False
         times.step_ends(counted=not committing and run.checkpointer.join(0.0))
         if run.carrier is not None:
             run.carrier.update(info.states)
@@ -426,6 +432,14 @@ def _loop(run: Run, started: float, stop: requeue.StopFlag, times: straggler.Ste
             times.skip_next()
     _save(run, pending)
     return 0
+
+
+def _log_compile(cfg: RunConfig, seconds: float, deadline: float | None) -> None:
+    """Log the first step's time, which includes torch.compile's tracing and code generation, beside the
+    watchdog's deadline that step was held to (the first-step allowance, pretrain/resilience/watchdog.py)."""
+    held = "no watchdog" if deadline is None else f"the watchdog's deadline for it was {deadline:.0f} s"
+    get_logger().info("first step took %.1f s with train.compile=%s (%s mode, compiling included); %s",
+                      seconds, cfg.train.compile, compile_mode(cfg), held)
 
 
 def train(

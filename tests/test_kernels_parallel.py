@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from kernels import phasor_scan, phasor_scan_sequence_parallel, soe_scan, soe_scan_sequence_parallel
 from kernels._common import decay
-from kernels.parallel import _piece_lengths, _SoeStateCorrection, sum_over_ranks
+from kernels.parallel import _piece_lengths, _SoeStateCorrection, exchange_with_neighbours, sum_over_ranks
 from kernels.testing import angle_err, phasor_inputs, rel_err, resets, soe_inputs
 from tests.launchers import free_port
 
@@ -82,7 +82,17 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         total = sum_over_ranks(part, None)
         (total * _seeded(40 + rank)).sum().backward()
         summed = {"total": total.detach(), "d_part": part.grad}
-        torch.save({"soe": soe, "phasor": phasor, "summed": summed}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+        mine = _seeded(60 + rank).requires_grad_()
+        kept, previous = exchange_with_neighbours(mine, None)
+        loss = (kept * _seeded(80 + rank)).sum()
+        if previous is not None:
+            loss = loss + (previous * _seeded(100 + rank)).sum()
+        loss.backward()
+        exchanged = {"kept": kept.detach(), "previous": previous.detach() if previous is not None else torch.zeros(0),
+                     "d_mine": mine.grad}  # fmt: skip
+        torch.save({"soe": soe, "phasor": phasor, "summed": summed, "exchanged": exchanged},
+                   os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -121,6 +131,20 @@ def test_sum_over_ranks_gives_every_rank_the_sum_and_every_loss_gradient(ranks):
     for r in ranks:
         torch.testing.assert_close(r["summed"]["total"], total)
         torch.testing.assert_close(r["summed"]["d_part"], weight)
+
+
+def test_neighbour_exchange_sends_forward_and_gradients_back(ranks):
+    """Each rank keeps its tensor and receives the previous rank's (the first none); each tensor's gradient
+    is its own loss weight plus the next rank's weight on the copy it received."""
+    for rank, r in enumerate(ranks):
+        got = r["exchanged"]
+        torch.testing.assert_close(got["kept"], _seeded(60 + rank))
+        if rank:
+            torch.testing.assert_close(got["previous"], _seeded(60 + rank - 1))
+        else:
+            assert got["previous"].numel() == 0
+        expected = _seeded(80 + rank) + (_seeded(100 + rank + 1) if rank + 1 < WORLD else 0)
+        torch.testing.assert_close(got["d_mine"], expected)
 
 
 def test_phasor_pieces_equal_one_scan(ranks):

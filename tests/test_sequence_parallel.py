@@ -456,7 +456,6 @@ PMNET = str(REPO / "configs" / "sp-cpu-pmnet.yaml")
     (VORT, ["data.seq_len=1001"], r"data.seq_len=1001 must be a multiple"),
     (PMNET, ["data.seq_len=16", "engine.sequence_parallel=2"], r"shorter than the attention halo"),
     (PMNET, ["data.seq_len=96"], r"whole memory segments of model.pmnet.segment_len=32"),
-    (VORT, ["train.compile=true"], r"train.compile=true is not supported"),
     (VORT, ["train.carry_state=true"], r"train.carry_state=true is not supported"),
     (VORT, ["model.vort.entity_aux_weight=0.1"], r"entity_aux_weight > 0 is not supported"),
 ])

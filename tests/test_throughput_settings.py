@@ -42,17 +42,22 @@ def test_deepspeed_buckets_scale_with_the_model(n_params: int, bucket: int) -> N
 
 @pytest.mark.slow
 def test_deepspeed_engine_compiles_when_asked(tmp_path: Path) -> None:
-    """One DeepSpeed process with train.compile=true: the engine is compiled and a step trains."""
+    """One DeepSpeed process with train.compile=model: the engine is compiled (DeepSpeed's engine.compile)
+    and a step trains; with train.compile=true (blocks, the default) it is not, its blocks' forwards are."""
     script = textwrap.dedent(f"""
         import math, torch
         from model import build_model
         from pretrain.config import load_config
         from pretrain.engines import build_engine, join_process_group
-        cfg = load_config({TINY!r}, ["engine.kind=deepspeed", "train.compile=true", "train.global_batch=2"])
+        cfg = load_config({TINY!r}, ["engine.kind=deepspeed", "train.compile=model", "train.global_batch=2"])
         join_process_group(cfg)
         torch.manual_seed(0)
         engine = build_engine(cfg, build_model(cfg.model), 1)
         assert engine.engine.is_compiled
+        blocks = load_config({TINY!r}, ["engine.kind=deepspeed", "train.compile=true", "train.global_batch=2"])
+        by_block = build_engine(blocks, build_model(blocks.model), 1)
+        assert not by_block.engine.is_compiled
+        assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in by_block.model.blocks)
         ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1))
         info = engine.train_step([(ids[:, :-1], ids[:, 1:])], 1e-3)
         assert info.applied and math.isfinite(info.loss), info

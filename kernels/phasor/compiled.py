@@ -142,6 +142,13 @@ class PhasorScanCompiled(torch.autograd.Function):
     ``reset`` (bool [B, T] or None) zeroes every slot before a document's first token reads."""
 
     @staticmethod
+    def prepare_backward(ctx, delta, slots, n_slots, init, reset=None) -> None:
+        """Save what the backward reads (the slot ids and resets, and the shapes) without scanning."""
+        ctx.save_for_backward(slots, reset)
+        ctx.meta = (delta.shape, delta.dtype, init.shape, init.dtype)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
     def forward(ctx, delta, slots, n_slots, init, reset=None):
         compute = work_dtype(delta.dtype)
         slot_ids = _array(slots)
@@ -149,9 +156,7 @@ class PhasorScanCompiled(torch.autograd.Function):
         final = torch.empty(init.shape, dtype=torch.float64)
         starts = _starts(reset, delta.shape)
         _forward(_array(delta, compute), slot_ids, starts, _array(init), read.numpy(), final.numpy())
-        ctx.save_for_backward(slots, reset)
-        ctx.meta = (delta.shape, delta.dtype, init.shape, init.dtype)
-        ctx.set_materialize_grads(False)
+        PhasorScanCompiled.prepare_backward(ctx, delta, slots, n_slots, init, reset)
         return read.to(delta.dtype), final.float()
 
     @staticmethod

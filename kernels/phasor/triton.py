@@ -319,23 +319,32 @@ class PhasorScanTriton(torch.autograd.Function):
     numbers. ``reset`` (bool [B, T] or None) zeroes the phases before each document's first token."""
 
     @staticmethod
-    def forward(ctx, delta, slots, n_slots, init, reset=None):
-        check_triton_inputs(delta, _phasor_fwd_kernel)
+    def prepare_backward(ctx, delta, slots, n_slots, init, reset=None) -> tuple:
+        """Save what the backward reads (int32 slot ids, document numbers, the spans' carry) without
+        scanning; returns them with the span length and the launches."""
         batch, seq_len, levels, width = delta.shape
-        delta, slots = delta.contiguous(), slots.to(torch.int32).contiguous()
+        slots = slots.to(torch.int32).contiguous()
         span, launches = phasor_launches(batch, seq_len, levels, width, n_slots, delta.dtype, device_capability(delta))
-        states = torch.empty(triton.cdiv(seq_len, span) + 1, *init.shape, dtype=torch.float32, device=delta.device)
-        states[0] = init
         docs = document_numbers(reset, batch, seq_len, delta.device)
         carry = span_carry(docs, span)
+        ctx.save_for_backward(slots, docs, carry)
+        ctx.meta = (n_slots, delta.dtype, init.dtype)
+        ctx.set_materialize_grads(False)
+        return slots, docs, carry, span, launches
+
+    @staticmethod
+    def forward(ctx, delta, slots, n_slots, init, reset=None):
+        check_triton_inputs(delta, _phasor_fwd_kernel)
+        seq_len, levels, width = delta.shape[1:]
+        delta = delta.contiguous()
+        slots, docs, carry, span, launches = PhasorScanTriton.prepare_backward(ctx, delta, slots, n_slots, init, reset)
+        states = torch.empty(triton.cdiv(seq_len, span) + 1, *init.shape, dtype=torch.float32, device=delta.device)
+        states[0] = init
         read = torch.empty(delta.shape, dtype=torch.float32, device=delta.device)
         sizes = (seq_len, span, levels, width, n_slots)
         launches["fwd_spans"].run(delta, slots, docs, states, *sizes)
         launches["fwd_pass"].run(*_pass_args(states, carry, seq_len, span))
         launches["fwd"].run(delta, slots, docs, states, read, *sizes)
-        ctx.save_for_backward(slots, docs, carry)
-        ctx.meta = (n_slots, delta.dtype, init.dtype)
-        ctx.set_materialize_grads(False)
         return read.to(delta.dtype), states[-1].clone()
 
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels._common import resolve_backend, work_dtype
+from kernels.library import compiling, soe_scan_op
 from kernels.soe.chunk import SoeScanChunked
 from kernels.soe.naive import soe_scan_reference
 
@@ -70,7 +71,9 @@ def soe_scan(
     else:
         g0, b0 = initial_state
     args = (q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
-    if which == "triton":
+    if compiling():  # the same Functions, as a custom op that torch.compile keeps in its graph
+        o, z, g_t, b_t = soe_scan_op(*args, which)
+    elif which == "triton":
         from kernels.soe.triton import SoeScanTriton
 
         o, z, g_t, b_t = SoeScanTriton.apply(*args)

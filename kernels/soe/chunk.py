@@ -344,7 +344,9 @@ class SoeScanChunked(torch.autograd.Function):
     """Autograd wrapper: saves only the (re-laid-out) inputs; the backward recomputes the chunk states."""
 
     @staticmethod
-    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
+    def prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None) -> tuple[torch.Tensor, ...]:
+        """Save what the backward reads (the inputs laid out per head, in the work dtype) without scanning:
+        the forward's first half, and all a backward run apart from its forward needs (kernels/library.py)."""
         batch, _, heads, feat = q.shape
         dt = work_dtype(q.dtype)
         qw, kw, vw, cw = (to_heads(x, dt) for x in (q, k, v, coef))
@@ -352,10 +354,16 @@ class SoeScanChunked(torch.autograd.Function):
         bw = b0.to(dt).reshape(batch * heads, -1, feat)
         ll = log_lam.to(dt)
         docs = None if reset is None else head_document_numbers(reset, heads, dt)
-        out, z, g_t, b_t = soe_forward_chunked(qw, kw, vw, cw, ll, gw, bw, batch, chunk_size, docs)
         ctx.save_for_backward(qw, kw, vw, cw, ll, gw, bw, docs)
         ctx.set_materialize_grads(False)
         ctx.meta = (batch, chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)], g0.shape, b0.shape)
+        return qw, kw, vw, cw, ll, gw, bw, docs
+
+    @staticmethod
+    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
+        batch = q.shape[0]
+        saved = SoeScanChunked.prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
+        out, z, g_t, b_t = soe_forward_chunked(*saved[:7], batch, chunk_size, saved[7])
         o = from_heads(out, batch, q.dtype)
         z = from_heads(z, batch, q.dtype)[..., 0]
         return o, z, g_t.view(g0.shape), b_t.view(b0.shape)

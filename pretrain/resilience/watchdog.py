@@ -272,3 +272,9 @@ def phase(name: str, step: int | None = None) -> None:
     (of step `step`; None: the step it is in)."""
     if _active is not None:
         _active.enter(name, step)
+
+
+def deadline(kind: str) -> float | None:
+    """The active watchdog's deadline now for phases of `kind` ("step", "eval", "checkpoint"); None
+    without a watchdog."""
+    return None if _active is None else _active.deadlines(kind)

@@ -1,0 +1,310 @@
+"""torch.compile of the training step: the scans as custom ops (opcheck), no graph break in any block
+kind or in the whole model's forward and loss, and compiled training that follows eager training.
+
+The custom ops are checked by torch.library.opcheck (schema, fake tensors, autograd registration, AOT
+dispatch) for the dtypes the models pass and both backends the op dispatches to (the Triton kernels run
+in the interpreter, tests/conftest.py). Graph breaks are counted by torch._dynamo.explain; forward and
+backward are compiled with fullgraph=True through AOTAutograd (the "aot_eager" backend: the same graphs
+inductor would take, without its code generation, which is what the trainer tests below pay for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from kernels.library import (
+    phasor_scan_backward_op,
+    phasor_scan_op,
+    soe_entering_backward_op,
+    soe_entering_op,
+    soe_scan_backward_op,
+    soe_scan_op,
+)
+from kernels.testing import phasor_inputs, resets, soe_inputs
+from model import build_model
+from model.config import ModelConfig
+from pretrain.compiling import DEFAULT_MODE, DYNAMO_SETTINGS, compile_mode
+from pretrain.config import load_config
+from tests.launchers import REPO, losses, run_training
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+B, T, H, F, D, S = 2, 24, 2, 4, 3, 3
+
+
+def _soe_args(dtype: torch.dtype, with_reset: bool, grad: bool = True) -> tuple:
+    x = soe_inputs(B, T, H, F, D, S, with_state=True, seed=1)
+    q, k, v, coef = (x[n].to(dtype).requires_grad_(grad) for n in ("q", "k", "v", "coef"))
+    log_lam = x["log_lam"].float().requires_grad_(grad)
+    g0, b0 = (x[n].float().requires_grad_(grad) for n in ("g0", "b0"))
+    reset = resets(T, [[5, 17], [11]]) if with_reset else None
+    return q, k, v, coef, log_lam, g0, b0, 8, reset
+
+
+def _opcheck(op: Callable, args: tuple) -> None:
+    results = torch.library.opcheck(op, args)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+# The interpreted Triton kernels take ~20 s per opcheck here: they run with resets only (a superset of
+# the code without), the CPU path both ways.
+DTYPES = (torch.float32, torch.bfloat16)
+SOE_CASES = [(backend, dtype, with_reset) for backend in ("torch", "triton") for dtype in DTYPES
+             for with_reset in (False, True) if backend == "torch" or with_reset]
+
+
+@pytest.mark.parametrize(("backend", "dtype", "with_reset"), SOE_CASES)
+def test_soe_scan_op_passes_opcheck(backend: str, dtype: torch.dtype, with_reset: bool) -> None:
+    _opcheck(soe_scan_op, (*_soe_args(dtype, with_reset), backend))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entering_state_op_passes_opcheck(backend: str, dtype: torch.dtype) -> None:
+    q, _, _, _, log_lam, g0, b0, _, _ = _soe_args(dtype, False)
+    _opcheck(soe_entering_op, (q, log_lam.detach(), g0, b0, 8, backend))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("with_reset", [False, True])
+def test_phasor_scan_op_passes_opcheck(backend: str, with_reset: bool) -> None:
+    x, n_slots = phasor_inputs(B, T, 3, 4, 2, with_state=True, seed=2)
+    delta, init = x["delta"].float().requires_grad_(), x["init"].float().requires_grad_()
+    reset = resets(T, [[3], [9, 20]]) if with_reset else None
+    _opcheck(phasor_scan_op, (delta, x["slots"], n_slots, init, reset, backend))
+
+
+def test_backward_ops_pass_opcheck() -> None:
+    """The backward ops on their own (opcheck of a forward op runs them, but checks only the forward's
+    fake outputs against the real ones): gradients of every input, including those given as None."""
+    q, k, v, coef, log_lam, g0, b0, chunk, reset = (a.detach() if isinstance(a, torch.Tensor) else a
+                                                    for a in _soe_args(torch.float32, True))  # fmt: skip
+    d_o, d_z = torch.randn(B, T, H, D), torch.randn(B, T, H)
+    _opcheck(soe_scan_backward_op, (q, k, v, coef, log_lam, g0, b0, chunk, reset, "torch", d_o, d_z, None, None,
+                                    [True] * 7))  # fmt: skip
+    _opcheck(soe_entering_backward_op, (q, log_lam, g0, b0, chunk, "torch", d_o, None, [True, False, True, True]))
+    x, n_slots = phasor_inputs(B, T, 3, 4, 2, with_state=True, seed=2)
+    delta, init = x["delta"].float(), x["init"].float()
+    _opcheck(phasor_scan_backward_op, (delta, x["slots"], n_slots, init, None, "torch", torch.randn_like(delta), None))
+
+
+def test_soe_op_equals_the_eager_function_forward_and_backward() -> None:
+    """The op runs the eager path's Function: outputs and every input gradient are bitwise equal."""
+    from kernels.soe.chunk import SoeScanChunked
+
+    args = _soe_args(torch.float32, True)
+    eager = SoeScanChunked.apply(*args)
+    grads_eager = torch.autograd.grad(sum(o.sum() for o in eager), args[:7])
+    op = soe_scan_op(*args, "torch")
+    grads_op = torch.autograd.grad(sum(o.sum() for o in op), args[:7])
+    for a, b in zip((*eager, *grads_eager), (*op, *grads_op)):
+        assert torch.equal(a, b)
+
+
+def test_phasor_op_checks_slots_like_the_eager_path() -> None:
+    x, n_slots = phasor_inputs(1, 8, 2, 4, 2, with_state=True, seed=0)
+    slots = x["slots"].clone()
+    slots[0, 3, 1] = n_slots
+    with pytest.raises(ValueError, match="slot"):
+        phasor_scan_op(x["delta"].float(), slots, n_slots, x["init"].float(), None, "torch")
+
+
+# ----------------------------------------------------------------------------- graph breaks
+
+TINY = {
+    "vort": ModelConfig(kind="vort", vocab_size=32, d_model=32, n_layers=2, n_heads=2, max_seq_len=128,
+                        short_conv=3),
+    "pmnet": load_config(str(REPO / "configs" / "tiny-pmnet.yaml")).model,
+    "transformer": ModelConfig(kind="transformer", vocab_size=32, d_model=32, n_layers=2, n_heads=2, max_seq_len=128),
+}
+SEQ = 64
+
+
+def _model(kind: str, checkpointing: bool = False) -> torch.nn.Module:
+    config = TINY[kind]
+    if kind == "vort":
+        config = dataclasses.replace(config, vort=dataclasses.replace(config.vort, soe_horizon=256, chunk_size=16))
+    torch.manual_seed(0)
+    model = build_model(config).train()
+    model.activation_checkpointing = checkpointing
+    return model
+
+
+def _batch(model: torch.nn.Module, with_docs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    doc_start = resets(SEQ, [[0, 20, 41], [0, 33]]) if with_docs else None
+    return ids, doc_start
+
+
+def _no_breaks(fn: Callable, *args) -> None:
+    explained = dynamo.explain(fn)(*args)
+    reasons = [str(b.reason)[:300] for b in explained.break_reasons]
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons
+
+
+CASES = [(kind, docs, state) for kind in TINY for docs in (False, True) for state in (False, True)]
+
+
+@pytest.mark.parametrize(("kind", "with_docs", "with_state"), CASES)
+def test_a_block_compiles_to_one_graph_forward_and_backward(kind: str, with_docs: bool, with_state: bool) -> None:
+    """One block, with document starts and a carried initial state: one graph, no break; compiled with
+    fullgraph=True its outputs and gradients equal eager's."""
+    dynamo.reset()
+    model = _model(kind)
+    ids, doc_start = _batch(model, with_docs)
+    x = model.embed(ids).detach().requires_grad_()
+    block = model.blocks[0]
+    extra = model.block_inputs(x)
+    state = None
+    if with_state:
+        with torch.no_grad():
+            _, state = block(x, None, None, doc_start, **extra)  # the state after one window, carried
+
+    def run(fn: Callable) -> list[torch.Tensor]:
+        out, new_state = fn(x, state, None, doc_start, **extra)
+        leaves = [t for t in (out, *_tensors(new_state)) if t.is_floating_point()]
+        loss = sum((t.float() * torch.linspace(0.5, 1.5, t.numel()).view(t.shape)).sum() for t in leaves)
+        params = [x, *(p for p in block.parameters() if p.requires_grad)]
+        return [loss.detach(), *torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)]
+
+    _no_breaks(lambda *a: block(*a, **extra), x, state, None, doc_start)
+    eager = run(block)
+    compiled = run(torch.compile(block, backend="aot_eager", fullgraph=True))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _tensors(state: object) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, (list, tuple)):
+        return [t for item in state for t in _tensors(item)]
+    return []
+
+
+@pytest.mark.parametrize("kind", list(TINY))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_whole_model_forward_and_chunked_loss_compile_without_a_break(
+    kind: str, checkpointing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Embedding, every block (activation checkpointing on or off), norm and the chunked cross-entropy
+    (chunks of 16 tokens here, so its loop and autograd Function run): one graph; with fullgraph=True
+    the loss and gradients equal eager's."""
+    import model.interface as interface
+
+    monkeypatch.setattr(interface, "LOSS_CHUNK_ELEMENTS", 16 * TINY[kind].vocab_size)
+    dynamo.reset()
+    model = _model(kind, checkpointing)
+    ids, doc_start = _batch(model, True)
+
+    def loss_of(m: torch.nn.Module) -> Callable:
+        return lambda i, d: m.loss(i, i, None, d)[0]
+
+    eager = loss_of(model)(ids, doc_start)
+    grads = torch.autograd.grad(eager, list(model.parameters()), allow_unused=True, materialize_grads=True)
+    with dynamo.config.patch(**DYNAMO_SETTINGS):  # what a compiled run sets (pretrain.compiling)
+        _no_breaks(loss_of(model), ids, doc_start)
+        compiled = torch.compile(loss_of(model), backend="aot_eager", fullgraph=True)(ids, doc_start)
+    compiled_grads = torch.autograd.grad(compiled, list(model.parameters()), allow_unused=True,
+                                         materialize_grads=True)  # fmt: skip
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for got, want in zip(compiled_grads, grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the setting
+
+
+@pytest.mark.parametrize(("value", "mode"), [("false", None), ("true", DEFAULT_MODE), ("blocks", "blocks"),
+                                             ("model", "model")])
+def test_train_compile_takes_a_mode(value: str, mode: str | None) -> None:
+    assert compile_mode(load_config(str(REPO / "configs" / "sp-cpu-vort.yaml"), [f"train.compile={value}"])) == mode
+
+
+def test_train_compile_refuses_an_unknown_mode() -> None:
+    from pretrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.compile.*'blocks', 'model'"):
+        load_config(str(REPO / "configs" / "tiny.yaml"), ["train.compile=graph"])
+
+
+# ----------------------------------------------------------------------------- through the trainer
+
+STEPS = 20
+LOSS_TOLERANCE = 1e-5
+"""Relative gap allowed between compiled and eager losses at every one of the 20 steps. Both run the same
+fp32 CPU scan kernels (the custom ops call the eager Functions); what differs is inductor's fusion of the
+elementwise ops and reductions around them (other summation orders, fp32 rounding ~1e-7 per op), which
+the updates carry forward. Measured on 2026-12-06: 6.6e-8 (DeepSpeed, sequence-parallel 2) and 1.1e-7
+(FSDP2) at worst over the 20 steps; the bound leaves room for other CPU kernel sets and thread counts.
+The test prints the largest gap it measured."""
+
+
+def _args(family: str, shards: dict[str, str], run_dir: Path, extra: list[str]) -> list[str]:
+    return [
+        "--config", str(REPO / "configs" / f"sp-cpu-{family}.yaml"), f"data.train=[{{path: {shards['train']}}}]",
+        "data.valid=[]", f"run.dir={run_dir}", "data.seq_len=128", "model.max_seq_len=256", "data.shuffle_buffer=16",
+        f"train.steps={STEPS}", "train.global_batch=2", "train.micro_batch=1", "checkpoint.every=0",
+        *(["model.vort.soe_horizon=256"] if family == "vort" else []), *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("launcher", "engine"), [
+    ("deepspeed", ["engine.kind=deepspeed", "engine.zero_stage=2", "engine.sequence_parallel=2"]),
+    ("torchrun", ["engine.kind=fsdp", "engine.sequence_parallel=1"]),
+])
+def test_compiled_training_follows_eager_on_two_ranks(launcher: str, engine: list[str], demo_shards,
+                                                      tmp_path: Path) -> None:
+    """A 2-rank sequence-parallel DeepSpeed run and a 2-rank FSDP2 run with train.compile=true follow
+    the same runs in eager mode for 20 steps within LOSS_TOLERANCE, and log the first step's compile."""
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    run_training(launcher, 2, _args("vort", demo_shards, eager, [*engine, "train.compile=false"]), timeout=1500)
+    proc = run_training(launcher, 2, _args("vort", demo_shards, compiled, [*engine, "train.compile=true"]),
+                        timeout=1500)
+    assert "first step took" in proc.stdout + proc.stderr
+    want, got = losses(eager), losses(compiled)
+    assert len(want) == len(got) == STEPS
+    gaps = [abs(a - b) / abs(b) for a, b in zip(got, want)]
+    print(f"{launcher}: largest relative gap between compiled and eager losses over {STEPS} steps {max(gaps):.2e}")
+    assert max(gaps) < LOSS_TOLERANCE, (max(gaps), got, want)
+
+
+ENGINE_CASES = {  # launcher, ranks, overrides: every engine, and sequence parallelism over 2 and 4 ranks
+    "single": ("python", 1, ["engine.kind=single", "engine.sequence_parallel=1"]),
+    "zero0-sp2": ("deepspeed", 2, ["engine.kind=deepspeed", "engine.zero_stage=0", "engine.sequence_parallel=2"]),
+    "zero1-sp2": ("deepspeed", 2, ["engine.kind=deepspeed", "engine.zero_stage=1", "engine.sequence_parallel=2"]),
+    "zero3-sp2": ("deepspeed", 2, ["engine.kind=deepspeed", "engine.zero_stage=3", "engine.sequence_parallel=2"]),
+    "fsdp2-sp2": ("torchrun", 2, ["engine.kind=fsdp", "engine.sequence_parallel=2"]),
+    "zero2-sp4": ("deepspeed", 4, ["engine.kind=deepspeed", "engine.zero_stage=2", "engine.sequence_parallel=4"]),
+}
+
+
+# Known failure, kept visible (strict: the entry goes with the fix): FSDP2 with PMNet, activation
+# checkpointing and compiled blocks stops at the first backward with torch.utils.checkpoint's "a different
+# number of tensors was saved during the original forward and recomputation" (2026-12-06; the same run
+# without checkpointing trains, and so do the DeepSpeed cases and FSDP2 with VORT). Not diagnosed yet.
+FSDP_PMNET = pytest.mark.xfail(strict=True, reason="FSDP2 + PMNet + checkpointing + compile: recompute mismatch")
+ENGINE_PARAMS = [pytest.param(case, family, marks=FSDP_PMNET if (case, family) == ("fsdp2-sp2", "pmnet") else ())
+                 for case in ENGINE_CASES for family in ("vort", "pmnet")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "family"), ENGINE_PARAMS)
+def test_compiled_training_runs_under_every_engine(case: str, family: str, demo_shards, tmp_path: Path) -> None:
+    """train.compile=true trains (finite losses, the first step's compile logged) under each engine and
+    sequence-parallel split, activation checkpointing on as in the GPU configs."""
+    launcher, ranks, engine = ENGINE_CASES[case]
+    extra = [*engine, "train.compile=true", "train.steps=4", "train.activation_checkpointing=true"]
+    proc = run_training(launcher, ranks, _args(family, demo_shards, tmp_path, extra), timeout=1500)
+    assert "first step took" in proc.stdout + proc.stderr
+    got = losses(tmp_path)
+    assert len(got) == 4 and all(math.isfinite(x) for x in got), got
+
