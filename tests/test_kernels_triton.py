@@ -285,6 +285,30 @@ def test_phasor_triton_depth5_tree_matches_reference():
     _check_phasor(inputs, n_slots)
 
 
+def test_h100_spans_fill_whole_waves():
+    """On an H100 the SOE walks' span count is chosen for whole waves of one program per SM: at batch 1
+    and 12 heads (vort-125m) every walk then launches a multiple of 132 programs (11 spans, where the
+    fewest that fill the GPU, 3, leave the value walks' second wave a tenth full), and the walking time
+    (waves x chunks per span, summed over the walks) is below the fewest spans'. The A100's tiles keep
+    the fewest spans."""
+    from kernels.soe.gpu import launches
+
+    for seq_len in (16_384, 65_536):
+        n_chunks = seq_len // 16
+        span = launches.walk_span(1, seq_len, 12, 18, 64, 64, 16, 90)
+        fewest = launches.span_size(1, seq_len, 12, 16, 4)
+        walks = (4, 5, 4, 4, 8, 9)
+
+        def walking(chunks: int) -> int:
+            spans = math.ceil(n_chunks / chunks)
+            return sum(math.ceil(12 * spans * w / 132) for w in walks) * chunks
+
+        assert math.ceil(n_chunks / span) == 11
+        assert all(12 * 11 * w % 132 == 0 for w in walks)
+        assert walking(span) < walking(fewest)
+        assert launches.walk_span(1, seq_len, 12, 18, 64, 64, 16, 80) == launches.span_size(1, seq_len, 12, 16, 8)
+
+
 def test_span_sizes_fill_the_gpu():
     """Spans give the per-span kernels TARGET_PROGRAMS programs when the sequence has enough chunks (one
     chunk per span otherwise), and the span pass launches MIN_PROGRAMS programs for states of 264

@@ -41,7 +41,7 @@ class Tiles:
 # Per target (sm_90 or newer). The compile gate (benchmarks.kernel_compile) checks every shipped config
 # against these; docs/kernels.md has the sizes tried and why these.
 TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4),
-         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4)}  # fmt: skip
+         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=2, coef_warps=4)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 SHARES_BYTES = 2**30  # the most the coefficient gradient's fp32 shares of one phase of the backward take
 
@@ -80,10 +80,31 @@ def feature_block(n_terms: int, feat: int, capability: int) -> int:
 def walk_span(batch: int, seq_len: int, heads: int, n_terms: int, feat: int, width: int, chunk: int,
               capability: int) -> int:  # fmt: skip
     """``span_size`` of a scan of these sizes on a GPU of compute capability ``capability``: its smallest
-    walks are the value-block ones or the feature-block ones, whichever have fewer blocks."""
+    walks are the value-block ones or the feature-block ones, whichever have fewer blocks. On an H100
+    (sm_90) the span count is then chosen for whole waves (`wave_spans`)."""
     values = triton.cdiv(width, TILES[capability >= 90].block)
-    blocks = min(values, triton.cdiv(feat, feature_block(n_terms, feat, capability)))
-    return span_size(batch, seq_len, heads, chunk, blocks)
+    features = triton.cdiv(feat, feature_block(n_terms, feat, capability))
+    span = span_size(batch, seq_len, heads, chunk, min(values, features))
+    if capability < 90:
+        return span
+    walks = (values, values + 1, values, values, features, features + 1)  # programs per span, batch and head
+    return wave_spans(batch * heads, triton.cdiv(seq_len, chunk), span, walks)
+
+
+def wave_spans(rows: int, n_chunks: int, span: int, walks: tuple[int, ...]) -> int:
+    """Chunks per span for walks of ``walks`` column programs per span and row (batch x head), from
+    ``span`` chunks (the fewest spans that fill the GPU) down to a quarter of it: the one with the least
+    walking time, each walk's programs running one per SM (their registers allow no more) in waves
+    over MIN_PROGRAMS SMs, a wave as long as a span; the longest span on a tie. At vort-125m's 12 heads
+    and batch 1 this is 11 spans (every walk a whole number of waves) where the fewest is 3 (the value
+    walks' 144 programs take two waves, the second a tenth full): the launch model of benchmarks/predict
+    prices the step's scans 1.3x faster (docs/kernels.md, "Predicted GPU times")."""
+
+    def waves_times_span(chunks: int) -> tuple[int, int]:
+        spans = triton.cdiv(n_chunks, chunks)
+        return sum(triton.cdiv(rows * spans * w, MIN_PROGRAMS) for w in walks) * chunks, -chunks
+
+    return min(range(max(1, span // 4), span + 1), key=waves_times_span)
 
 
 def phase_spans(batch: int, heads: int, n_terms: int, parts: int, span_tokens: int, n_spans: int) -> int:
