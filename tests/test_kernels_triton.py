@@ -293,19 +293,19 @@ def test_h100_spans_fill_whole_waves():
     the fewest spans."""
     from kernels.soe.gpu import launches
 
+    walks = (4, 5, 4, 4, 8, 9)
+
+    def walking(n_chunks: int, chunks: int) -> int:
+        spans = math.ceil(n_chunks / chunks)
+        return sum(math.ceil(12 * spans * w / 132) for w in walks) * chunks
+
     for seq_len in (16_384, 65_536):
         n_chunks = seq_len // 16
         span = launches.walk_span(1, seq_len, 12, 18, 64, 64, 16, 90)
         fewest = launches.span_size(1, seq_len, 12, 16, 4)
-        walks = (4, 5, 4, 4, 8, 9)
-
-        def walking(chunks: int) -> int:
-            spans = math.ceil(n_chunks / chunks)
-            return sum(math.ceil(12 * spans * w / 132) for w in walks) * chunks
-
         assert math.ceil(n_chunks / span) == 11
         assert all(12 * 11 * w % 132 == 0 for w in walks)
-        assert walking(span) < walking(fewest)
+        assert walking(n_chunks, span) < walking(n_chunks, fewest)
         assert launches.walk_span(1, seq_len, 12, 18, 64, 64, 16, 80) == launches.span_size(1, seq_len, 12, 16, 8)
 
 
