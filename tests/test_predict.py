@@ -116,3 +116,21 @@ def test_measure_needs_cuda(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
             require_cuda()
+
+
+@pytest.mark.slow
+def test_step_prediction_and_measure_refusal_on_cpu() -> None:
+    """`step` prints the issue's keys for a tiny VORT (its scans a share of the step, fla's retention on
+    the same work beside); with --measure it says how long the measurement would take by the model,
+    then stops with exit 1 and a clear error where it needs CUDA."""
+    done = _run("-m", "benchmarks.predict", "step", "--config", "vort-tiny", "--tokens", "1024", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert {"scan_ms", "step_ms", "scan_share", "mfu", "fla_retention_ms"} <= set(out)
+    assert 0 < out["scan_ms"] < out["step_ms"] and 0 < out["scan_share"] < 1 and 0 < out["mfu"] < 1
+    import torch
+
+    if not torch.cuda.is_available():
+        done = _run("-m", "benchmarks.predict", "step", "--config", "vort-tiny", "--tokens", "1024", "--measure")
+        assert done.returncode != 0
+        assert "by the model's own estimate" in done.stderr and "needs a CUDA device" in done.stderr

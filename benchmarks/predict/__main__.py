@@ -67,6 +67,11 @@ def resolve_config(name: str) -> tuple[Any, bool]:
     raise SystemExit(f"error: no config {name!r}: neither {run} nor {model} exists")
 
 
+def _announce(seconds: float) -> None:
+    """Say before measuring how long the model expects it to take."""
+    print(f"measuring: about {seconds:.0f} s by the model's own estimate", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", help="fla:<op> or step")
@@ -82,10 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.what.startswith("fla:"):
         if args.shape is None:
             parser.error("fla:<op> needs --shape B,T,H,D")
-        out = predict_fla(args.what[4:], args.shape, args.gpu, args.breakdown)
+        out = predict_fla(args.what[4:], args.shape, args.gpu, args.breakdown or args.measure)
         if args.measure:
-            from benchmarks.predict.measure import measure_fla
+            from benchmarks.predict.measure import measure_fla, plan_seconds
 
+            configs = sum(r["alternatives"] for r in out["fwdbwd_launches"] if r["alternatives"] > 1)
+            _announce(plan_seconds(out["fwd_ms"] + out["fwdbwd_ms"], 2, configs))
             out["measured"] = measure_fla(args.what[4:], args.shape)
     elif args.what == "step":
         if not args.config or not args.tokens or args.tokens <= 0:
@@ -93,11 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks.predict.step_model import predict_step
 
         cfg, checkpointing = resolve_config(args.config)
-        out = predict_step(cfg, args.batch, args.tokens, checkpointing, gpu(args.gpu), args.breakdown)
+        out = predict_step(cfg, args.batch, args.tokens, checkpointing, gpu(args.gpu), args.breakdown or args.measure)
         if args.measure:
-            from benchmarks.predict.measure import measure_step
+            from benchmarks.predict.measure import measure_step, plan_seconds
 
-            out["measured"] = measure_step(cfg, args.batch, args.tokens, checkpointing)
+            _announce(plan_seconds(out["step_ms"], 2))
+            scans = {r["name"] for r in out["launches"] if not r["name"].startswith(("aten ", "host "))}
+            out["measured"] = measure_step(cfg, args.batch, args.tokens, checkpointing, scans)
     else:
         parser.error(f"unknown target {args.what!r}: expected fla:<op> or step")
     print(json.dumps(out, indent=None if args.json else 1))

@@ -98,7 +98,7 @@ def wave_spans(rows: int, n_chunks: int, span: int, walks: tuple[int, ...]) -> i
     over MIN_PROGRAMS SMs, a wave as long as a span; the longest span on a tie. At vort-125m's 12 heads
     and batch 1 this is 11 spans (every walk a whole number of waves) where the fewest is 3 (the value
     walks' 144 programs take two waves, the second a tenth full): the launch model of benchmarks/predict
-    prices the step's scans 1.3x faster (docs/kernels.md, "Predicted GPU times")."""
+    prices the step's scans 1.45x faster (docs/kernels.md, "Predicted GPU times")."""
 
     def waves_times_span(chunks: int) -> tuple[int, int]:
         spans = triton.cdiv(n_chunks, chunks)
