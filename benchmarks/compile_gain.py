@@ -5,7 +5,7 @@
 
 For each model (configs/model/<name>.yaml, fp32, one sequence of --tokens tokens, activation
 checkpointing on) it runs a training step (forward, loss, backward, AdamW) eagerly and compiled as
-`train.compile: <mode>` compiles it (pretrain/compiling.py), in one process, and prints per step:
+`train.compile: <mode>` compiles it (pretrain/distributed/compiling.py), in one process, and prints per step:
 
 - kernels: the ATen kernels the step dispatches (views and allocations, which launch none, left out),
   and, compiled, the kernels inductor generated, as the profiler sees them run. Each scan
@@ -179,7 +179,7 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[Callable[[], None]
 
 def measure(name: str, tokens: int, mode: str) -> dict:
     """One model's row: eager, then compiled as ``mode``."""
-    from pretrain.compiling import DYNAMO_SETTINGS, compile_blocks
+    from pretrain.distributed.compiling import DYNAMO_SETTINGS, compile_blocks
 
     config = load_model_config(CONFIGS / f"{name}.yaml")
     torch.manual_seed(0)

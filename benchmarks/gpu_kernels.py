@@ -109,7 +109,7 @@ def time_row(
     row["soe_fwdbwd"] = timer(_fwd_bwd(soe, soe_leaves))
     row["phasor_fwdbwd"] = timer(_fwd_bwd(phasor, (delta,)))
     row["sdpa_fwdbwd"] = timer(_fwd_bwd(sdpa, (qs, ks, vs)))
-    fla = _fla_simple_gla()
+    fla = _fla_simple_gla() if torch.device(dev).type == "cuda" else None  # fla's kernels launch on a GPU only
     if fla is None:
         row["fla_fwd"] = row["fla_fwdbwd"] = math.nan
     else:  # one exponential decay per head: fla's chunked retention, the usual linear-attention yardstick
@@ -126,7 +126,7 @@ def time_row(
 
 
 def _fla_simple_gla() -> Callable | None:
-    """flash-linear-attention's chunk_simple_gla, or None where fla is not installed."""
+    """flash-linear-attention's chunk_simple_gla, or None where fla is not installed (the `bench` extra)."""
     try:
         from fla.ops.simple_gla import chunk_simple_gla
     except ImportError:

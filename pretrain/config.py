@@ -144,7 +144,7 @@ class TrainSection:
     max_skipped_steps: int = 10
     activation_checkpointing: bool = False
     # torch.compile: false, "blocks" (each block's forward), "model" (the whole training module) or true
-    # (the default mode, "blocks"): pretrain/compiling.py
+    # (the default mode, "blocks"): pretrain/distributed/compiling.py
     compile: bool | Literal["blocks", "model"] = False
     carry_state: bool = False  # truncated BPTT: each batch row continues its text (pretrain/carry.py)
     log_every: int = 10

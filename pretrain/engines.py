@@ -40,8 +40,8 @@ from pretrain.checkpoint import dcp_format, deepspeed_format, torch_format
 from pretrain.checkpoint.dcp_format import load_dcp_state, save_dcp_state
 from pretrain.checkpoint.deepspeed_format import deepspeed_layout_problem, load_deepspeed, save_deepspeed
 from pretrain.checkpoint.torch_format import load_torch_state, save_torch_state
-from pretrain.compiling import compile_model
 from pretrain.config import RunConfig
+from pretrain.distributed.compiling import compile_model
 from pretrain.distributed.parallel_dims import sequence_parallel_loss
 from pretrain.distributed.process_group import init_distributed
 from pretrain.optim import param_groups

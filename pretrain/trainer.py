@@ -25,9 +25,9 @@ from pretrain import carry
 from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.layout import step_dir_name
 from pretrain.checkpoint.run_lock import RunLock, RunLockedError
-from pretrain.compiling import compile_mode
 from pretrain.config import RunConfig, TrainSection, config_text, config_to_dict, dump_config
 from pretrain.data import StepBatches, configure_storage, make_loader
+from pretrain.distributed.compiling import compile_mode
 from pretrain.distributed.parallel_dims import ParallelDims
 from pretrain.distributed.process_group import all_reduce_mean, all_reduce_sum, barrier, device_for_rank
 from pretrain.engines import build_engine, engine_class, join_process_group

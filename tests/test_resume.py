@@ -48,7 +48,7 @@ CASES = {
                                        "model.vort.readout=norm_gate"], "vort"),
     # PMNet as shipped with a short convolution: the memory's addresses from the block's input before it
     "single-pmnet-conv": ("python", 1, ["engine.kind=single", "model.short_conv=3"], "pmnet"),
-    # torch.compile on (pretrain/compiling.py): the resumed process compiles the same graphs again
+    # torch.compile on (pretrain/distributed/compiling.py): the resumed process compiles the same graphs again
     "single-vort-compile": ("python", 1, ["engine.kind=single", "train.compile=true"], "vort"),
     "deepspeed-2-pmnet-compile": ("deepspeed", 2, [*DEEPSPEED, "train.compile=true"], "pmnet"),
 }

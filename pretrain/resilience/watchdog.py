@@ -40,10 +40,12 @@ import contextlib
 import faulthandler
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pretrain.config import RunConfig
 from pretrain.distributed.process_group import flight_record
@@ -175,7 +177,7 @@ class Watchdog:
         self._current = (phase, step, now, deadline)
         armed = self._armed
         if armed is None or armed[:2] != (kind, deadline) or now - armed[2] > REARM_S:
-            faulthandler.dump_traceback_later(deadline + BACKSTOP_S, exit=True)
+            faulthandler.dump_traceback_later(deadline + BACKSTOP_S, exit=True, file=_stderr_with_fd())
             self._armed = (kind, deadline, now)
 
     def stop(self) -> None:
@@ -278,3 +280,13 @@ def deadline(kind: str) -> float | None:
     """The active watchdog's deadline now for phases of `kind` ("step", "eval", "checkpoint"); None
     without a watchdog."""
     return None if _active is None else _active.deadlines(kind)
+
+
+def _stderr_with_fd() -> Any:
+    """sys.stderr if it is backed by a file descriptor (faulthandler writes to one from a C thread), else
+    the process's original stderr (a captured or redirected sys.stderr, as under pytest's capsys)."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__

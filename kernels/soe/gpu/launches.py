@@ -41,7 +41,7 @@ class Tiles:
 # Per target (sm_90 or newer). The compile gate (benchmarks.kernel_compile) checks every shipped config
 # against these; docs/kernels.md has the sizes tried and why these.
 TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4),
-         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=2, coef_warps=4)}  # fmt: skip
+         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 SHARES_BYTES = 2**30  # the most the coefficient gradient's fp32 shares of one phase of the backward take
 
