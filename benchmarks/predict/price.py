@@ -45,19 +45,21 @@ class Costed:
 
     def compiled_seconds(self, c: Constants) -> float:
         """Predicted seconds as torch.compile would run it (`fused_memory` for the memory ops)."""
-        launches = sum(min(x.seconds(self.gpu, c) for x in group) for group in self.groups)
         others = [op for op in self.ops if op.kind in ("gemm", "attention")]
         kinds = price_by_kind(others, self.gpu, c.hbm_efficiency, c.launch_seconds)
         moved, kernels = fused_memory(self.ops, self.launches)
         memory = moved / (self.gpu.hbm_bytes_per_s * c.hbm_efficiency) + kernels * c.launch_seconds
         host = len(self.groups) * c.host_seconds_per_launch + (kernels + len(others)) * ATEN_HOST_SECONDS
-        return max(launches + sum(kinds.values()) + memory, host)
+        return max(self.launch_seconds(c) + sum(kinds.values()) + memory, host)
 
     def seconds(self, c: Constants) -> float:
         """Predicted seconds of the whole work: the device's time, or the host's if it is longer."""
-        launches = sum(min(x.seconds(self.gpu, c) for x in group) for group in self.groups)
-        device = launches + sum(price_by_kind(self.ops, self.gpu, c.hbm_efficiency, c.launch_seconds).values())
-        return max(device, self.host_seconds(c))
+        ops = price_by_kind(self.ops, self.gpu, c.hbm_efficiency, c.launch_seconds)
+        return max(self.launch_seconds(c) + sum(ops.values()), self.host_seconds(c))
+
+    def launch_seconds(self, c: Constants) -> float:
+        """The Triton launches' device time, each autotuned call at its fastest configuration."""
+        return sum(min(x.seconds(self.gpu, c) for x in group) for group in self.groups)
 
     def host_seconds(self, c: Constants) -> float:
         """The host's time to issue every launch and aten op (views and allocations launch nothing)."""

@@ -143,8 +143,6 @@ class _Env:
             arg = name[1:]
             if arg in self.args and isinstance(self.args[arg], (int, bool)):
                 return int(self.args[arg])
-            if self.fixed is not None and name.startswith("%") and not self.args and not self.fixed:
-                raise UnknownBound(f"{name} is a kernel argument")
             raise UnknownBound(f"loop bound {name} is neither an integer argument nor computed from one")
         op, rest = self.defs[name]
         out = self._eval(op, rest)
