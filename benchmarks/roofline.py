@@ -141,11 +141,13 @@ _PASS = {"states": PASS, "log_lam": ONCE, "carry": ONCE}
 _WALK_IN = {"coef": SHARED, "log_lam": DECAYS, "docs": SHARED}
 ACCESS: dict[str, dict[str, dict[str, str]]] = {
     "soe": {
-        "fwd_states": {"x": SHARED, "y": ONCE, "y_norm": UNUSED} | _WALK_IN | {"states": STATE},
-        "fwd_pass": _PASS,
-        "fwd": {"q": SHARED, "k": SHARED, "v": ONCE} | _WALK_IN | {"states": STATE, "out": ONCE, "z": ONCE},
-        "bwd_states": {"x": SHARED, "y": ONCE, "y_norm": ONCE, "coef": UNUSED, "log_lam": DECAYS, "docs": SHARED,
+        # the forward's state walk: the S term programs of a batch x head read its k, v and documents side by
+        # side, each its own coefficient column; it writes the state entering every chunk once
+        "fwd_states": {"k": SHARED, "v": SHARED, "coef": ONCE, "log_lam": ONCE, "docs": SHARED, "reads": ONCE,
                        "states": STATE},
+        "fwd": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS, "reads": ONCE,
+                                                              "out": ONCE, "z": ONCE},
+        "bwd_states": {"q": SHARED, "d_out": ONCE, "d_z": ONCE, "log_lam": DECAYS, "docs": SHARED, "states": STATE},
         "bwd_pass": _PASS,
         "bwd_queries": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"states": STATE, "d_out": SHARED,
                                                                         "d_z": SHARED, "dq": ONCE, "dll": PARTIAL},
@@ -181,17 +183,19 @@ def _soe_flops(name: str, c: dict, named: dict) -> int:
     at the bf16 rate. Walks: per term group a read X @ A^T and a write X += B^T @ A over the group's
     rows (terms x column block), the normalisers' [GN, R] tile in the state walks, and the intra-chunk
     products (scores, the kernel matrix R = E^T @ coef^T, its product with the values or gradients)."""
-    bt, gn = c["BT"], c["GN"]
+    bt, gn = c["BT"], c.get("GN", 0)
     block = c.get("BD") or c.get("BC") or 0
     rows = (c.get("GA", 0) + c.get("GB", 0) * c.get("HAS_B", False)) * block  # the groups' state rows
     cols = c.get("BF") if "BD" in c else c.get("BV")  # the state tiles' other side
     n_blocks = _column_programs(name, c, named) - (name in ("fwd", "bwd_keys")) if block else 0
     mask = 2 * 2 * bt * gn * bt  # R = E^T @ coef^T in tf32
     walk = 2 * bt * bt * cols + mask + 2 * bt * bt * block + 2 * 2 * rows * cols * bt  # intra part, read, write
-    if name in ("fwd_states", "bwd_states"):
+    if name == "fwd_states":  # one term's write
+        return 2 * bt * c["BF"] * c["BD"]
+    if name == "bwd_states":
         return n_blocks * 2 * bt * cols * (rows + gn)
-    if name == "fwd":  # the value blocks' walks and the normalisers'
-        return n_blocks * walk + 2 * bt * bt * c["BF"] + mask + 2 * 2 * gn * c["BF"] * bt
+    if name == "fwd":  # scores, kernel matrix, its product with the values, one read per term
+        return 2 * bt * bt * (c["BF"] + c["BD"]) + mask + named["S"] * 2 * bt * c["BF"] * c["BD"]
     if name in ("bwd_values", "bwd_queries"):
         return n_blocks * walk
     if name == "bwd_keys":  # the feature blocks' walks and the normalisers' (with the pairs: scores, spread)
@@ -312,6 +316,8 @@ def launch_cost(scan: str, name: str, launch: Launch, args: tuple, sharers: Coun
     if "SPAN" in named:  # a walk: the column programs of a span x batch x head cover its chunks once
         spans = launch.programs // _column_programs(name, c, named) // named["BH"]
         chunks = named["BH"] * min(spans * named["SPAN"], n_chunks)
+    elif name == "fwd_states":  # a walk per batch x head x term over every chunk
+        chunks = launch.programs * n_chunks
     else:  # chunk parallel
         chunks = launch.programs
     return chunks * _soe_flops(name, c, named), traffic, "fp32" if c.get("PRECISION") == "ieee" else "bf16"

@@ -6,11 +6,12 @@ The interpreter runs a bf16 ``tl.dot`` as a plain fp32 matmul and takes hours at
 benchmarks/scan_precision.py's SOE kernel rows come from here. What is emulated, for q, k, v, coef (and
 the output gradients) in ``dtype`` (bf16 or fp32) at batch 1 and one head, without resets:
 
-- chunks of 16 tokens (the launch table's chunk) in spans of ``launches.walk_span`` chunks (an H100's),
-  all spans at once, the chunks of a span in turn; each span's own state (or state gradient) from zero
-  (``span_states_kernel``), the pass over the fp32 span-border states (``kernels.span``), then each span
-  walked from its border state for o and z (``output_kernel``: the value blocks' walks and the
-  normalisers'), dv (``value_grads_kernel``), dk (``key_grads_kernel``'s feature walks), dcoef (the value
+- the forward (``emulate_forward``): chunks of ``launches.forward_chunk`` tokens, each term's state walked
+  over them (``chunk_states_kernel``) and read, rounded, by each chunk's outputs (``chunk_output_kernel``);
+- the backward: chunks of 16 tokens (the launch table's chunk) in spans of ``launches.walk_span`` chunks
+  (an H100's), all spans at once, the chunks of a span in turn; each span's own state gradient from zero
+  (``state_grads_kernel``), the pass over the fp32 span-border states (``kernels.span``), then
+  dv (``value_grads_kernel``), dk (``key_grads_kernel``'s feature walks), dcoef (the value
   walks' shares, the key launch's normalisers' share with the pairs, ``coef_grads_kernel``'s sum; all
   three for a zero final-state gradient) and dq (``query_grads_kernel``, from the forward's border
   states);
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.soe.gpu.launches import term_groups, walk_span
+from kernels.soe.gpu.launches import forward_chunk, term_groups, walk_span
 
 CHUNK = 16  # tokens per chunk: the launch table's chunk on every target (launches.chunk_block)
 CAPABILITY = 90  # the target whose span sizes are emulated: an H100
@@ -52,21 +53,22 @@ def _tf32(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if dtype == torch.float32 else (x.view(torch.int32) & -8192).view(torch.float32)
 
 
-def _spans(x: torch.Tensor, n_spans: int, span: int) -> torch.Tensor:
-    """[T, X] -> [n_spans, span, CHUNK, X], zero-padded past T (the kernels' masked loads give zeros)."""
-    padded = x.new_zeros(n_spans * span * CHUNK, x.shape[-1])
+def _spans(x: torch.Tensor, n_spans: int, span: int, chunk: int = CHUNK) -> torch.Tensor:
+    """[T, X] -> [n_spans, span, chunk, X], zero-padded past T (the kernels' masked loads give zeros)."""
+    padded = x.new_zeros(n_spans * span * chunk, x.shape[-1])
     padded[: x.shape[0]] = x
-    return padded.view(n_spans, span, CHUNK, x.shape[-1])
+    return padded.view(n_spans, span, chunk, x.shape[-1])
 
 
 class _Decays:
-    """The per-chunk decay factors of all terms, fp32 as the kernels compute them: exp(d * log_lam)."""
+    """The per-chunk decay factors of all terms for chunks of ``chunk`` tokens, fp32 as the kernels compute
+    them: exp(d * log_lam)."""
 
-    def __init__(self, log_lam: torch.Tensor) -> None:
-        pos = torch.arange(CHUNK, dtype=torch.float32)[:, None]
+    def __init__(self, log_lam: torch.Tensor, chunk: int = CHUNK) -> None:
+        pos = torch.arange(chunk, dtype=torch.float32)[:, None]
         self.reads = torch.exp((pos + 1.0) * log_lam)  # [C, S]: lam^(i + 1), read_decays
-        self.writes = torch.exp((CHUNK - 1.0 - pos) * log_lam)  # [C, S]: lam^(n - 1 - j), write_decays
-        self.chunk = torch.exp(float(CHUNK) * log_lam)  # [S]: lam^n, chunk_decay
+        self.writes = torch.exp((chunk - 1.0 - pos) * log_lam)  # [C, S]: lam^(n - 1 - j), write_decays
+        self.chunk = torch.exp(float(chunk) * log_lam)  # [S]: lam^n, chunk_decay
         self.table = torch.exp(pos * log_lam)  # [C, S]: lam^d, decay_table
 
 
@@ -90,7 +92,7 @@ def _kernel_matrix(cc: torch.Tensor, dec: _Decays, dtype: torch.dtype) -> torch.
     """Wc [P, C, C], Wc[i, j] = sum_s coef[j, s] lam_s^(i - j) for i >= j: kernel_matrix's product
     R = table @ coef^T (tf32 operands under bf16) and its gather R[i - j, j]."""
     r = _tf32(dec.table, dtype) @ _tf32(cc, dtype).transpose(1, 2)  # [P, d, j]
-    i = torch.arange(CHUNK)
+    i = torch.arange(dec.table.shape[0])
     dist = (i[:, None] - i[None, :]).clamp(min=0)
     return torch.where(i[:, None] >= i[None, :], r.gather(1, dist.expand(r.shape[0], -1, -1)), 0.0)
 
@@ -113,7 +115,8 @@ class _Walk:
         n_chunks = -(-seq_len // CHUNK)
         self.n_spans = -(-n_chunks // self.span)
         self.parts = [_spans(_to(x.float(), dtype), self.n_spans, self.span) for x in tensors]
-        self.dec = _Decays(log_lam.float())
+        self.log_lam = log_lam.float()
+        self.dec = _Decays(self.log_lam)
         self.split = term_groups(log_lam.shape[-1])[0]  # the large group's terms first, the small group's after
         self.span_decay = torch.exp(float(self.span * CHUNK) * log_lam.float())
         self.reads = self.dec.reads.expand(self.n_spans, -1, -1)  # [P, C, S]
@@ -134,17 +137,32 @@ class _Walk:
         return out
 
 
+def _chunk_states(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor, dtype: torch.dtype,
+                  chunk: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The fp32 states entering each chunk of ``chunk`` tokens and after the last, G [n + 1, S, F, D] and
+    b [n + 1, S, F], as chunk_states_kernel walks them from zero over k, v, coef [T, X] (exact in
+    ``dtype``): per chunk the decay lam^chunk, then the write rows k_j lam^(chunk-1-j) coef_j made in fp32
+    and rounded to ``dtype`` times v, and the normalisers' fp32 sum of the unrounded rows."""
+    n_chunks = -(-k.shape[0] // chunk)
+    ks, vs, cs = (_spans(x, 1, n_chunks, chunk)[0] for x in (k, v, coef))
+    dec = _Decays(log_lam, chunk)
+    g = torch.zeros(n_chunks + 1, coef.shape[-1], k.shape[-1], v.shape[-1])
+    bn = torch.zeros(n_chunks + 1, coef.shape[-1], k.shape[-1])
+    for c in range(n_chunks):
+        kw = ks[c].T[None] * (dec.writes * cs[c]).T[:, None, :]  # [S, F, C]
+        g[c + 1] = g[c] * dec.chunk[:, None, None] + _to(kw, dtype) @ vs[c]
+        bn[c + 1] = bn[c] * dec.chunk[:, None] + kw.sum(-1)
+    return g, bn
+
+
 def _border_states(w: _Walk, ks: torch.Tensor, vs: torch.Tensor, cs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward's fp32 states entering each span, G [P, S, D, F] (transposed) and b [P, S, 1, F]: each
-    span's own state from zero (span_states_kernel), then the span pass."""
-    n_terms, feat = cs.shape[-1], ks.shape[-1]
-    ones = torch.ones(w.n_spans, CHUNK, 1)
-    g, bn = w.zeros(n_terms, vs.shape[-1], feat), w.zeros(n_terms, 1, feat)
-    for c in range(w.span):
-        beta = w.dec.writes * cs[:, c]
-        g = _write(g, ks[:, c], vs[:, c], beta, w.dec.chunk, w.dtype)
-        bn = _write(bn, ks[:, c], ones, beta, w.dec.chunk, w.dtype)
-    return w.entering(g, False), w.entering(bn, False)
+    """The forward's fp32 states entering each span, G [P, S, D, F] (transposed) and b [P, S, 1, F]: the
+    forward's chunk walk (_chunk_states) at the span borders."""
+    fc = forward_chunk(w.span, CHUNK)
+    flat = (x.reshape(-1, x.shape[-1]) for x in (ks, vs, cs))
+    g, bn = _chunk_states(*flat, w.log_lam, w.dtype, fc)
+    stride = w.span * CHUNK // fc
+    return g[::stride][: w.n_spans].transpose(-1, -2), bn[::stride][: w.n_spans, :, None]
 
 
 def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,
@@ -152,24 +170,26 @@ def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: tor
     """o [T, D] and z [T] of the Triton SOE forward on q, k [T, F], v [T, D], coef [T, S] (values exact in
     ``dtype``) and log_lam [S], from a zero initial state: fp32, as computed before the kernels store them
     in ``dtype`` (the caller rounds, so that the error of the walk and that of the store can be told
-    apart)."""
-    w = _Walk((q, k, v, coef), log_lam, dtype, q.shape[-1], v.shape[-1])
-    qs, ks, vs, cs = w.parts
-    ones = torch.ones(w.n_spans, CHUNK, 1)
-    dec, split = w.dec, w.split
-    g, bn = _border_states(w, ks, vs, cs)
-    out = torch.empty(w.n_spans, w.span, CHUNK, v.shape[-1])
-    z = torch.empty(w.n_spans, w.span, CHUNK)
-    for c in range(w.span):  # output_kernel: the value blocks and the normalisers
-        qc, kc, vc, cc = qs[:, c], ks[:, c], vs[:, c], cs[:, c]
-        pm = _masked_scores(qc, kc, cc, dec, dtype)
-        o = _to(pm, dtype) @ vc + _read(g[:, split:], qc, w.reads[..., split:], dtype)
-        out[:, c] = o + _read(g[:, :split], qc, w.reads[..., :split], dtype)
-        z[:, c] = pm.sum(-1) + _read(bn, qc, w.reads, dtype)[..., 0]
-        beta = dec.writes * cc
-        g = _write(g, kc, vc, beta, dec.chunk, dtype)
-        bn = _write(bn, kc, ones, beta, dec.chunk, dtype)
-    return out.view(-1, v.shape[-1])[: w.seq_len], z.view(-1)[: w.seq_len]
+    apart). Chunks of ``launches.forward_chunk`` tokens; each term's fp32 state walked over them
+    (chunk_states_kernel: the write rows k_j lam^(n-1-j) coef_j made in fp32 and rounded to ``dtype``, the
+    normalisers' sum in fp32) and stored in ``dtype`` before each chunk; then chunk_output_kernel: the
+    masked scores (rounded to ``dtype`` before their product with v) and, term by term in order, q times
+    the rounded state, weighted by lam^(i+1) in fp32."""
+    seq_len, n_terms = q.shape[0], log_lam.shape[-1]
+    span = walk_span(1, seq_len, 1, n_terms, q.shape[-1], v.shape[-1], CHUNK, CAPABILITY)
+    fc = forward_chunk(span, CHUNK)
+    n_chunks = -(-seq_len // fc)
+    qs, ks, vs, cs = (_to(x.float(), dtype) for x in (q, k, v, coef))
+    g, bn = _chunk_states(ks, vs, cs, log_lam.float(), dtype, fc)
+    qs, ks, vs, cs = (_spans(x, 1, n_chunks, fc)[0] for x in (qs, ks, vs, cs))
+    dec = _Decays(log_lam.float(), fc)
+    pm = _masked_scores(qs, ks, cs, dec, dtype)
+    out, z = _to(pm, dtype) @ vs, pm.sum(-1)
+    g_read, b_read = _to(g, dtype), _to(bn, dtype)
+    for s in range(n_terms):
+        out += (qs @ g_read[:n_chunks, s]) * dec.reads[None, :, s, None]
+        z += (qs @ b_read[:n_chunks, s, :, None])[..., 0] * dec.reads[None, :, s]
+    return out.reshape(-1, v.shape[-1])[:seq_len], z.reshape(-1)[:seq_len]
 
 
 def emulate_value_grads(q: torch.Tensor, k: torch.Tensor, coef: torch.Tensor, log_lam: torch.Tensor,

@@ -113,17 +113,14 @@ def test_roofline_models_the_span_kernels_and_the_walks(capsys, tmp_path):
     pl = {k["kernel"]: k for k in steps[("pl-125m", roofline.SPAN)]["kernels"]}
     for kernel in ("soe_fwd_spans", "soe_fwd", "soe_bwd_reverse_order"):
         assert vort[kernel]["flops_per_token_layer"] / pl[kernel]["flops_per_token_layer"] == pytest.approx(18 / 16)
-    # the forward's span-state walk: per token and head one write per term group, [16 + 2 terms x 16
-    # value columns] @ [16 tokens x 64 features] per value-block program, and the normalisers' [32 x 64]
-    heads, feat, width = 12, 64, 64
+    # the forward's state walk: per token, head and term one write, [64 features x 64 tokens] @ [64 tokens x
+    # 64 values] per 64-token chunk
+    heads, feat, width, terms = 12, 64, 64, 18
     built = {k["kernel"]: k for k in steps[("vort-125m", roofline.BUILT)]["kernels"]}
-    blocks = width // 16
-    assert built["soe_fwd_states"]["flops_per_token_layer"] == pytest.approx(
-        heads * blocks * 2 * feat * ((16 + 2) * 16 + 32)
-    )
-    # it reads k, v and the coefficients once (the value blocks share them through L2) and stores one
-    # fp32 state per span: a few MB for the whole sequence, so well under a byte per token for the slots
-    per_token = heads * (2 * (feat + width + 18) + 4)
+    assert built["soe_fwd_states"]["flops_per_token_layer"] == pytest.approx(heads * terms * 2 * feat * width)
+    # it reads k, v and the coefficients once (the term programs of a head share them through L2) and
+    # writes the state entering every 64-token chunk in bf16 for the outputs, plus a few fp32 span states
+    per_token = heads * (2 * (feat + width + terms) + terms * feat * (width + 1) * 2 / 64)
     assert per_token < built["soe_fwd_states"]["bytes_per_token_layer"] < per_token * 1.2
     assert all(k["runs"] == 1 for k in built.values() if not k["kernel"].endswith("torch_sums"))
     step = steps[("vort-125m", roofline.BUILT)]

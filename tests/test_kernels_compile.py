@@ -1,12 +1,13 @@
 """The compile gate: the launches the shipped models make, compiled ahead of time for sm_80 and sm_90.
 
-The gate over the shipped configs runs as `python -m benchmarks.kernel_compile` in a subprocess: other
-test modules set TRITON_INTERPRET=1 at collection, which turns the kernels into interpreted functions
-that triton cannot compile, and a fresh process imports them as real JIT functions. One run serves the
-tests of the shipped configs. The tests of the checks themselves compile small kernels made here as
-JITFunctions directly (so the interpreter setting does not reach them), each built to fail one check,
-in one spawned worker process: once an interpreted kernel has called a jit helper, triton's interpreter
-leaves triton.language patched for the rest of the process (runtime/interpreter.py patches device
+The gate over the shipped configs runs as `python -m benchmarks.kernel_compile` in a subprocess: other test
+modules set TRITON_INTERPRET=1 at collection, which turns the kernels into interpreted functions that triton
+cannot compile, and a fresh process imports them as real JIT functions. One run serves the tests of the
+shipped configs; it compiles every distinct launch of every shipped config for both targets (about ten minutes
+on two cores), so those tests are slow (`make test-long`). The tests of the checks themselves compile small
+kernels made here as JITFunctions directly (so the interpreter setting does not reach them), each built to
+fail one check, in one spawned worker process: once an interpreted kernel has called a jit helper, triton's
+interpreter leaves triton.language patched for the rest of the process (runtime/interpreter.py patches device
 calls without restoring them), so compiling in the test process fails after any interpreter test.
 """
 
@@ -73,6 +74,7 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_gate_covers_every_shipped_scan(rows):
     """Every config with a scan has launches on both targets, and only those configs."""
     expected = {
@@ -84,6 +86,7 @@ def test_gate_covers_every_shipped_scan(rows):
     assert all(r["registers"] > 0 or r["error"] for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", ["soe", "phasor"])
 def test_gate_passes(rows, scan):
     """No row of the scan's kernels fails a check (see benchmarks/kernel_compile.py) but the known ones,

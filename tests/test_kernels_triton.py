@@ -74,6 +74,8 @@ def _spans_of(monkeypatch, batch, seq_len, heads, chunk, chunks_per_span, n_term
     values = math.ceil(width / launches.TILES[False].block)
     blocks = min(values, math.ceil(feat / launches.feature_block(n_terms, feat, 80)))
     monkeypatch.setattr(launches, "MIN_PROGRAMS", batch * heads * blocks * math.ceil(n_chunks / chunks_per_span))
+    # spans of any whole number of chunks: the forward then reads chunks of 16 or 32 tokens (forward_chunk)
+    monkeypatch.setattr(launches, "whole_forward_chunks", lambda span, _chunk, _n_chunks: span)
     assert launches.walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, 80) == chunks_per_span
     return math.ceil(n_chunks / chunks_per_span)
 
@@ -93,11 +95,16 @@ def test_soe_triton_spans_match_reference(monkeypatch, seq_len, chunk_size, batc
     chunk, launches = soe_launches(batch, seq_len, heads, 2, feat, dim_v, chunk_size, torch.float32, 80)
     assert chunk == chunk_size
     blocks = {name: launches[name].constexprs.get("BD") or launches[name].constexprs.get("BC") for name in launches}
-    for name in ("fwd_states", "bwd_states", "bwd_values"):
+    for name in ("bwd_states", "bwd_values"):
         assert launches[name].grid[0] == n_spans * batch * heads * math.ceil(dim_v / blocks[name]), name
     assert launches["bwd_queries"].grid[0] == n_spans * batch * heads * math.ceil(feat / blocks["bwd_queries"])
-    # the normalisers' walks are one more column block of the output and key-gradient launches
-    assert launches["fwd"].grid[0] == n_spans * batch * heads * (math.ceil(dim_v / blocks["fwd"]) + 1)
+    # the forward: a state walk per batch x head x term, outputs per chunk x batch x head, its chunks (16 or
+    # 32 tokens here) tiling the spans
+    fc = launches["fwd"].constexprs["BT"]
+    assert (per_span * chunk) % fc == 0 and launches["fwd_states"].constexprs["BT"] == fc
+    assert launches["fwd_states"].grid[0] == batch * heads * 2
+    assert launches["fwd"].grid[0] == math.ceil(seq_len / fc) * batch * heads
+    # the normalisers' walk is one more column block of the key-gradient launch
     assert launches["bwd_keys"].grid[0] == n_spans * batch * heads * (math.ceil(feat / blocks["bwd_keys"]) + 1)
     inputs = soe_inputs(batch, seq_len, heads, feat, dim_v, 2, True, seed=7)
     inputs["log_lam"] = torch.tensor([[-0.01, -3.0]] * heads, dtype=torch.float64)
@@ -186,6 +193,22 @@ def test_soe_triton_resets_match_reference(monkeypatch, chunk_size, dim_v, per_s
     _check_soe(inputs, chunk_size)
 
 
+def test_soe_triton_forward_chunks_of_64_match_reference(monkeypatch):
+    """Spans sized for 3 chunks of 16 are rounded up to 4, so the forward reads chunks of 64 tokens (150
+    tokens: two whole and one of 22) and stores the backward's span states at their borders; with resets
+    inside those chunks, on their borders and on the last token, an initial state and a fast term."""
+    import kernels.soe.gpu.launches as launches
+
+    monkeypatch.setattr(launches, "MIN_PROGRAMS", 2 * 1 * 1 * 4)
+    assert launches.span_size(2, 150, 1, 16, 1) == 3
+    assert launches.walk_span(2, 150, 1, 2, 4, 5, 16, 80) == 4
+    assert launches.soe_launches(2, 150, 1, 2, 4, 5, 16, torch.float32, 80)[1]["fwd"].constexprs["BT"] == 64
+    inputs = soe_inputs(2, 150, 1, 4, 5, 2, True, seed=11)
+    inputs["log_lam"] = torch.tensor([[-0.01, -3.0]], dtype=torch.float64)
+    inputs["reset"] = resets(150, [[0, 5, 63, 64, 65, 127, 128, 149], [40, 100]])
+    _check_soe(inputs, 16)
+
+
 def test_soe_triton_runs_are_bitwise_equal(monkeypatch):
     """Two runs of the Triton SOE scan (resets, an initial state, several spans and value and feature
     blocks, so the coefficient gradient's shares and the decay gradient's partials are summed) give
@@ -217,15 +240,17 @@ def test_scan_kernels_have_no_atomics():
 
 def test_soe_grids_fit_at_a_million_tokens():
     """At 1M tokens per rank and the vort-125m sizes (12 heads, 18 terms, 64-wide features and values,
-    chunk 64), every SOE launch keeps grid axes 1 and 2 within 65,535 (the long axis is axis 0), and the
-    span walks' grids do not grow with the length (their spans do)."""
+    chunk 64), every SOE launch keeps grid axes 1 and 2 within 65,535 (the long axis is axis 0), the
+    walks' grids do not grow with the length (their spans do, or, for the forward's state walk, the chunks
+    it walks), and the forward's outputs run one program per chunk x head."""
     from kernels.soe.triton import entering_launches, soe_launches
 
     for capability in (80, 90):
         chunk, launches = soe_launches(1, 1 << 20, 12, 18, 64, 64, 64, torch.bfloat16, capability)
         short = soe_launches(1, 1 << 16, 12, 18, 64, 64, 64, torch.bfloat16, capability)[1]
         assert all(launches[n].grid == short[n].grid for n in launches if n.startswith(("fwd", "bwd_")) and
-                   n not in ("bwd_keys", "bwd_values", "bwd_coef"))  # fmt: skip
+                   n not in ("fwd", "bwd_keys", "bwd_values", "bwd_coef"))  # fmt: skip
+        assert launches["fwd"].grid[0] == (1 << 20) // launches["fwd"].constexprs["BT"] * 12
         # the key and value walks and the coefficient kernel run phases of spans whose shares stay within 1 GiB
         assert launches["bwd_values"].grid[0] < short["bwd_values"].grid[0]
         launches |= {f"entering_{n}": x for n, x in entering_launches(1, 1 << 20, 12, 18, 64, 64, torch.bfloat16,
@@ -293,7 +318,7 @@ def test_h100_spans_fill_whole_waves():
     the fewest spans."""
     from kernels.soe.gpu import launches
 
-    walks = (4, 5, 4, 4, 8, 9)
+    walks = (4, 4, 8, 9)  # the backward's walks: state and value gradients, queries, keys
 
     def walking(n_chunks: int, chunks: int) -> int:
         spans = math.ceil(n_chunks / chunks)

@@ -225,6 +225,7 @@ def test_per_level_statistics() -> None:
     assert stats["pmnet/level1/slots_used"] >= stats["pmnet/level3/slots_used"]
 
 
+@pytest.mark.slow  # a trained acceptance run, over a minute on two cores: make test-long
 def test_acceptance_learned_routing_recalls_as_well_as_oracle_routing() -> None:
     """The memory alone (no attention) with the routing the shipped configs use: within 5 points of
     the same memory routed by an oracle (python -m experiments.pmnet_recall --oracle; ~50 s)."""

@@ -36,6 +36,7 @@ BATCH = 16
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow  # a trained acceptance run, over a minute on two cores: make test-long
 def test_shipped_pmnet_recalls_beyond_its_window() -> None:
     config = load_model_config(REPO / "configs" / "model" / "pmnet-tiny.yaml")
     pm = config.pmnet

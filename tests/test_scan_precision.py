@@ -163,6 +163,7 @@ def test_the_soe_kernel_emulation_matches_the_triton_kernels_in_fp32(monkeypatch
     # spans of 3 chunks (the fewest giving 12 programs of the smallest walks, 4 column blocks of the
     # interpreter's A100 tiles, at batch 1 and one head), in the kernels and the emulation alike
     monkeypatch.setattr(launches, "MIN_PROGRAMS", 12)
+    monkeypatch.setattr(launches, "whole_forward_chunks", lambda span, _chunk, _n_chunks: span)
     monkeypatch.setattr(emulation, "CAPABILITY", 80)
     assert launches.walk_span(1, 120, 1, 18, 32, 32, 16, 80) == 3
     inputs, seeds = soe_inputs(120)

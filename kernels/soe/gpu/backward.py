@@ -2,6 +2,8 @@
 dtype, because each kernel tiles the state along the dimension its gradient keeps and sums over the
 other inside the program (as flash-linear-attention tiles dq by key block):
 
+- ``state_grads_kernel``: each span's own share of the gradient of the state entering it (value blocks
+  walked in reverse; a pass over the spans then makes the gradients entering every span);
 - ``value_grads_kernel``: value blocks of the state gradient, walked in reverse from the gradient of the
   state leaving the span: dv (its sum runs over the features) and the block's share of the coefficient
   gradient's cross-chunk part;
@@ -34,6 +36,7 @@ from kernels.soe.gpu.walk import (
     chunk_masks,
     decay_table,
     group_decays,
+    in_first_block,
     kernel_matrix,
     load_tile,
     norm_rows,
@@ -50,7 +53,50 @@ from kernels.soe.gpu.walk import (
     token_base,
     write_decays,
     write_norms,
+    write_state,
 )
+
+
+@triton.jit
+def state_grads_kernel(
+    q, d_out, d_z, log_lam, docs, states,
+    seq_len, BH, H, S, F, DV, W, SPAN,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
+    HAS_B: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One span's own share of the gradient of every term's state entering it, from zero, for value block
+    ``vb``: sum_i lam^(i + 1 - start) q_i do_i^T over the span's reads (and q_i dz_i for the normalisers,
+    with value block 0), into slot span. Chunks are walked in reverse, cut by the document masks."""
+    p, bh, b, h, vb = span_program(BH, H, tl.cdiv(DV, BD))
+    n_here = span_chunk_count(p, seq_len, SPAN, BT)
+    offs_f = tl.arange(0, BF)
+    offs_d = vb * BD + tl.arange(0, BD)
+    xa = tl.zeros([GA * BD, BF], dtype=tl.float32)
+    xb = tl.zeros([GB * BD, BF], dtype=tl.float32)
+    xn = tl.zeros([GN, BF], dtype=tl.float32)
+    for i in range(0, n_here):
+        start = (p * SPAN + n_here - 1 - i) * BT
+        base = token_base(b, h, start, seq_len, H)
+        mask_t, n, reads, _writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
+        qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
+        dc = load_tile(d_out, base, H, DV, offs_d, mask_t, BT)
+        dz = tl.load(d_z + base + tl.arange(0, BT) * H, mask=in_first_block(mask_t, vb), other=0.0).to(tl.float32)
+        ll = group_decays(log_lam, h, S, 0, GA)
+        xa = write_state(xa, qc, read_decays(ll, reads, BT), dc, chunk_decay(ll, n, carry, GA, BD), BT, GA, BD,
+                         PRECISION)  # fmt: skip
+        if HAS_B:
+            ll = group_decays(log_lam, h, S, GA, GB)
+            xb = write_state(xb, qc, read_decays(ll, reads, BT), dc, chunk_decay(ll, n, carry, GB, BD), BT, GB, BD,
+                             PRECISION)  # fmt: skip
+        ll = group_decays(log_lam, h, S, 0, GN)
+        xn = write_norms(xn, qc, read_decays(ll, reads, BT), dz, chunk_decay(ll, n, carry, GN, 1), PRECISION)
+    offs, mask = state_tile(states, p, bh, BH, S, F, DV, W, 0, vb, GA, BD, BF, True)
+    tl.store(states + offs, xa, mask=mask)
+    if HAS_B:
+        offs, mask = state_tile(states, p, bh, BH, S, F, DV, W, GA, vb, GB, BD, BF, True)
+        tl.store(states + offs, xb, mask=mask)
+    offs, mask = norm_tile(states, p, bh, BH, S, F, DV, W, GN, BF)
+    tl.store(states + offs, xn, mask=in_first_block(mask, vb))
 
 
 @triton.jit

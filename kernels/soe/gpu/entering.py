@@ -152,7 +152,7 @@ class SoeEnteringTriton(torch.autograd.Function):
         sizes = (seq_len, batch * heads, heads, n_terms, feat, width, state.shape[-1])
         docs = torch.zeros(batch, seq_len, dtype=torch.int32, device=dev)  # no resets inside the read
         d_states = slots(n_spans, torch.zeros_like(state[0]), at_end=True)
-        launches["bwd_states"].run(q, d_out, d_zz, q, ll, docs, d_states, *sizes, span)  # (no coefficients read)
+        launches["bwd_states"].run(q, d_out, d_zz, ll, docs, d_states, *sizes, span)
         carry = torch.ones(batch, n_spans, dtype=f32, device=dev)
         launches["bwd_pass"].run(d_states, ll, carry, n_spans, seq_len, span * chunk,
                                  *pass_sizes(d_states, heads * n_terms))  # fmt: skip

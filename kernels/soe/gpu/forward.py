@@ -1,8 +1,20 @@
-"""The SOE scan's span walks by value block: each span's own state (forward) or state gradient
-(backward), and the forward's outputs.
+"""The SOE scan's forward in chunk-parallel form: a walk that stores the state entering every chunk, then
+one program per chunk for the outputs.
 
-Both keep one value block of every term's state on chip while they walk the chunks of a span
-(kernels/soe/gpu/walk.py has the layout); only the state at a span's border is stored.
+- ``chunk_states_kernel``: one program per batch x head x term x value block walks the chunks in order
+  with that term's state block in registers ([F, BD] fp32: 32 registers a thread at 4 warps, so several
+  programs share an SM) and stores the state entering each chunk, in the operands' dtype, for the output
+  kernel (which reads it in that dtype anyway); at the backward's span borders, and at the end, it also
+  stores the fp32 state that the backward starts its walks from and the caller returns.
+- ``chunk_output_kernel``: one program per chunk x batch x head makes the chunk's o and z whole: the
+  intra-chunk part through one kernel matrix for all terms (kernels/soe/gpu/walk.py), then, term by
+  term, the read of the state entering the chunk, q @ G_s, weighted by lam_s^(i + 1).
+
+Nothing is carried from chunk to chunk in the output kernel, so it runs as many programs as chunks x
+heads, and its per-term work is a product and a [chunk, value] scaling: the benchmarks.predict launch
+model prices the pair at 2.1 ms a layer of vort-125m at 16,384 tokens on an H100 against 7.4 ms for
+span walks that carried every term's state through the outputs (docs/kernels.md, "Predicted GPU
+times").
 """
 
 from __future__ import annotations
@@ -10,180 +22,95 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.soe.gpu.walk import (
-    chunk_decay,
-    chunk_masks,
-    decay_table,
-    group_decays,
-    in_first_block,
-    kernel_matrix,
-    load_tile,
-    norm_tile,
-    over_terms,
-    read_decays,
-    read_state,
-    span_chunk_count,
-    span_program,
-    state_tile,
-    store_tile,
-    term_loads,
-    token_base,
-    write_decays,
-    write_norms,
-    write_state,
-)
+from kernels.soe.gpu.walk import chunk_masks, decay_table, kernel_matrix, load_tile, store_tile, term_loads, token_base
 
 
 @triton.jit
-def _state_weights(ll, coef, base, H, S, g0, mask_t, reads, writes, n, GS: tl.constexpr, BT: tl.constexpr,
-                   REVERSE: tl.constexpr):  # fmt: skip
-    """[BT, GS] per-token weights of a state step: lam^(i+1) on the reads (REVERSE), lam^(n-1-j) coef on
-    the writes (forward; the coefficients are loaded only then)."""
-    if REVERSE:
-        return read_decays(ll, reads, BT)
-    s = g0 + tl.arange(0, GS)
-    return write_decays(ll, writes, n, BT) * load_tile(coef, base, H, S, s, mask_t, BT).to(tl.float32)
-
-
-@triton.jit
-def span_states_kernel(
-    x, y, y_norm, coef, log_lam, docs, states,
-    seq_len, BH, H, S, F, DV, W, SPAN,
-    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
-    HAS_B: tl.constexpr, GN: tl.constexpr, REVERSE: tl.constexpr, PRECISION: tl.constexpr,
+def chunk_states_kernel(
+    k, v, coef, log_lam, docs, reads, states,
+    seq_len, BH, H, S, F, DV, W, STRIDE,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One span's own contribution to every term's state, from zero, for value block ``blk``.
-    Forward (x = k, y = v): the state leaving the span, sum_j lam^(end - j) coef_j k_j v_j^T over its
-    tokens, into slot span + 1. REVERSE (x = q, y = dO, y_norm = dz): the gradient its reads give the
-    state entering it, sum_i lam^(i + 1 - start) q_i do_i^T, into slot span. Chunks are walked in the
-    order the state flows, cut by the document masks; the normalisers b_s ride with value block 0."""
-    p, bh, b, h, vb = span_program(BH, H, tl.cdiv(DV, BD))
-    n_here = span_chunk_count(p, seq_len, SPAN, BT)
-    offs_f = tl.arange(0, BF)
-    offs_d = vb * BD + tl.arange(0, BD)
-    xa = tl.zeros([GA * BD, BF], dtype=tl.float32)
-    xb = tl.zeros([GB * BD, BF], dtype=tl.float32)
-    xn = tl.zeros([GN, BF], dtype=tl.float32)
-    for i in range(0, n_here):
-        if REVERSE:
-            start = (p * SPAN + n_here - 1 - i) * BT
-        else:
-            start = (p * SPAN + i) * BT
-        base = token_base(b, h, start, seq_len, H)
-        mask_t, n, reads, writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
-        xc = load_tile(x, base, H, F, offs_f, mask_t, BT)
-        yc = load_tile(y, base, H, DV, offs_d, mask_t, BT)
-        if REVERSE:
-            yn = tl.load(y_norm + base + tl.arange(0, BT) * H, mask=in_first_block(mask_t, vb), other=0.0)
-            yn = yn.to(tl.float32)
-        else:
-            yn = tl.where(in_first_block(mask_t, vb), 1.0, 0.0)
-        ll = group_decays(log_lam, h, S, 0, GA)
-        beta = _state_weights(ll, coef, base, H, S, 0, mask_t, reads, writes, n, GA, BT, REVERSE)
-        xa = write_state(xa, xc, beta, yc, chunk_decay(ll, n, carry, GA, BD), BT, GA, BD, PRECISION)
-        if HAS_B:
-            ll = group_decays(log_lam, h, S, GA, GB)
-            beta = _state_weights(ll, coef, base, H, S, GA, mask_t, reads, writes, n, GB, BT, REVERSE)
-            xb = write_state(xb, xc, beta, yc, chunk_decay(ll, n, carry, GB, BD), BT, GB, BD, PRECISION)
-        ll = group_decays(log_lam, h, S, 0, GN)
-        beta = _state_weights(ll, coef, base, H, S, 0, mask_t, reads, writes, n, GN, BT, REVERSE)
-        xn = write_norms(xn, xc, beta, yn, chunk_decay(ll, n, carry, GN, 1), PRECISION)
-    slot = p if REVERSE else p + 1
-    offs, mask = state_tile(states, slot, bh, BH, S, F, DV, W, 0, vb, GA, BD, BF, True)
-    tl.store(states + offs, xa, mask=mask)
-    if HAS_B:
-        offs, mask = state_tile(states, slot, bh, BH, S, F, DV, W, GA, vb, GB, BD, BF, True)
-        tl.store(states + offs, xb, mask=mask)
-    offs, mask = norm_tile(states, slot, bh, BH, S, F, DV, W, GN, BF)
-    tl.store(states + offs, xn, mask=in_first_block(mask, vb))
-
-
-@triton.jit
-def output_kernel(
-    q, k, v, coef, log_lam, docs, states, out, z,
-    seq_len, BH, H, S, F, DV, W, SPAN,
-    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
-    HAS_B: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """The forward's outputs of one span: column blocks 0 .. NB - 1 (NB value blocks) walk o by value
-    block, block NB walks z from the normalisers. One launch, so that the normalisers' walk reads its q
-    and k tiles beside the value blocks of its span and head (from L2 after the first), and its own
-    walk: the normalisers inside a value walk spilled on sm_90."""
+    """Term s's state block, value columns vb * BD.., walked over the chunks from the initial state in slot 0
+    of ``states`` ([spans + 1, B*H*S, W] fp32, W = F*DV + F: G_s row-major, then b_s). Before each chunk c
+    the state goes to slot c of ``reads`` ([chunks, B*H*S, W], the operands' dtype); after every STRIDE
+    chunks, and after the last, to the next slot of ``states``. A chunk of n tokens decays the state by
+    lam^n (cut to zero when a document starts inside it) and adds sum_j lam^(n-1-j) coef_j k_j v_j^T over
+    the tokens whose writes reach its end; the normalisers b_s ride with value block 0."""
     n_blocks = tl.cdiv(DV, BD)
-    p, bh, b, h, blk = span_program(BH, H, n_blocks + 1)
-    n_here = span_chunk_count(p, seq_len, SPAN, BT)
-    if blk < n_blocks:
-        _value_walk(q, k, v, coef, log_lam, docs, states, out, p, bh, b, h, blk, n_here, seq_len, BH, H, S, F, DV,
-                    W, SPAN, BT, BF, BD, GA, GB, HAS_B, GN, PRECISION)  # fmt: skip
-    else:
-        _norm_walk(q, k, coef, log_lam, docs, states, z, p, bh, b, h, n_here, seq_len, BH, H, S, F, DV, W, SPAN,
-                   BT, BF, GN, PRECISION)  # fmt: skip
-
-
-@triton.jit
-def _value_walk(
-    q, k, v, coef, log_lam, docs, states, out, p, bh, b, h, vb, n_here,
-    seq_len, BH, H, S, F, DV, W, SPAN,
-    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
-    HAS_B: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """o of one span and value block: from the state entering the span (slot span), chunk by chunk,
-    o_i = sum_j (q_i . k_j) Wc[i, j] v_j + sum_s lam_s^(i+1) q_i G_s, then the chunk's writes update the
-    on-chip state. Stored once, in its dtype. The order inside a chunk (intra-chunk part, then the small
-    term group, then the large one) is the one that compiles without spills."""
+    pid = tl.program_id(0)
+    vb = pid % n_blocks
+    row = pid // n_blocks  # (batch x head) * S + term
+    s = row % S
+    bh = row // S
+    b, h = bh // H, bh % H
     offs_f = tl.arange(0, BF)
     offs_d = vb * BD + tl.arange(0, BD)
-    offs, mask = state_tile(states, p, bh, BH, S, F, DV, W, 0, vb, GA, BD, BF, True)
-    xa = tl.load(states + offs, mask=mask, other=0.0)
-    xb = tl.zeros([GB * BD, BF], dtype=tl.float32)
-    if HAS_B:
-        offs, mask = state_tile(states, p, bh, BH, S, F, DV, W, GA, vb, GB, BD, BF, True)
-        xb = tl.load(states + offs, mask=mask, other=0.0)
-    table = decay_table(log_lam, h, S, GN, BT)
-    for i in range(0, n_here):
-        start = (p * SPAN + i) * BT
+    g_offs = offs_f[:, None] * DV + offs_d[None, :]
+    g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    b_mask = (offs_f < F) & (vb == 0)
+    rows = BH * S
+    ll = tl.load(log_lam + h * S + s)
+    g = tl.load(states + row.to(tl.int64) * W + g_offs, mask=g_mask, other=0.0)
+    bn = tl.load(states + row.to(tl.int64) * W + F * DV + offs_f, mask=b_mask, other=0.0)
+    pos = tl.arange(0, BT).to(tl.float32)
+    n_chunks = tl.cdiv(seq_len, BT)
+    for c in range(0, n_chunks):
+        here = (c * rows + row).to(tl.int64) * W
+        tl.store(reads + here + g_offs, g.to(reads.dtype.element_ty), mask=g_mask)
+        tl.store(reads + here + F * DV + offs_f, bn.to(reads.dtype.element_ty), mask=b_mask)
+        start = c * BT
         base = token_base(b, h, start, seq_len, H)
-        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT)
-        qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
+        mask_t, n, _reads, writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
         kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
         vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
-        _ll, cs = term_loads(log_lam, coef, base, h, H, S, 0, mask_t, GN, BT)
-        pm = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * kernel_matrix(table, cs, linked, PRECISION, BT)
-        o = tl.dot(pm.to(vc.dtype), vc, input_precision=PRECISION)
-        if HAS_B:
-            ll, cs = term_loads(log_lam, coef, base, h, H, S, GA, mask_t, GB, BT)
-            o += over_terms(read_state(xb, qc, PRECISION), read_decays(ll, reads, BT), BT, GB, BD)
-            xb = write_state(xb, kc, write_decays(ll, writes, n, BT) * cs, vc, chunk_decay(ll, n, carry, GB, BD),
-                             BT, GB, BD, PRECISION)  # fmt: skip
-        ll, cs = term_loads(log_lam, coef, base, h, H, S, 0, mask_t, GA, BT)
-        o += over_terms(read_state(xa, qc, PRECISION), read_decays(ll, reads, BT), BT, GA, BD)
-        xa = write_state(xa, kc, write_decays(ll, writes, n, BT) * cs, vc, chunk_decay(ll, n, carry, GA, BD),
-                         BT, GA, BD, PRECISION)  # fmt: skip
-        store_tile(out, base, H, DV, offs_d, mask_t, o, BT)
+        cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
+        steps = tl.maximum(n.to(tl.float32) - 1.0 - pos, 0.0)
+        kw = kc.to(tl.float32) * tl.where(writes, tl.exp(steps * ll) * cs, 0.0)[:, None]
+        decay = carry * tl.exp(n.to(tl.float32) * ll)
+        g = tl.dot(tl.trans(kw.to(kc.dtype)), vc, acc=g * decay, input_precision=PRECISION)
+        bn = bn * decay + tl.sum(kw, axis=0)
+        if ((c + 1) % STRIDE == 0) | (c + 1 == n_chunks):
+            border = ((tl.cdiv(c + 1, STRIDE) * rows) + row).to(tl.int64) * W
+            tl.store(states + border + g_offs, g, mask=g_mask)
+            tl.store(states + border + F * DV + offs_f, bn, mask=b_mask)
 
 
 @triton.jit
-def _norm_walk(
-    q, k, coef, log_lam, docs, states, z, p, bh, b, h, n_here,
-    seq_len, BH, H, S, F, DV, W, SPAN,
-    BT: tl.constexpr, BF: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
+def chunk_output_kernel(
+    q, k, v, coef, log_lam, docs, reads, out, z,
+    seq_len, BH, H, S, F, DV, W,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """z of one span: from the normalisers entering the span, chunk by chunk, z_i = sum_j (q_i . k_j)
-    Wc[i, j] + sum_s lam_s^(i+1) q_i . b_s, then the writes update them. Stored once, in its dtype."""
+    """o and z of one chunk of one batch x head: sum_j (q_i . k_j) Wc[i, j] (v_j, 1) over the chunk's
+    linked pairs, plus sum_s lam_s^(i+1) q_i (G_s, b_s) for the tokens that read the state entering the
+    chunk (slot c of ``reads``). BD covers every value column. Stored once, in their dtype."""
+    pid = tl.program_id(0)
+    c, bh = pid // BH, pid % BH
+    b, h = bh // H, bh % H
+    start = c * BT
     offs_f = tl.arange(0, BF)
-    offs, mask = norm_tile(states, p, bh, BH, S, F, DV, W, GN, BF)
-    xn = tl.load(states + offs, mask=mask, other=0.0)
-    table = decay_table(log_lam, h, S, GN, BT)
-    for i in range(0, n_here):
-        start = (p * SPAN + i) * BT
-        base = token_base(b, h, start, seq_len, H)
-        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT)
-        qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
-        kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
-        ll, cs = term_loads(log_lam, coef, base, h, H, S, 0, mask_t, GN, BT)
-        pm = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * kernel_matrix(table, cs, linked, PRECISION, BT)
-        zc = tl.sum(pm, axis=1) + tl.sum(read_state(xn, qc, PRECISION) * tl.trans(read_decays(ll, reads, BT)), axis=0)
-        ones = tl.where(mask_t, 1.0, 0.0)
-        xn = write_norms(xn, kc, write_decays(ll, writes, n, BT) * cs, ones, chunk_decay(ll, n, carry, GN, 1),
-                         PRECISION)  # fmt: skip
-        tl.store(z + base + tl.arange(0, BT) * H, zc, mask=mask_t)
+    offs_d = tl.arange(0, BD)
+    base = token_base(b, h, start, seq_len, H)
+    mask_t, _n, reads_in, _writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+    qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
+    kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
+    vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
+    _ll, cs = term_loads(log_lam, coef, base, h, H, S, 0, mask_t, GN, BT)
+    pm = tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+    pm = pm * kernel_matrix(decay_table(log_lam, h, S, GN, BT), cs, linked, PRECISION, BT)
+    o = tl.dot(pm.to(vc.dtype), vc, input_precision=PRECISION)
+    zc = tl.sum(pm, axis=1)
+    pos = tl.arange(0, BT).to(tl.float32) + 1.0
+    g_offs = offs_f[:, None] * DV + offs_d[None, :]
+    g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    q32 = qc.to(tl.float32)
+    for s in range(0, S):
+        alpha = tl.where(reads_in, tl.exp(pos * tl.load(log_lam + h * S + s)), 0.0)
+        here = ((c * BH + bh) * S + s).to(tl.int64) * W
+        g = tl.load(reads + here + g_offs, mask=g_mask, other=0.0)
+        bn = tl.load(reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
+        o += tl.dot(qc, g.to(qc.dtype), input_precision=PRECISION) * alpha[:, None]
+        zc += tl.sum(q32 * bn[None, :], axis=1) * alpha
+    store_tile(out, base, H, DV, offs_d, mask_t, o, BT)
+    tl.store(z + base + tl.arange(0, BT) * H, zc, mask=mask_t)

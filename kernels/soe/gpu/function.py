@@ -9,7 +9,7 @@ import torch
 import triton
 
 from kernels._common import check_triton_inputs, device_capability, document_numbers
-from kernels.soe.gpu.forward import output_kernel
+from kernels.soe.gpu.forward import chunk_output_kernel
 from kernels.soe.gpu.launches import soe_launches, walk_span
 from kernels.span import span_carry
 
@@ -42,21 +42,21 @@ def pass_sizes(states: torch.Tensor, terms_per_row: int) -> tuple[int, int, int,
 
 
 class SoeScanTriton(torch.autograd.Function):
-    """Triton forward and backward over spans of chunks (kernels/soe/gpu/launches.py lists the launches).
-    No per-chunk state touches global memory: the walks keep their block of every term's state on chip
-    and store only the states at span borders, [n_spans + 1, B*H*S, F*D + F] fp32, which the forward
-    saves for the backward's query walk. ``reset`` (bool [B, T] or None) zeroes the state before each
-    document's first token: the kernels get the document numbers, the span pass a per-span carry
-    (kernels/span.py). No atomics: every output element is stored by one program, in its dtype; the
-    coefficient gradient's shares (value blocks and the normalisers) are added in a fixed order by its
-    own kernel and the decay gradient's per-span and per-chunk partials by torch, so two runs give
-    bitwise-equal results."""
+    """Triton forward in chunk-parallel form and backward over spans of chunks (kernels/soe/gpu/launches.py lists
+    the launches). The forward's walk stores the state entering every chunk in the operands' dtype for the
+    outputs ([chunks, B*H*S, F*D + F], freed when the forward returns) and the fp32 states at the backward's
+    span borders, [n_spans + 1, B*H*S, F*D + F], which it saves for the backward's query walk; the backward's
+    walks keep their block of every term's state on chip. ``reset`` (bool [B, T] or None) zeroes the state
+    before each document's first token: the kernels get the document numbers, the span pass a per-span carry
+    (kernels/span.py). No atomics: every output element is stored by one program, in its dtype; the coefficient
+    gradient's shares (value blocks and the normalisers) are added in a fixed order by its own kernel and the
+    decay gradient's per-span and per-chunk partials by torch, so two runs give bitwise-equal results."""
 
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
         batch, seq_len, heads, feat = q.shape
         n_terms, width = log_lam.shape[-1], v.shape[-1]
-        check_triton_inputs(q, output_kernel)
+        check_triton_inputs(q, chunk_output_kernel)
         q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
         coef = coef.to(q.dtype).contiguous()
         ll = log_lam.float().contiguous()
@@ -66,14 +66,15 @@ class SoeScanTriton(torch.autograd.Function):
         n_spans = triton.cdiv(seq_len, span * chunk)
         docs = document_numbers(reset, batch, seq_len, q.device)
         carry = span_carry(docs, span * chunk)
-        ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1), span)
+        ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1))
         states = slots(n_spans, pack(g0, b0), at_end=False)
-        launches["fwd_states"].run(k, v, v, coef, ll, docs, states, *ints)
-        pass_args = (n_spans, seq_len, span * chunk, *pass_sizes(states, heads * n_terms))
-        launches["fwd_pass"].run(states, ll, carry, *pass_args)
+        fc = launches["fwd"].constexprs["BT"]
+        reads = q.new_empty(triton.cdiv(seq_len, fc), *states.shape[1:])
+        launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, span * chunk // fc)
         out = torch.empty(batch, seq_len, heads, width, dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
-        launches["fwd"].run(q, k, v, coef, ll, docs, states, out, z, *ints)
+        launches["fwd"].run(q, k, v, coef, ll, docs, reads, out, z, *ints)
+        del reads
         g_t, b_t = unpack(states[-1], g0.shape)
         ctx.save_for_backward(q, k, v, coef, ll, docs, carry, states)
         ctx.set_materialize_grads(False)
@@ -102,7 +103,7 @@ class SoeScanTriton(torch.autograd.Function):
         ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1), span)
         final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
         d_states = slots(n_spans, final, at_end=True)
-        launches["bwd_states"].run(q, d_out, d_zz, coef, ll, docs, d_states, *ints)
+        launches["bwd_states"].run(q, d_out, d_zz, ll, docs, d_states, *ints)
         pass_args = (n_spans, seq_len, span * chunk, *pass_sizes(d_states, heads * n_terms))
         launches["bwd_pass"].run(d_states, ll, carry, *pass_args)
         n_features = triton.cdiv(feat, launches["bwd_keys"].constexprs["BC"])

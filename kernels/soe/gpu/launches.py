@@ -12,8 +12,14 @@ import torch
 import triton
 
 from kernels._common import Launch, triton_type
-from kernels.soe.gpu.backward import coef_grads_kernel, key_grads_kernel, query_grads_kernel, value_grads_kernel
-from kernels.soe.gpu.forward import output_kernel, span_states_kernel
+from kernels.soe.gpu.backward import (
+    coef_grads_kernel,
+    key_grads_kernel,
+    query_grads_kernel,
+    state_grads_kernel,
+    value_grads_kernel,
+)
+from kernels.soe.gpu.forward import chunk_output_kernel, chunk_states_kernel
 from kernels.span import MIN_PROGRAMS, span_pass_launch
 
 
@@ -26,9 +32,10 @@ def precision(dtype: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """One target's tiling: the largest chunk, the state's column block (value columns for the forward
-    and value-gradient walks, feature columns for the query and key walks), warps and stages of the span
-    walks and of the chunk-parallel coefficient kernel."""
+    """One target's tiling: the largest chunk of the backward's walks, the state's column block (value
+    columns for the state- and value-gradient walks, feature columns for the query and key walks), warps
+    and stages of those walks and of the chunk-parallel coefficient kernel, and warps and stages of the
+    forward's chunk-state walk and chunk-parallel outputs."""
 
     chunk: int
     block: int
@@ -36,6 +43,8 @@ class Tiles:
     warps: int
     stages: int
     coef_warps: int
+    forward_warps: int = 4
+    forward_stages: int = 2
 
 
 # Per target (sm_90 or newer). The compile gate (benchmarks.kernel_compile) checks every shipped config
@@ -43,6 +52,8 @@ class Tiles:
 TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
+FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that divides the backward's span
+
 SHARES_BYTES = 2**30  # the most the coefficient gradient's fp32 shares of one phase of the backward take
 
 
@@ -85,10 +96,24 @@ def walk_span(batch: int, seq_len: int, heads: int, n_terms: int, feat: int, wid
     values = triton.cdiv(width, TILES[capability >= 90].block)
     features = triton.cdiv(feat, feature_block(n_terms, feat, capability))
     span = span_size(batch, seq_len, heads, chunk, min(values, features))
-    if capability < 90:
-        return span
-    walks = (values, values + 1, values, values, features, features + 1)  # programs per span, batch and head
-    return wave_spans(batch * heads, triton.cdiv(seq_len, chunk), span, walks)
+    if capability >= 90:
+        walks = (values, values, features, features + 1)  # programs per span, batch and head
+        span = wave_spans(batch * heads, triton.cdiv(seq_len, chunk), span, walks)
+    return whole_forward_chunks(span, chunk, triton.cdiv(seq_len, chunk))
+
+
+def whole_forward_chunks(span: int, chunk: int, n_chunks: int) -> int:
+    """``span`` rounded up to whole chunks of the forward's largest chunk (FORWARD_CHUNKS[0] tokens), so
+    that the forward reads 64-token chunks and stores the backward's span states on its way; a span that
+    already covers the sequence stays as it is."""
+    per = max(1, FORWARD_CHUNKS[0] // chunk)
+    return span if span >= n_chunks else min(n_chunks, triton.cdiv(span, per) * per)
+
+
+def forward_chunk(span: int, chunk: int) -> int:
+    """The forward's chunk in tokens for backward spans of ``span`` chunks of ``chunk`` tokens: the largest
+    of FORWARD_CHUNKS dividing the span's tokens (16 always does), so the span borders are chunk borders."""
+    return next(c for c in FORWARD_CHUNKS if (span * chunk) % c == 0)
 
 
 def wave_spans(rows: int, n_chunks: int, span: int, walks: tuple[int, ...]) -> int:
@@ -98,7 +123,8 @@ def wave_spans(rows: int, n_chunks: int, span: int, walks: tuple[int, ...]) -> i
     over MIN_PROGRAMS SMs, a wave as long as a span; the longest span on a tie. At vort-125m's 12 heads
     and batch 1 this is 11 spans (every walk a whole number of waves) where the fewest is 3 (the value
     walks' 144 programs take two waves, the second a tenth full): the launch model of benchmarks/predict
-    prices the step's scans 1.45x faster (docs/kernels.md, "Predicted GPU times")."""
+    priced the step's scans 1.45x faster by it, when the forward still walked spans too (docs/kernels.md,
+    "Predicted GPU times")."""
 
     def waves_times_span(chunks: int) -> tuple[int, int]:
         spans = triton.cdiv(n_chunks, chunks)
@@ -128,13 +154,14 @@ def soe_launches(
     capability: int,
     decay_grad: bool = True,
 ) -> tuple[int, dict[str, Launch]]:
-    """(chunk length, launches) of one scan for q, k, v, coef of ``dtype`` and value width ``width`` on a
-    GPU of compute capability ``capability``, in the order they run. The sequence is cut into spans of
-    ``span_size`` chunks. Forward: "fwd_states" (each span's own state, value blocks walked on chip),
-    "fwd_pass" (the states entering the spans, one step per span), "fwd" (o by value block and z from the
-    normalisers, each span walked from its entering state, one launch). Backward: "bwd_states" and
-    "bwd_pass" (the same for the state gradients, in reverse), then "bwd_queries" (dq, from the forward's
-    saved span states), "bwd_keys" (dk, and the normalisers' share of the coefficient gradient),
+    """(chunk length of the backward's walks, launches) of one scan for q, k, v, coef of ``dtype`` and value
+    width ``width`` on a GPU of compute capability ``capability``, in the order they run. The backward
+    cuts the sequence into spans of ``walk_span`` chunks; the forward reads chunks of ``forward_chunk``
+    tokens, whose borders include the spans'. Forward: "fwd_states" (a walk per term and value block
+    storing the state entering every chunk, and the fp32 states at span borders), "fwd" (o and z, one
+    program per chunk). Backward: "bwd_states" and "bwd_pass" (each span's own share of the state
+    gradient, then the gradients entering every span, in reverse), then "bwd_queries" (dq, from the
+    forward's span states), "bwd_keys" (dk, and the normalisers' share of the coefficient gradient),
     "bwd_values" (dv and the value blocks' shares) and "bwd_coef" (dcoef, chunk parallel), the last three
     over ``phase_spans`` spans at a time (their grids here those of a full phase). ``decay_grad``:
     whether the backward makes the decays' gradient (not for decays that are buffers, as VORT's: the key
@@ -166,14 +193,23 @@ def soe_launches(
         return Launch(kernel, pointers, scalars, constexprs, grid, tiles.warps, tiles.stages,
                       wide=frozenset(pointers) - {"docs", "log_lam"})  # fmt: skip
 
-    states_in = {"x": operand, "y": operand, "y_norm": operand} | base | {"states": "fp32"}
+    fc = forward_chunk(span, bt)
+    forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype)}
+    fwd_ints = {k: "i32" for k in INTS if k != "SPAN"}
     d_state_in = qkv | base | {"d_states": "fp32", "d_out": operand}
     launches = {
-        "fwd_states": walk(span_states_kernel, states_in, ints, by_value | {"REVERSE": False}, value_grid),
-        "fwd": walk(output_kernel, qkv | base | {"states": "fp32", "out": operand, "z": operand}, ints, by_value,
-                    (n_spans * batch * heads * (n_values + 1), 1, 1)),
-        "bwd_states": walk(span_states_kernel, states_in | {"y_norm": "fp32"}, ints, by_value | {"REVERSE": True},
-                           value_grid),
+        "fwd_states": Launch(
+            chunk_states_kernel, {"k": operand, "v": operand} | base | {"reads": operand, "states": "fp32"},
+            fwd_ints | {"STRIDE": "i32"}, forward | {"BD": bv}, (batch * heads * n_terms, 1, 1),
+            tiles.forward_warps, tiles.forward_stages, wide=frozenset(("k", "v", "coef", "reads", "states")),
+        ),
+        "fwd": Launch(
+            chunk_output_kernel, qkv | base | {"reads": operand, "out": operand, "z": operand}, fwd_ints,
+            forward | {"BD": bv, "GN": gn}, (triton.cdiv(seq_len, fc) * batch * heads, 1, 1), tiles.forward_warps,
+            tiles.forward_stages, wide=frozenset(("q", "k", "v", "coef", "reads", "out", "z")),
+        ),
+        "bwd_states": walk(state_grads_kernel, {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32",
+                                                "docs": "i32", "states": "fp32"}, ints, dict(by_value), value_grid),
         "bwd_keys": walk(key_grads_kernel, d_state_in | {"d_z": "fp32", "dk": operand, "shares": "fp32"},
                          ints | {"SPAN0": "i32", "PHASE_T": "i32", "NORM_SHARE": "i32"},
                          by_feature | {"BF": bf, "PAIRS": not decay_grad},
@@ -194,8 +230,7 @@ def soe_launches(
         wide=frozenset(coef_in) - {"docs", "log_lam"},
     )  # fmt: skip
     n_state = batch * heads * n_terms * feat * (width + 1)
-    launches["fwd_pass"] = span_pass_launch(n_state, reverse=False, decay=True, wrap=False)
     launches["bwd_pass"] = span_pass_launch(n_state, reverse=True, decay=True, wrap=False)
-    order = ("fwd_states", "fwd_pass", "fwd", "bwd_states", "bwd_pass", "bwd_queries", "bwd_keys", "bwd_values",
+    order = ("fwd_states", "fwd", "bwd_states", "bwd_pass", "bwd_queries", "bwd_keys", "bwd_values",
              "bwd_coef")  # fmt: skip
     return bt, {name: launches[name] for name in order}
