@@ -108,3 +108,19 @@ def test_the_monitor_never_outlives_its_rank() -> None:
             rank.communicate(b"\n", timeout=30)
         assert rank.wait(timeout=30) == (-signal.SIGKILL if ending == "time.sleep(600)" else 0)
         assert _gone(monitor, 5 * POLL_S), (ending, monitor)
+
+
+def test_a_stopped_monitor_leaves_the_ranks_signal_handlers_as_they_were() -> None:
+    """After `stop`, SIGQUIT is back to its default (the rank's process dumps core and dies by it, rather
+    than exiting 3) and SIGUSR2 is no longer faulthandler's."""
+    script = textwrap.dedent(BESIDE.format(marker=None, after=600)) + textwrap.dedent("""
+        beside.stop()
+        import faulthandler, resource
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        assert not faulthandler.unregister(signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(5)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == -signal.SIGQUIT, done.stderr[-2000:]

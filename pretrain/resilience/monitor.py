@@ -81,12 +81,14 @@ class Heartbeat:
 class Monitor:
     """The rank's side: the monitor process it started and the page it beats into."""
 
-    def __init__(self, process: subprocess.Popen, heartbeat: Heartbeat) -> None:
-        self.process, self.heartbeat = process, heartbeat
+    def __init__(self, process: subprocess.Popen, heartbeat: Heartbeat, restore: Callable[[], object]) -> None:
+        self.process, self.heartbeat, self.restore = process, heartbeat, restore
 
     def stop(self) -> None:
-        """The rank ends normally: nothing to watch, the pipe closed, the monitor gone."""
+        """The rank ends normally: nothing to watch, the pipe closed, the monitor gone, the rank's signal
+        handlers as they were."""
         self.heartbeat.beat(0.0, 0, "")
+        self.restore()
         if self.process.stdin is not None:
             self.process.stdin.close()
         try:
@@ -103,7 +105,11 @@ def start(rank: int, marker: Path | None, stderr: IO[Any]) -> Monitor:
     libc = ctypes.CDLL(None)
     libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
     libc.signal.restype = ctypes.c_void_p
-    libc.signal(int(EXIT_SIGNAL), ctypes.cast(libc._exit, ctypes.c_void_p))
+    before = libc.signal(int(EXIT_SIGNAL), ctypes.cast(libc._exit, ctypes.c_void_p))
+
+    def restore() -> None:
+        faulthandler.unregister(DUMP_SIGNAL)
+        libc.signal(int(EXIT_SIGNAL), before)
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     # the page: a file in the local /tmp, unlinked at once; the mapping and the child's descriptor keep it
@@ -114,7 +120,7 @@ def start(rank: int, marker: Path | None, stderr: IO[Any]) -> Monitor:
         process = subprocess.Popen(
             [sys.executable, "-m", "pretrain.resilience.monitor", str(os.getpid()), str(rank), str(page.fileno()),
              str(marker or "")], stdin=subprocess.PIPE, pass_fds=[page.fileno()], env=env)
-    return Monitor(process, heartbeat)
+    return Monitor(process, heartbeat, restore)
 
 
 def say(text: str) -> None:
