@@ -494,4 +494,4 @@ def build_engine(
 def join_process_group(cfg: RunConfig) -> tuple[int, int]:
     """(rank, world) after joining the launcher's process group as this run's engine needs it."""
     engine = engine_class(cfg)
-    return init_distributed(cfg.engine.dist_timeout_s, engine.group_of_one, engine.joined)
+    return init_distributed(cfg.engine.dist_timeout_s, engine.group_of_one, engine.joined, Path(cfg.run.dir))

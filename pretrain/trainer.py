@@ -463,7 +463,7 @@ def train(
             "the hang watchdog's first-step allowance of %.0f s is clamped to %.0f s, below engine.dist_timeout_s=%.0f "
             "(a collective fails by itself past it, with no requeue); raise engine.dist_timeout_s or set "
             "train.hang_timeout_s", allowance, deadlines.first_time_s(), cfg.engine.dist_timeout_s)
-    times = straggler.StepTimes(run.world)
+    times = straggler.StepTimes(straggler.clock_for(run.device, run.world))
     try:
         stop = requeue.StopFlag()
         exit_code = _loop(run, started, stop, times)

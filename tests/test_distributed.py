@@ -6,10 +6,16 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from pretrain.distributed.process_group import adopt_slurm_environment
+from pretrain.distributed.process_group import (
+    FLIGHT_RECORDER,
+    NCCL_FLIGHT_RECORDER,
+    adopt_slurm_environment,
+    enable_flight_recorder,
+)
 from tests.launchers import REPO, free_port
 
 SLURM_TASK = {
@@ -70,3 +76,22 @@ def test_every_group_made_after_the_default_one_gets_its_timeout() -> None:
                           env=dict(os.environ, PYTHONPATH=str(REPO), PORT=str(free_port())))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["123.0", "1800.0"], done.stdout
+
+
+def test_the_flight_recorder_is_enabled_as_documented(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On GPUs NCCL's recorder is turned on with its dumps in the run directory; on CPU only the
+    backend-neutral one; a variable the user set is never replaced."""
+    names = [*FLIGHT_RECORDER, *NCCL_FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    assert enable_flight_recorder(tmp_path, cuda=False) == {"TORCH_FR_BUFFER_SIZE": "2000"}
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")  # the user's
+    chosen = enable_flight_recorder(tmp_path, cuda=True)
+    assert chosen == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                      "TORCH_NCCL_ENABLE_TIMING": "1",
+                      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "nccl_trace_rank_")}
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    assert all(os.environ[name] == value for name, value in chosen.items())

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pretrain.resilience.straggler import StepTimes, judge
+from pretrain.resilience.straggler import DeviceClock, HostClock, StepTimes, judge
 from tests.launchers import logged
 from tests.test_hang import _rank_process
 from tests.test_preemption import start, wait_for_step
@@ -40,7 +40,7 @@ def test_a_rank_slower_than_the_median_by_the_factor_is_named() -> None:
 def test_steps_under_a_commit_or_after_a_save_are_not_counted() -> None:
     """The steps of a rank whose checkpoint commit runs during them, and the first step after a save or an
     evaluation, stay out of the window: the 0.2 s steps here never reach the means."""
-    times = StepTimes(world=1)
+    times = StepTimes(HostClock(world=1))
     for seconds, counted, skip in [(0.02, True, False), (0.2, False, False), (0.2, True, True), (0.02, True, False)]:
         if skip:
             times.skip_next()
@@ -53,6 +53,65 @@ def test_steps_under_a_commit_or_after_a_save_are_not_counted() -> None:
     assert counted_steps == 2 and comm == 0.0
     assert 0.004 < data < 0.05 and 0.019 < rest < 0.1, (data, rest)
     assert times.take()[3] == 0  # a new window
+
+
+class FakeDevice:
+    """A device timeline for CUDA events on CPU: each event recorded lands at `now` (what the test says
+    the device reached); reading an event's time before the device has `finished` would be a host sync
+    inside the step, and fails."""
+
+    def __init__(self) -> None:
+        self.now, self.finished = 0.0, False
+
+    def event(self, enable_timing: bool = False) -> FakeDevice.Event:
+        assert enable_timing
+        return FakeDevice.Event(self)
+
+    class Event:
+        def __init__(self, device: FakeDevice) -> None:
+            self.device, self.at = device, None
+
+        def record(self) -> None:
+            self.at = self.device.now
+
+        def synchronize(self) -> None:
+            assert self.device.finished, "an event waited for inside the step"
+
+        def elapsed_time(self, end: FakeDevice.Event) -> float:
+            assert self.device.finished, "an event read inside the step"
+            return (end.at - self.at) * 1000.0
+
+
+def test_on_the_device_the_step_is_split_by_cuda_events_and_nccls_collective_times() -> None:
+    """The device's clock: the host's times say nothing (the host waits the same on every rank); the
+    events' times split each step into data (0.01 s), collectives (NCCL's device times of those created
+    during a counted step, each once) and the rest. No event is read before the window is taken."""
+    device = FakeDevice()
+    collectives: list[dict] = []
+    clock = DeviceClock(device.event, lambda: list(collectives))
+    times = StepTimes(clock)
+    record = 0
+    for step, counted in enumerate([True, False, True]):
+        times.step_begins()
+        created = time.time_ns()
+        device.now += 0.01
+        times.data_ready()
+        device.now += 0.5
+        times.step_ends(counted=counted)
+        for _ in range(2):  # two collectives of the step, 0.2 s each on the device
+            record += 1
+            collectives.append({"record_id": record, "time_created_ns": created, "duration_ms": 200.0})
+        if step == 1:  # a checkpoint's collective between steps: in no counted step
+            record += 1
+            collectives.append({"record_id": record, "time_created_ns": time.time_ns() + 10**9, "duration_ms": 9e3})
+    collectives.append({"record_id": record + 1, "time_created_ns": created})  # not done yet: no device time
+    device.finished = True
+    data, comm, rest, counted_steps = times.take()
+    assert counted_steps == 2
+    assert (data, comm, rest) == pytest.approx((0.01, 0.4, 0.1))
+    collectives[-1]["duration_ms"] = 100.0  # done by the next window, in none of its steps
+    assert times.take() == (0.0, 0.0, 0.0, 0.0)
+    assert clock.counted_to == record + 1  # each collective counted once
 
 
 def duty_cycle(process: psutil.Process, stopped_s: float, running_s: float, until: threading.Event) -> None:

@@ -11,6 +11,7 @@ import datetime
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,12 +39,27 @@ def barrier() -> None:
 _host_group: dist.ProcessGroup | None = None
 _timeout: datetime.timedelta | None = None  # the default group's, given to every group made after it
 
-FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-"""torch's flight recorder: each rank keeps its last 2,000 collectives (gloo and NCCL), which the hang
-watchdog writes out when it fires (`flight_record`), and NCCL dumps them by itself when a collective times
-out (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE, /tmp/nccl_trace_rank_<r> unless set). Each is set unless already in
-the environment."""
+FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000"}
+"""torch's flight recorder, on every backend: each rank keeps its last 2,000 collectives, which the hang
+watchdog writes out when it fires (`flight_record`)."""
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                        "TORCH_NCCL_ENABLE_TIMING": "1"}
+"""The same on GPUs for NCCL, which also dumps the record by itself when a collective times out (to
+TORCH_NCCL_DEBUG_INFO_TEMP_FILE, `<run dir>/nccl_trace_rank_<r>` as `enable_flight_recorder` sets it) and
+times each collective on the device (the straggler report reads those durations)."""
+NCCL_TRACE_FILE = "nccl_trace_rank_"  # torch appends the rank
+
+
+def enable_flight_recorder(run_dir: Path, cuda: bool) -> dict[str, str]:
+    """Turn torch's flight recorder on for the process group about to be made: FLIGHT_RECORDER, and on
+    GPUs NCCL_FLIGHT_RECORDER with NCCL's own dumps in `run_dir`. A variable the user has set is left as
+    it is; returns the ones set here."""
+    wanted = dict(FLIGHT_RECORDER)
+    if cuda:
+        wanted.update(NCCL_FLIGHT_RECORDER, TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(run_dir / NCCL_TRACE_FILE))
+    chosen = {name: value for name, value in wanted.items() if name not in os.environ}
+    os.environ.update(chosen)
+    return chosen
 
 
 def flight_record() -> bytes | None:
@@ -134,12 +150,13 @@ def adopt_slurm_environment() -> bool:
 
 
 def init_distributed(
-    timeout_s: float, group_of_one: bool, joined: Callable[[str, datetime.timedelta], None]
+    timeout_s: float, group_of_one: bool, joined: Callable[[str, datetime.timedelta], None], run_dir: Path
 ) -> tuple[int, int]:
     """Join the process group the launcher set up (gloo on CPU, NCCL on CUDA) and return (rank, world).
     Without a launcher, a plain `python` run stays a single process, unless the engine needs a process
     group even then (`group_of_one`: a group of one is made). `joined(backend, timeout)` runs once the
-    group exists: the engine's own set-up on top of it."""
+    group exists: the engine's own set-up on top of it. The flight recorder is enabled first
+    (`enable_flight_recorder`, NCCL's dumps in `run_dir`)."""
     launched = "MASTER_ADDR" in os.environ and "RANK" in os.environ  # deepspeed / torchrun / SLURM wrapper
     if dist.is_initialized() or not (launched or group_of_one):
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -150,8 +167,7 @@ def init_distributed(
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    for name, value in FLIGHT_RECORDER.items():
-        os.environ.setdefault(name, value)
+    enable_flight_recorder(run_dir, torch.cuda.is_available())
     init_process_group(backend, timeout)
     joined(backend, timeout)
     return dist.get_rank(), dist.get_world_size()

@@ -9,9 +9,9 @@ last commit, rank 0's closing of the metrics and wandb, the last barrier). A thr
 how long the current phase has run. It is a thread, not a signal handler, because a hung rank is usually
 blocked inside a C call (a collective waiting for a peer, a device sync, a read), where a Python signal
 handler never runs; the thread runs whenever the blocked call has released the GIL, as collectives and
-torch ops do. A hang that holds the GIL stops that thread too; for it, faulthandler's C thread (no GIL)
-is armed as phases begin (again at most every REARM_S within one kind of work: arming costs about 0.1 ms)
-to dump the stacks and end the process BACKSTOP_S - REARM_S to BACKSTOP_S after the phase's deadline.
+torch ops do. A hang that holds the GIL, or a rank stopped whole, stops that thread too; for them the
+rank monitor, a process beside the rank (pretrain/resilience/monitor.py), gets a heartbeat at every phase
+and ends the rank MONITOR_AFTER_S after the phase's deadline, once this thread has had its time to.
 
 Past its deadline the thread, in this order and whatever fails: writes the phase, the step and the stacks
 of every thread (faulthandler) to the rank's stderr (the job's log); gives each file it then writes
@@ -36,7 +36,6 @@ clamps the first-time allowance.
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import json
 import os
@@ -49,6 +48,8 @@ from typing import Any
 
 from pretrain.config import RunConfig
 from pretrain.distributed.process_group import flight_record
+from pretrain.resilience import monitor
+from pretrain.resilience.monitor import bounded, say
 from pretrain.resilience.requeue import EXIT_REQUEUE, HANG, write_marker
 
 EXIT_HANG = EXIT_REQUEUE  # the requeue code, as after a preemption: the job resumes from its newest checkpoint
@@ -59,9 +60,9 @@ COLLECTIVE_MARGIN = 0.9
 POLL_S = 0.5
 FILE_WAIT_S = 10.0  # the most the watchdog waits on each file it writes
 COMMIT_GRACE_S = 60.0  # the most it waits for an asynchronous checkpoint commit in flight
-BACKSTOP_S = 3 * FILE_WAIT_S + COMMIT_GRACE_S + 30.0  # faulthandler's C thread: after the deadline, this more
-REARM_S = 10.0  # the backstop is re-armed at most this often within one kind of work (arming costs ~0.1 ms)
+MONITOR_AFTER_S = 3 * FILE_WAIT_S + COMMIT_GRACE_S + 30.0  # the monitor process: after the deadline, this more
 DEADLINES_FILE = "deadlines.json"
+WHO = "hang watchdog"
 
 KIND = {
     "data": "step", "forward_backward": "step", "optimizer": "step", "step_end": "step",
@@ -113,47 +114,18 @@ def load_longest(run_dir: Path) -> dict[str, float]:
         return {}
 
 
-def bounded(action: Callable[[], None], seconds: float, what: str) -> bool:
-    """Run `action` in a daemon thread and wait for it `seconds` at most (a write to a stuck filesystem
-    blocks in the kernel, where nothing can interrupt it; the thread is left behind). Whether it finished
-    without an error; a line on stderr says what went wrong otherwise."""
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            action()
-        except BaseException as err:  # reported below, whatever it is: the caller must go on
-            failure.append(err)
-
-    thread = threading.Thread(target=run, name=f"hang-watchdog-{what}", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        _say(f"hang watchdog: gave up on {what} after {seconds:.0f} s (a stuck filesystem?)\n")
-        return False
-    if failure:
-        _say(f"hang watchdog: {what} failed: {failure[0]!r}\n")
-        return False
-    return True
-
-
-def _say(text: str) -> None:
-    with contextlib.suppress(OSError):
-        os.write(2, text.encode())
-
-
 class Watchdog:
     """Ends this process with EXIT_HANG when its main thread stays in one phase past the phase's
     deadline. `enter` is called by the main thread only; the thread reads one tuple it replaces."""
 
-    def __init__(self, deadlines: Deadlines, rank: int, run_dir: Path, marker: Path | None) -> None:
-        self.deadlines, self.rank, self.marker = deadlines, rank, marker
+    def __init__(self, deadlines: Deadlines, rank: int, run_dir: Path, marker: Path | None,
+                 beside: monitor.Monitor | None = None) -> None:
+        self.deadlines, self.rank, self.marker, self.monitor = deadlines, rank, marker, beside
         self.log_path = run_dir / f"hang_rank{rank}.log"
         self.flight_path = run_dir / f"collectives_rank{rank}.json"
         self.commit_grace: Callable[[float], object] | None = None  # waits for a commit in flight, bounded
         self._current: tuple[str, int, float, float] | None = None  # phase, step, entered, deadline
         self._unit: tuple[str, float] | None = None  # the kind of work under way and when it began
-        self._armed: tuple[str, float, float] | None = None  # the backstop's kind, deadline and arming time
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
@@ -175,14 +147,13 @@ class Watchdog:
             self._unit = (kind, now)
         deadline = self.deadlines(kind)
         self._current = (phase, step, now, deadline)
-        armed = self._armed
-        if armed is None or armed[:2] != (kind, deadline) or now - armed[2] > REARM_S:
-            faulthandler.dump_traceback_later(deadline + BACKSTOP_S, exit=True, file=_stderr_with_fd())
-            self._armed = (kind, deadline, now)
+        if self.monitor is not None:
+            self.monitor.heartbeat.beat(now + deadline + MONITOR_AFTER_S, step, phase)
 
     def stop(self) -> None:
-        """No more phases: the thread ends (the process is about to leave normally)."""
-        faulthandler.cancel_dump_traceback_later()
+        """No more phases: the thread and the monitor end (the process is about to leave normally)."""
+        if self.monitor is not None:
+            self.monitor.stop()
         self._current = None
         self._stopped.set()
         self._thread.join()
@@ -202,17 +173,17 @@ class Watchdog:
                 f"deadline of {deadline:.0f} s ({CONFIG_KEY[KIND[phase]]}); writing the requeue marker and exiting "
                 f"with code {EXIT_HANG}. Stacks of every thread:\n"
             )
-            _say(headline)
+            say(headline)
             faulthandler.dump_traceback(file=2, all_threads=True)
-            bounded(lambda: self._write_log(headline), FILE_WAIT_S, f"writing {self.log_path}")
+            bounded(lambda: self._write_log(headline), FILE_WAIT_S, f"writing {self.log_path}", WHO)
             if self.marker is not None:
                 note = {"step": step, "reason": HANG, "phase": phase, "rank": self.rank}
                 bounded(lambda: write_marker(self.marker, note, self.rank), FILE_WAIT_S,
-                        f"writing the requeue marker {self.marker}")
-            bounded(self._write_flight_record, FILE_WAIT_S, f"writing {self.flight_path}")
+                        f"writing the requeue marker {self.marker}", WHO)
+            bounded(self._write_flight_record, FILE_WAIT_S, f"writing {self.flight_path}", WHO)
             if self.commit_grace is not None and phase != "checkpoint_commit":
                 grace = self.commit_grace
-                bounded(lambda: grace(COMMIT_GRACE_S), COMMIT_GRACE_S + 1.0, "the checkpoint commit in flight")
+                bounded(lambda: grace(COMMIT_GRACE_S), COMMIT_GRACE_S + 1.0, "the checkpoint commit in flight", WHO)
         finally:
             os._exit(EXIT_HANG)
 
@@ -234,13 +205,14 @@ _active: Watchdog | None = None
 
 def start_for(cfg: RunConfig, rank: int, marker: Path | None) -> Deadlines:
     """Start the watchdog of this rank of the run `cfg` describes (the one `phase` reports to), from the
-    longest durations a job before this one measured; it writes `marker` when it fires."""
+    longest durations a job before this one measured, and its monitor process; both write `marker` when
+    they end the rank."""
     global _active
     configured = {"step": cfg.train.hang_timeout_s, "eval": cfg.eval.hang_timeout_s,
                   "checkpoint": cfg.checkpoint.hang_timeout_s, "commit": cfg.checkpoint.hang_timeout_s}
     run_dir = Path(cfg.run.dir)
     deadlines = Deadlines(configured, cfg.engine.dist_timeout_s, load_longest(run_dir))
-    _active = Watchdog(deadlines, rank, run_dir, marker)
+    _active = Watchdog(deadlines, rank, run_dir, marker, monitor.start(rank, marker, _stderr_with_fd()))
     _active.start()
     return deadlines
 
@@ -283,7 +255,7 @@ def deadline(kind: str) -> float | None:
 
 
 def _stderr_with_fd() -> Any:
-    """sys.stderr if it is backed by a file descriptor (faulthandler writes to one from a C thread), else
+    """sys.stderr if it is backed by a file descriptor (faulthandler writes to one from a C handler), else
     the process's original stderr (a captured or redirected sys.stderr, as under pytest's capsys)."""
     try:
         sys.stderr.fileno()
