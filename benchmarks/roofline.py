@@ -148,6 +148,14 @@ ACCESS: dict[str, dict[str, dict[str, str]]] = {
         "fwd": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS, "reads": ONCE,
                                                               "out": ONCE, "z": ONCE},
         "bwd_states": {"q": SHARED, "d_out": ONCE, "d_z": ONCE, "log_lam": DECAYS, "docs": SHARED, "states": STATE},
+        # the chunk-parallel backward (decays without a gradient): the reverse state-gradient walk, then dq
+        # and (dk, dv, dcoef) one program per chunk, each reading its chunk's (gradient of the) state once
+        "bwd_chunk_states": {"q": SHARED, "d_out": SHARED, "d_z": SHARED, "log_lam": ONCE, "docs": SHARED,
+                             "d_reads": ONCE, "d_edges": STATE},
+        "bwd_chunk_queries": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS}
+        | dict.fromkeys(("reads", "d_out", "d_z", "dq"), ONCE),
+        "bwd_chunk_keys": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS}
+        | dict.fromkeys(("d_reads", "d_out", "d_z", "dk", "dv", "dcoef"), ONCE),
         "bwd_pass": _PASS,
         "bwd_queries": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"states": STATE, "d_out": SHARED,
                                                                         "d_z": SHARED, "dq": ONCE, "dll": PARTIAL},
@@ -190,8 +198,12 @@ def _soe_flops(name: str, c: dict, named: dict) -> int:
     n_blocks = _column_programs(name, c, named) - (name in ("fwd", "bwd_keys")) if block else 0
     mask = 2 * 2 * bt * gn * bt  # R = E^T @ coef^T in tf32
     walk = 2 * bt * bt * cols + mask + 2 * bt * bt * block + 2 * 2 * rows * cols * bt  # intra part, read, write
-    if name == "fwd_states":  # one term's write
+    if name in ("fwd_states", "bwd_chunk_states"):  # one term's write (or its gradient's)
         return 2 * bt * c["BF"] * c["BD"]
+    if name == "bwd_chunk_queries":  # dO V^T, (dP * Wc) K, the kernel matrix, a read per term
+        return 2 * bt * bt * (c["BF"] + c["BD"]) + mask + named["S"] * 2 * bt * c["BF"] * c["BD"]
+    if name == "bwd_chunk_keys":  # scores, dO V^T, dv and dk inside, kernel matrix, pairs spread, two per term
+        return (4 * bt * bt * (c["BF"] + c["BD"]) + 2 * mask + named["S"] * 4 * bt * c["BF"] * c["BD"])
     if name == "bwd_states":
         return n_blocks * 2 * bt * cols * (rows + gn)
     if name == "fwd":  # scores, kernel matrix, its product with the values, one read per term
@@ -252,10 +264,10 @@ def launch_names(scan: str, captured: Sequence[tuple[Launch, tuple]]) -> list[st
         if scan == "soe" and "S" in named:
             x = next(named[n] for n in ("q", "x", "k") if n in named)
             b, t, h, f = x.shape
-            c = launch.constexprs
-            decay_grad = c.get("NEED_DLL", not c.get("PAIRS", False))
-            made = soe_launches(b, t, h, named["S"], f, named["DV"], launch.constexprs["BT"], x.dtype, CAPABILITY,
-                                decay_grad)[1]  # fmt: skip
+            made = {}  # both backwards: the walks (decays with a gradient) and the chunk-parallel one; 16: any
+            # requested chunk gives the walks' chunk of 16 tokens (launches.chunk_block)
+            for decay_grad in (True, False):
+                made |= soe_launches(b, t, h, named["S"], f, named["DV"], 16, x.dtype, CAPABILITY, decay_grad)[1]
         elif scan == "phasor" and "L" in named:
             values = args[0]  # the increments or their read gradients, [B, T, levels, width]
             b, t, levels, width = values.shape
@@ -316,7 +328,7 @@ def launch_cost(scan: str, name: str, launch: Launch, args: tuple, sharers: Coun
     if "SPAN" in named:  # a walk: the column programs of a span x batch x head cover its chunks once
         spans = launch.programs // _column_programs(name, c, named) // named["BH"]
         chunks = named["BH"] * min(spans * named["SPAN"], n_chunks)
-    elif name == "fwd_states":  # a walk per batch x head x term over every chunk
+    elif name in ("fwd_states", "bwd_chunk_states"):  # a walk per batch x head x term over every chunk
         chunks = launch.programs * n_chunks
     else:  # chunk parallel
         chunks = launch.programs

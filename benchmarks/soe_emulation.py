@@ -158,10 +158,10 @@ def _chunk_states(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam:
 def _border_states(w: _Walk, ks: torch.Tensor, vs: torch.Tensor, cs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's fp32 states entering each span, G [P, S, D, F] (transposed) and b [P, S, 1, F]: the
     forward's chunk walk (_chunk_states) at the span borders."""
-    fc = forward_chunk(w.span, CHUNK)
+    fc = forward_chunk(w.span, CHUNK, -(-w.seq_len // CHUNK))
     flat = (x.reshape(-1, x.shape[-1]) for x in (ks, vs, cs))
     g, bn = _chunk_states(*flat, w.log_lam, w.dtype, fc)
-    stride = w.span * CHUNK // fc
+    stride = -(-w.span * CHUNK // fc)
     return g[::stride][: w.n_spans].transpose(-1, -2), bn[::stride][: w.n_spans, :, None]
 
 
@@ -177,7 +177,7 @@ def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: tor
     the rounded state, weighted by lam^(i+1) in fp32."""
     seq_len, n_terms = q.shape[0], log_lam.shape[-1]
     span = walk_span(1, seq_len, 1, n_terms, q.shape[-1], v.shape[-1], CHUNK, CAPABILITY)
-    fc = forward_chunk(span, CHUNK)
+    fc = forward_chunk(span, CHUNK, -(-seq_len // CHUNK))
     n_chunks = -(-seq_len // fc)
     qs, ks, vs, cs = (_to(x.float(), dtype) for x in (q, k, v, coef))
     g, bn = _chunk_states(ks, vs, cs, log_lam.float(), dtype, fc)

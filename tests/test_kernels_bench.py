@@ -113,16 +113,20 @@ def test_roofline_models_the_span_kernels_and_the_walks(capsys, tmp_path):
     pl = {k["kernel"]: k for k in steps[("pl-125m", roofline.SPAN)]["kernels"]}
     for kernel in ("soe_fwd_spans", "soe_fwd", "soe_bwd_reverse_order"):
         assert vort[kernel]["flops_per_token_layer"] / pl[kernel]["flops_per_token_layer"] == pytest.approx(18 / 16)
-    # the forward's state walk: per token, head and term one write, [64 features x 64 tokens] @ [64 tokens x
-    # 64 values] per 64-token chunk
+    # the state walk, run by the forward and again by the backward: per token, head and term one write,
+    # [64 features x 64 tokens] @ [64 tokens x 64 values] per 64-token chunk
     heads, feat, width, terms = 12, 64, 64, 18
     built = {k["kernel"]: k for k in steps[("vort-125m", roofline.BUILT)]["kernels"]}
-    assert built["soe_fwd_states"]["flops_per_token_layer"] == pytest.approx(heads * terms * 2 * feat * width)
-    # it reads k, v and the coefficients once (the term programs of a head share them through L2) and
+    assert built["soe_fwd_states"]["flops_per_token_layer"] == pytest.approx(2 * heads * terms * 2 * feat * width)
+    # each run reads k, v and the coefficients once (the term programs of a head share them through L2) and
     # writes the state entering every 64-token chunk in bf16 for the outputs, plus a few fp32 span states
-    per_token = heads * (2 * (feat + width + terms) + terms * feat * (width + 1) * 2 / 64)
+    per_token = 2 * heads * (2 * (feat + width + terms) + terms * feat * (width + 1) * 2 / 64)
     assert per_token < built["soe_fwd_states"]["bytes_per_token_layer"] < per_token * 1.2
-    assert all(k["runs"] == 1 for k in built.values() if not k["kernel"].endswith("torch_sums"))
+    # once per layer each, but the chunk state walk: the chunk-parallel backward walks it again
+    assert {k["kernel"]: k["runs"] for k in built.values() if not k["kernel"].endswith("torch_sums")} == {
+        "soe_fwd_states": 2, "soe_fwd": 1, "soe_bwd_chunk_states": 1, "soe_bwd_chunk_queries": 1,
+        "soe_bwd_chunk_keys": 1,
+    }
     step = steps[("vort-125m", roofline.BUILT)]
     assert step["io_floor_ms"] < step["flop_floor_ms"] < step["scan_ms"]
     assert steps[("vort-125m", roofline.SPAN)]["io_floor_ms"] is None
@@ -182,17 +186,23 @@ def test_roofline_built_design_counts_every_launch_the_step_makes(config):
 
     cfg = shipped_configs()[config]
     scan = roofline.family(cfg.kind).scan_shape(cfg)
-    if scan.kernel == "soe":
+    if scan.kernel == "soe":  # both backwards: the walks (decays with a gradient) and the chunk-parallel one
         heads, terms, feat, width, chunk = scan.sizes
-        made = soe_launches(1, 4096, heads, terms, feat, width, chunk, torch.bfloat16, roofline.CAPABILITY)[1]
+        made, step = {}, None
+        for decay_grad in (True, False):
+            step = soe_launches(1, 4096, heads, terms, feat, width, chunk, torch.bfloat16, roofline.CAPABILITY,
+                                decay_grad)[1]  # fmt: skip
+            made |= step
+        # the backward's walk of the chunk states is the forward's launch again, and named as it
+        assert step.pop("bwd_reads") == made.pop("bwd_reads") == made["fwd_states"]
     else:
-        made = phasor_launches(1, 4096, *scan.sizes, torch.float32, roofline.CAPABILITY)[1]
-    assert list(roofline.ACCESS[scan.kernel]) == list(made)
+        made = step = phasor_launches(1, 4096, *scan.sizes, torch.float32, roofline.CAPABILITY)[1]
+    assert set(roofline.ACCESS[scan.kernel]) == set(made)
     for name, launch in made.items():
         assert roofline.ACCESS[scan.kernel][name].keys() == launch.pointers.keys(), name
     rows, layers = roofline.kernel_rows(cfg, roofline.BUILT, 4096)
     kernels = [r["kernel"] for r in rows if not r["kernel"].endswith("_torch_sums")]
-    assert kernels == [f"{scan.kernel}_{n}" for n in made] and layers > 0
+    assert kernels == [f"{scan.kernel}_{n}" for n in step] and layers > 0  # VORT's decays are buffers
     # an argument the accounting does not know is an error, not a silent zero
     launch = made["fwd"]
     with pytest.raises(ValueError, match="ACCESS names"):

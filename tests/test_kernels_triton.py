@@ -98,11 +98,14 @@ def test_soe_triton_spans_match_reference(monkeypatch, seq_len, chunk_size, batc
     for name in ("bwd_states", "bwd_values"):
         assert launches[name].grid[0] == n_spans * batch * heads * math.ceil(dim_v / blocks[name]), name
     assert launches["bwd_queries"].grid[0] == n_spans * batch * heads * math.ceil(feat / blocks["bwd_queries"])
-    # the forward: a state walk per batch x head x term, outputs per chunk x batch x head, its chunks (16 or
-    # 32 tokens here) tiling the spans
+    # the forward: a state walk per batch x head x term (x state block), outputs per chunk x batch x head,
+    # its chunks (16 or 32 tokens here, 64 for one span) tiling the spans
     fc = launches["fwd"].constexprs["BT"]
-    assert (per_span * chunk) % fc == 0 and launches["fwd_states"].constexprs["BT"] == fc
-    assert launches["fwd_states"].grid[0] == batch * heads * 2
+    assert (per_span * chunk) % fc == 0 or per_span * chunk >= seq_len  # one span: chunks of 64
+    assert launches["fwd_states"].constexprs["BT"] == fc
+    states = launches["fwd_states"].constexprs  # blocks of the state, as small as filling the GPU needs
+    state_blocks = math.ceil(feat / states["BF"]) * math.ceil(dim_v / states["BD"])
+    assert launches["fwd_states"].grid[0] == batch * heads * 2 * state_blocks
     assert launches["fwd"].grid[0] == math.ceil(seq_len / fc) * batch * heads
     # the normalisers' walk is one more column block of the key-gradient launch
     assert launches["bwd_keys"].grid[0] == n_spans * batch * heads * (math.ceil(feat / blocks["bwd_keys"]) + 1)
@@ -141,24 +144,43 @@ def test_soe_triton_term_groups_match_reference(monkeypatch, n_terms):
     _check_soe(inputs, 16)
 
 
-def test_soe_triton_without_a_decay_gradient(monkeypatch):
-    """Decays that are buffers (VORT's): the backward skips the decay gradient's sums and returns None for
-    log_lam, and every other gradient still matches the reference."""
-    _spans_of(monkeypatch, 2, 70, 2, 16, 2, 18, 6, 9)
+@pytest.mark.parametrize(("per_span", "target"), [(1, 80), (2, 80), (4, 80), (4, 90)])
+def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target):
+    """Decays that are buffers (VORT's): the chunk-parallel backward returns None for log_lam, every other
+    gradient matches the reference, and two runs are bitwise equal. 18 terms, resets, an initial state and
+    the final state's gradient, at forward chunks of 16, 32 and 64 tokens (spans of 1, 2 and 4 chunks of
+    16; 70 tokens, so the last chunk is short), with an A100's launches (dk, dv and dcoef apart) and an
+    H100's (in one launch)."""
+    import kernels.soe.gpu.function as function
+    from kernels.soe.triton import soe_launches
+
+    monkeypatch.setattr(function, "device_capability", lambda _x: target)
+    names = soe_launches(2, 70, 2, 18, 6, 9, 16, torch.float32, target, decay_grad=False)[1].keys()
+    assert ("bwd_chunk_values" in names) == (target == 80) and "bwd_chunk_keys" in names
+
+    if per_span < 4:
+        _spans_of(monkeypatch, 2, 70, 2, 16, per_span, 18, 6, 9)
+    else:  # one span over the sequence: chunks of 64 (the last of 6 tokens)
+        import kernels.soe.gpu.launches as launches
+
+        monkeypatch.setattr(launches, "MIN_PROGRAMS", 1)
+    assert soe_launches(2, 70, 2, 18, 6, 9, 16, torch.float32, 80)[1]["fwd"].constexprs["BT"] == 16 * per_span
     inputs = soe_inputs(2, 70, 2, 6, 9, 18, True, seed=3)
     inputs["reset"] = resets(70, RESET_ROWS)
-    got, want = ({} for _ in range(2))
-    for backend, dtype, grads in (("triton", torch.float32, got), ("reference", torch.float64, want)):
+    runs = []
+    for backend, dtype in (("triton", torch.float32), ("triton", torch.float32), ("reference", torch.float64)):
         x = {n: t.to(dtype).requires_grad_(n != "log_lam") for n, t in inputs.items() if t.is_floating_point()}
         o, z, (g, b) = soe_scan(x["q"], x["k"], x["v"], x["coef"], x["log_lam"], (x["g0"], x["b0"]), True, 16,
                                 backend, reset=inputs["reset"])  # fmt: skip
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o, z, g, b)]
         sum((t.double() * w).sum() for t, w in zip((o, z, g, b), weights)).backward()
-        grads.update({n: t.grad for n, t in x.items()})
-    assert got.pop("log_lam") is None and want.pop("log_lam") is None
+        runs.append({n: t.grad for n, t in x.items()})
+    got, again, want = runs
+    assert got.pop("log_lam") is None and want.pop("log_lam") is None and again.pop("log_lam") is None
     for name in want:
         assert rel_err(got[name], want[name]) <= GRAD_TOL, name
+        assert torch.equal(got[name], again[name]), name
 
 
 @pytest.mark.parametrize(("target", "spans"), [(1, 1), (4, 5)])
@@ -194,13 +216,13 @@ def test_soe_triton_resets_match_reference(monkeypatch, chunk_size, dim_v, per_s
 
 
 def test_soe_triton_forward_chunks_of_64_match_reference(monkeypatch):
-    """Spans sized for 3 chunks of 16 are rounded up to 4, so the forward reads chunks of 64 tokens (150
+    """Spans sized for 5 chunks of 16 are rounded down to 4, so the forward reads chunks of 64 tokens (150
     tokens: two whole and one of 22) and stores the backward's span states at their borders; with resets
     inside those chunks, on their borders and on the last token, an initial state and a fast term."""
     import kernels.soe.gpu.launches as launches
 
-    monkeypatch.setattr(launches, "MIN_PROGRAMS", 2 * 1 * 1 * 4)
-    assert launches.span_size(2, 150, 1, 16, 1) == 3
+    monkeypatch.setattr(launches, "MIN_PROGRAMS", 2 * 1 * 1 * 2)
+    assert launches.span_size(2, 150, 1, 16, 1) == 5
     assert launches.walk_span(2, 150, 1, 2, 4, 5, 16, 80) == 4
     assert launches.soe_launches(2, 150, 1, 2, 4, 5, 16, torch.float32, 80)[1]["fwd"].constexprs["BT"] == 64
     inputs = soe_inputs(2, 150, 1, 4, 5, 2, True, seed=11)

@@ -26,6 +26,17 @@ from kernels.soe.gpu.walk import chunk_masks, decay_table, kernel_matrix, load_t
 
 
 @triton.jit
+def _state_program(F, DV, BF: tl.constexpr, BD: tl.constexpr):
+    """(row, feature block, value block) of a state walk's program: row = (batch x head) * S + term; the
+    blocks of one row are launched side by side, so they read its k and v tiles from L2 after the first."""
+    n_values = tl.cdiv(DV, BD)
+    n_blocks = tl.cdiv(F, BF) * n_values
+    pid = tl.program_id(0)
+    blk = pid % n_blocks
+    return pid // n_blocks, blk // n_values, blk % n_values
+
+
+@triton.jit
 def chunk_states_kernel(
     k, v, coef, log_lam, docs, reads, states,
     seq_len, BH, H, S, F, DV, W, STRIDE,
@@ -36,15 +47,13 @@ def chunk_states_kernel(
     the state goes to slot c of ``reads`` ([chunks, B*H*S, W], the operands' dtype); after every STRIDE
     chunks, and after the last, to the next slot of ``states``. A chunk of n tokens decays the state by
     lam^n (cut to zero when a document starts inside it) and adds sum_j lam^(n-1-j) coef_j k_j v_j^T over
-    the tokens whose writes reach its end; the normalisers b_s ride with value block 0."""
-    n_blocks = tl.cdiv(DV, BD)
-    pid = tl.program_id(0)
-    vb = pid % n_blocks
-    row = pid // n_blocks  # (batch x head) * S + term
+    the tokens whose writes reach its end; the normalisers b_s ride with value block 0. A program owns a
+    [BF, BD] block of the state (_state_program)."""
+    row, fb, vb = _state_program(F, DV, BF, BD)
     s = row % S
     bh = row // S
     b, h = bh // H, bh % H
-    offs_f = tl.arange(0, BF)
+    offs_f = fb * BF + tl.arange(0, BF)
     offs_d = vb * BD + tl.arange(0, BD)
     g_offs = offs_f[:, None] * DV + offs_d[None, :]
     g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]

@@ -70,7 +70,7 @@ class SoeScanTriton(torch.autograd.Function):
         states = slots(n_spans, pack(g0, b0), at_end=False)
         fc = launches["fwd"].constexprs["BT"]
         reads = q.new_empty(triton.cdiv(seq_len, fc), *states.shape[1:])
-        launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, span * chunk // fc)
+        launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, triton.cdiv(span * chunk, fc))
         out = torch.empty(batch, seq_len, heads, width, dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
         launches["fwd"].run(q, k, v, coef, ll, docs, reads, out, z, *ints)
@@ -98,10 +98,13 @@ class SoeScanTriton(torch.autograd.Function):
         chunk, launches = soe_launches(
             batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad
         )
+        final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
+        if not decay_grad:
+            grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states[0], d_out, d_zz, final, g_shape)
+            return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
         span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
         n_spans = states.shape[0] - 1
         ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1), span)
-        final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
         d_states = slots(n_spans, final, at_end=True)
         launches["bwd_states"].run(q, d_out, d_zz, ll, docs, d_states, *ints)
         pass_args = (n_spans, seq_len, span * chunk, *pass_sizes(d_states, heads * n_terms))
@@ -144,3 +147,28 @@ class SoeScanTriton(torch.autograd.Function):
         dg0, db0 = unpack(d_states[0], g_shape)
         grads = (dq, dk, dv, dcoef, d_log_lam, dg0, db0)
         return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
+
+
+def _chunk_grads(launches: dict, inputs: tuple, first: torch.Tensor, d_out: torch.Tensor, d_z: torch.Tensor,
+                 final: torch.Tensor, g_shape: torch.Size) -> tuple:  # fmt: skip
+    """(dq, dk, dv, dcoef, None, dG0, db0) by the chunk-parallel backward (kernels/soe/gpu/chunk_grads.py)
+    for decays that need no gradient: the states entering every chunk walked again from the initial one
+    (``first``, a packed slot), the gradients of the states leaving every chunk walked back from the
+    final one's (``final``), then dq and (dk, dv, dcoef), each one program per chunk x batch x head."""
+    q, k, v, coef, ll, docs = inputs
+    batch, seq_len, heads, feat = q.shape
+    ints = (seq_len, batch * heads, heads, ll.shape[-1], feat, v.shape[-1], first.shape[-1])
+    n_chunks = launches["bwd_chunk_queries"].grid[0] // (batch * heads)
+    reads = q.new_empty(n_chunks, *first.shape)
+    launches["bwd_reads"].run(k, v, coef, ll, docs, reads, torch.stack((first, first)), *ints, n_chunks)
+    d_reads = q.new_empty(n_chunks, *first.shape)
+    d_edges = torch.stack((torch.empty_like(final), final))
+    launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges, *ints)
+    dq, dk, dv, dcoef = (torch.empty_like(x) for x in (q, k, v, coef))
+    launches["bwd_chunk_queries"].run(*inputs, reads, d_out, d_z, dq, *ints)
+    del reads
+    for name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
+        if name in launches:
+            launches[name].run(*inputs, d_reads, d_out, d_z, dk, dv, dcoef, *ints)
+    dg0, db0 = unpack(d_edges[0], g_shape)
+    return dq, dk, dv, dcoef, None, dg0, db0

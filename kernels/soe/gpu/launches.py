@@ -19,6 +19,11 @@ from kernels.soe.gpu.backward import (
     state_grads_kernel,
     value_grads_kernel,
 )
+from kernels.soe.gpu.chunk_grads import (
+    chunk_key_value_grads_kernel,
+    chunk_query_grads_kernel,
+    chunk_state_grads_kernel,
+)
 from kernels.soe.gpu.forward import chunk_output_kernel, chunk_states_kernel
 from kernels.span import MIN_PROGRAMS, span_pass_launch
 
@@ -34,8 +39,9 @@ def precision(dtype: torch.dtype) -> str:
 class Tiles:
     """One target's tiling: the largest chunk of the backward's walks, the state's column block (value
     columns for the state- and value-gradient walks, feature columns for the query and key walks), warps
-    and stages of those walks and of the chunk-parallel coefficient kernel, and warps and stages of the
-    forward's chunk-state walk and chunk-parallel outputs."""
+    and stages of those walks and of the chunk-parallel coefficient kernel, warps and stages of the chunk
+    state walks and the chunk-parallel outputs, warps of the chunk-parallel gradients, and whether their
+    dk, dv and dcoef are a launch each (in one launch, or two, the sm_80 compile spilled 16-144 bytes)."""
 
     chunk: int
     block: int
@@ -45,11 +51,14 @@ class Tiles:
     coef_warps: int
     forward_warps: int = 4
     forward_stages: int = 2
+    grads_warps: int = 8
+    split_key_values: bool = False
 
 
 # Per target (sm_90 or newer). The compile gate (benchmarks.kernel_compile) checks every shipped config
 # against these; docs/kernels.md has the sizes tried and why these.
-TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4),
+TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4, forward_stages=1,
+                      split_key_values=True),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that divides the backward's span
@@ -95,28 +104,44 @@ def walk_span(batch: int, seq_len: int, heads: int, n_terms: int, feat: int, wid
     (sm_90) the span count is then chosen for whole waves (`wave_spans`)."""
     values = triton.cdiv(width, TILES[capability >= 90].block)
     features = triton.cdiv(feat, feature_block(n_terms, feat, capability))
-    span = span_size(batch, seq_len, heads, chunk, min(values, features))
+    n_chunks = triton.cdiv(seq_len, chunk)
+    span = whole_forward_chunks(span_size(batch, seq_len, heads, chunk, min(values, features)), chunk, n_chunks)
     if capability >= 90:
         walks = (values, values, features, features + 1)  # programs per span, batch and head
-        span = wave_spans(batch * heads, triton.cdiv(seq_len, chunk), span, walks)
-    return whole_forward_chunks(span, chunk, triton.cdiv(seq_len, chunk))
+        span = wave_spans(batch * heads, n_chunks, span, walks, max(1, FORWARD_CHUNKS[0] // chunk))
+    return span
 
 
 def whole_forward_chunks(span: int, chunk: int, n_chunks: int) -> int:
-    """``span`` rounded up to whole chunks of the forward's largest chunk (FORWARD_CHUNKS[0] tokens), so
-    that the forward reads 64-token chunks and stores the backward's span states on its way; a span that
-    already covers the sequence stays as it is."""
+    """``span`` rounded down to whole chunks of the forward's largest chunk (FORWARD_CHUNKS[0] tokens), so
+    that the forward reads 64-token chunks and stores the backward's span states on its way (down: more
+    spans, so the walks keep their programs); a span shorter than one such chunk, or covering the
+    sequence, stays as it is."""
     per = max(1, FORWARD_CHUNKS[0] // chunk)
-    return span if span >= n_chunks else min(n_chunks, triton.cdiv(span, per) * per)
+    return span if span >= n_chunks or span < per else span // per * per
 
 
-def forward_chunk(span: int, chunk: int) -> int:
-    """The forward's chunk in tokens for backward spans of ``span`` chunks of ``chunk`` tokens: the largest
-    of FORWARD_CHUNKS dividing the span's tokens (16 always does), so the span borders are chunk borders."""
-    return next(c for c in FORWARD_CHUNKS if (span * chunk) % c == 0)
+def state_blocks(rows: int, feat: int, width: int) -> tuple[int, int]:
+    """(BF, BD): the state block of the chunk state walks' programs for ``rows`` = batch x heads x terms and
+    padded state sides ``feat`` x ``width``: the whole state, halved (values first) down to 16 x 16 until
+    the walk has MIN_PROGRAMS programs (exp's one term per head needs 16 blocks of 16 x 16 at 12 heads)."""
+    bf, bd = feat, width
+    while rows * (feat // bf) * (width // bd) < MIN_PROGRAMS and max(bf, bd) > 16:
+        if bd >= bf:
+            bd //= 2
+        else:
+            bf //= 2
+    return bf, bd
 
 
-def wave_spans(rows: int, n_chunks: int, span: int, walks: tuple[int, ...]) -> int:
+def forward_chunk(span: int, chunk: int, n_chunks: int) -> int:
+    """The forward's chunk in tokens for backward spans of ``span`` of the ``n_chunks`` chunks of ``chunk``
+    tokens: the largest of FORWARD_CHUNKS dividing the span's tokens (16 always does), so the span borders
+    are chunk borders; the largest when one span covers the sequence."""
+    return next(c for c in FORWARD_CHUNKS if (span * chunk) % c == 0 or span >= n_chunks)
+
+
+def wave_spans(rows: int, n_chunks: int, span: int, walks: tuple[int, ...], step: int = 1) -> int:
     """Chunks per span for walks of ``walks`` column programs per span and row (batch x head), from
     ``span`` chunks (the fewest spans that fill the GPU) down to a quarter of it: the one with the least
     walking time, each walk's programs running one per SM (their registers allow no more) in waves
@@ -124,13 +149,14 @@ def wave_spans(rows: int, n_chunks: int, span: int, walks: tuple[int, ...]) -> i
     and batch 1 this is 11 spans (every walk a whole number of waves) where the fewest is 3 (the value
     walks' 144 programs take two waves, the second a tenth full): the launch model of benchmarks/predict
     priced the step's scans 1.45x faster by it, when the forward still walked spans too (docs/kernels.md,
-    "Predicted GPU times")."""
+    "Predicted GPU times"). Only spans of whole ``step`` chunks are considered (besides
+    ``span`` itself), so that the forward's 64-token chunks tile them."""
 
     def waves_times_span(chunks: int) -> tuple[int, int]:
         spans = triton.cdiv(n_chunks, chunks)
         return sum(triton.cdiv(rows * spans * w, MIN_PROGRAMS) for w in walks) * chunks, -chunks
 
-    return min(range(max(1, span // 4), span + 1), key=waves_times_span)
+    return min((c for c in range(max(1, span // 4), span + 1) if c % step == 0 or c == span), key=waves_times_span)
 
 
 def phase_spans(batch: int, heads: int, n_terms: int, parts: int, span_tokens: int, n_spans: int) -> int:
@@ -193,14 +219,16 @@ def soe_launches(
         return Launch(kernel, pointers, scalars, constexprs, grid, tiles.warps, tiles.stages,
                       wide=frozenset(pointers) - {"docs", "log_lam"})  # fmt: skip
 
-    fc = forward_chunk(span, bt)
+    fc = forward_chunk(span, bt, triton.cdiv(seq_len, bt))
+    sbf, sbd = state_blocks(batch * heads * n_terms, bf, bv)
     forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype)}
     fwd_ints = {k: "i32" for k in INTS if k != "SPAN"}
     d_state_in = qkv | base | {"d_states": "fp32", "d_out": operand}
     launches = {
         "fwd_states": Launch(
             chunk_states_kernel, {"k": operand, "v": operand} | base | {"reads": operand, "states": "fp32"},
-            fwd_ints | {"STRIDE": "i32"}, forward | {"BD": bv}, (batch * heads * n_terms, 1, 1),
+            fwd_ints | {"STRIDE": "i32"}, forward | {"BF": sbf, "BD": sbd},
+            (batch * heads * n_terms * triton.cdiv(feat, sbf) * triton.cdiv(width, sbd), 1, 1),
             tiles.forward_warps, tiles.forward_stages, wide=frozenset(("k", "v", "coef", "reads", "states")),
         ),
         "fwd": Launch(
@@ -208,11 +236,15 @@ def soe_launches(
             forward | {"BD": bv, "GN": gn}, (triton.cdiv(seq_len, fc) * batch * heads, 1, 1), tiles.forward_warps,
             tiles.forward_stages, wide=frozenset(("q", "k", "v", "coef", "reads", "out", "z")),
         ),
+    }  # fmt: skip
+    if not decay_grad:
+        return bt, launches | _chunk_backward(launches, operand, fwd_ints, forward | {"BD": bv, "GN": gn}, tiles)
+    launches |= {
         "bwd_states": walk(state_grads_kernel, {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32",
                                                 "docs": "i32", "states": "fp32"}, ints, dict(by_value), value_grid),
         "bwd_keys": walk(key_grads_kernel, d_state_in | {"d_z": "fp32", "dk": operand, "shares": "fp32"},
                          ints | {"SPAN0": "i32", "PHASE_T": "i32", "NORM_SHARE": "i32"},
-                         by_feature | {"BF": bf, "PAIRS": not decay_grad},
+                         by_feature | {"BF": bf, "PAIRS": False},
                          (phase * batch * heads * (n_features + 1), 1, 1)),
         "bwd_values": walk(value_grads_kernel, d_state_in | {"dv": operand, "shares": "fp32"},
                            ints | {"SPAN0": "i32", "PHASE_T": "i32"}, by_value,
@@ -234,3 +266,39 @@ def soe_launches(
     order = ("fwd_states", "fwd", "bwd_states", "bwd_pass", "bwd_queries", "bwd_keys", "bwd_values",
              "bwd_coef")  # fmt: skip
     return bt, {name: launches[name] for name in order}
+
+
+def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, str], constexprs: dict,
+                    tiles: Tiles) -> dict[str, Launch]:  # fmt: skip
+    """The chunk-parallel backward (kernels/soe/gpu/chunk_grads.py), for decays that need no gradient:
+    "bwd_reads" (the forward's chunk walk again, for the state entering every chunk), "bwd_chunk_states"
+    (the reverse walk: the gradient of the state leaving every chunk), "bwd_chunk_queries" (dq) and
+    "bwd_chunk_keys" (dk and, unless the target splits them, dv and dcoef; else "bwd_chunk_values" and
+    "bwd_chunk_coefs" make those),
+    each one program per chunk x batch x head."""
+    chunks = forward["fwd"].grid
+    reads = dict.fromkeys(("q", "k", "v", "coef"), operand) | {"log_lam": "fp32", "docs": "i32"}
+    grads_in = {"d_out": operand, "d_z": "fp32"}
+
+    def chunk_launch(kernel, pointers: dict[str, str]) -> Launch:
+        return Launch(kernel, pointers, ints, constexprs, chunks, tiles.grads_warps, tiles.forward_stages,
+                      wide=frozenset(pointers) - {"log_lam", "docs"})  # fmt: skip
+
+    state_in = {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32", "docs": "i32"}
+    out = {
+        "bwd_reads": forward["fwd_states"],
+        "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"}, ints,
+                             {k: forward["fwd_states"].constexprs[k] for k in ("BT", "BF", "BD", "PRECISION")},
+                             forward["fwd_states"].grid,
+                             tiles.forward_warps, tiles.forward_stages,
+                             wide=frozenset(("q", "d_out", "d_z", "d_reads"))),
+        "bwd_chunk_queries": chunk_launch(chunk_query_grads_kernel,
+                                          reads | {"reads": operand} | grads_in | {"dq": operand}),
+    }  # fmt: skip
+    key_value = reads | {"d_reads": operand} | grads_in | {"dk": operand, "dv": operand, "dcoef": operand}
+    launch = chunk_launch(chunk_key_value_grads_kernel, key_value)
+    parts = ("KEYS", "VALUES", "COEFS")
+    split = {f"bwd_chunk_{p.lower()}": (p,) for p in parts} if tiles.split_key_values else {"bwd_chunk_keys": parts}
+    for name, made in split.items():
+        out[name] = dataclasses.replace(launch, constexprs=launch.constexprs | {p: p in made for p in parts})
+    return out

@@ -1,0 +1,193 @@
+"""The SOE scan's backward in chunk-parallel form, for decays that need no gradient (VORT's are buffers).
+
+The forward's chunk walk (``chunk_states_kernel``) is run again for the state entering every chunk, then:
+
+- ``chunk_state_grads_kernel``: one program per batch x head x term walks the chunks in reverse with that
+  term's state gradient in registers ([F, D] fp32) and stores, for every chunk, the gradient of the state
+  leaving it (in the operands' dtype), and at the end the initial state's gradient (fp32);
+- ``chunk_query_grads_kernel``: one program per chunk x batch x head makes the chunk's dq whole: the pairs
+  inside the chunk through the kernel matrix of all terms, then, term by term, the reads of the state
+  entering the chunk, lam^(i+1) (dO_i G_s^T + dz_i b_s);
+- ``chunk_key_value_grads_kernel``: one program per chunk x batch x head makes dk, dv and dcoef whole
+  (on sm_80 as three launches, one per gradient):
+  the pairs inside the chunk (dcoef's through the decay table, as the walks' coefficient kernel does),
+  then, term by term, the writes into the state leaving the chunk against its gradient dH_s, db_s.
+
+Every output element is stored once by one program, in its dtype: no atomics, and runs repeat bitwise.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.soe.gpu.forward import _state_program
+from kernels.soe.gpu.walk import (
+    by_distance,
+    chunk_masks,
+    decay_table,
+    kernel_matrix,
+    load_tile,
+    store_tile,
+    term_loads,
+    token_base,
+)
+
+
+@triton.jit
+def chunk_state_grads_kernel(
+    q, d_out, d_z, log_lam, docs, d_reads, d_edges,
+    seq_len, BH, H, S, F, DV, W,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Term s's state gradient walked from the final state's gradient (slot 1 of ``d_edges``, [2, B*H*S, W]
+    fp32) over the chunks in reverse: slot c of ``d_reads`` ([chunks, B*H*S, W], the operands' dtype) gets
+    the gradient of the state leaving chunk c, then the chunk's reads add sum_i lam^(i+1) q_i (dO_i, dz_i)
+    and the carry through the chunk decays it by lam^n (cut where a document starts inside). The gradient
+    of the initial state goes to slot 0 of ``d_edges``. A program owns a [BF, BD] block of the state, the
+    normalisers' gradient riding with value block 0."""
+    row, fb, vb = _state_program(F, DV, BF, BD)
+    s = row % S
+    bh = row // S
+    b, h = bh // H, bh % H
+    offs_f = fb * BF + tl.arange(0, BF)
+    offs_d = vb * BD + tl.arange(0, BD)
+    g_offs = offs_f[:, None] * DV + offs_d[None, :]
+    g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    rows = BH * S
+    ll = tl.load(log_lam + h * S + s)
+    last = (rows + row).to(tl.int64) * W
+    dg = tl.load(d_edges + last + g_offs, mask=g_mask, other=0.0)
+    b_mask = (offs_f < F) & (vb == 0)
+    db = tl.load(d_edges + last + F * DV + offs_f, mask=b_mask, other=0.0)
+    pos = tl.arange(0, BT).to(tl.float32) + 1.0
+    n_chunks = tl.cdiv(seq_len, BT)
+    for i in range(0, n_chunks):
+        c = n_chunks - 1 - i
+        here = (c * rows + row).to(tl.int64) * W
+        tl.store(d_reads + here + g_offs, dg.to(d_reads.dtype.element_ty), mask=g_mask)
+        tl.store(d_reads + here + F * DV + offs_f, db.to(d_reads.dtype.element_ty), mask=b_mask)
+        start = c * BT
+        base = token_base(b, h, start, seq_len, H)
+        mask_t, n, reads, _writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
+        qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
+        dc = load_tile(d_out, base, H, DV, offs_d, mask_t, BT)
+        dz = tl.load(d_z + base + tl.arange(0, BT) * H, mask=mask_t, other=0.0).to(tl.float32)
+        qa = qc.to(tl.float32) * tl.where(reads, tl.exp(pos * ll), 0.0)[:, None]
+        decay = carry * tl.exp(n.to(tl.float32) * ll)
+        dg = tl.dot(tl.trans(qa.to(qc.dtype)), dc, acc=dg * decay, input_precision=PRECISION)
+        db = db * decay + tl.sum(qa * dz[:, None], axis=0)
+    first = row.to(tl.int64) * W
+    tl.store(d_edges + first + g_offs, dg, mask=g_mask)
+    tl.store(d_edges + first + F * DV + offs_f, db, mask=b_mask)
+
+
+@triton.jit
+def _chunk_pairs(q, k, v, coef, log_lam, docs, d_out, d_z, b, h, start, seq_len, H, S, F, DV,
+                 BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr,
+                 PRECISION: tl.constexpr):  # fmt: skip
+    """The chunk's tiles and its pairs' common factors: (base, mask_t, n, reads, writes, linked, qc, kc,
+    vc, dc, dz, Wc, dP) with dP = dO V^T + dz (the gradient of every pair's score weight)."""
+    offs_f = tl.arange(0, BF)
+    offs_d = tl.arange(0, BD)
+    base = token_base(b, h, start, seq_len, H)
+    mask_t, n, reads, writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+    qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
+    kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
+    vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
+    dc = load_tile(d_out, base, H, DV, offs_d, mask_t, BT)
+    dz = tl.load(d_z + base + tl.arange(0, BT) * H, mask=mask_t, other=0.0).to(tl.float32)
+    _ll, cs = term_loads(log_lam, coef, base, h, H, S, 0, mask_t, GN, BT)
+    wc = kernel_matrix(decay_table(log_lam, h, S, GN, BT), cs, linked, PRECISION, BT)
+    d_p = tl.dot(dc, tl.trans(vc), input_precision=PRECISION) + dz[:, None]
+    return base, mask_t, n, reads, writes, linked, qc, kc, vc, dc, dz, wc, d_p
+
+
+@triton.jit
+def chunk_query_grads_kernel(
+    q, k, v, coef, log_lam, docs, reads, d_out, d_z, dq,
+    seq_len, BH, H, S, F, DV, W,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dq of one chunk of one batch x head: (dP * Wc) K over the chunk's pairs, plus sum_s lam_s^(i+1)
+    (dO_i G_s^T + dz_i b_s) for the tokens that read the state entering the chunk (slot c of ``reads``)."""
+    pid = tl.program_id(0)
+    c, bh = pid // BH, pid % BH
+    b, h = bh // H, bh % H
+    base, mask_t, _n, reads_in, _w, _l, _q, kc, _v, dc, dz, wc, d_p = _chunk_pairs(
+        q, k, v, coef, log_lam, docs, d_out, d_z, b, h, c * BT, seq_len, H, S, F, DV, BT, BF, BD, GN, PRECISION
+    )
+    dq_c = tl.dot((d_p * wc).to(kc.dtype), kc, input_precision=PRECISION)
+    offs_f = tl.arange(0, BF)
+    offs_d = tl.arange(0, BD)
+    g_offs = offs_f[None, :] * DV + offs_d[:, None]  # G_s^T: [BD, BF]
+    g_mask = (offs_f < F)[None, :] & (offs_d < DV)[:, None]
+    pos = tl.arange(0, BT).to(tl.float32) + 1.0
+    for s in range(0, S):
+        alpha = tl.where(reads_in, tl.exp(pos * tl.load(log_lam + h * S + s)), 0.0)
+        here = ((c * BH + bh) * S + s).to(tl.int64) * W
+        g_t = tl.load(reads + here + g_offs, mask=g_mask, other=0.0)
+        bn = tl.load(reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
+        read = tl.dot(dc, g_t.to(dc.dtype), input_precision=PRECISION) + dz[:, None] * bn[None, :]
+        dq_c += read * alpha[:, None]
+    store_tile(dq, base, H, F, offs_f, mask_t, dq_c, BT)
+
+
+@triton.jit
+def chunk_key_value_grads_kernel(
+    q, k, v, coef, log_lam, docs, d_reads, d_out, d_z, dk, dv, dcoef,
+    seq_len, BH, H, S, F, DV, W,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
+    KEYS: tl.constexpr, VALUES: tl.constexpr, COEFS: tl.constexpr,
+):  # fmt: skip
+    """dk (KEYS), dv (VALUES) and dcoef (COEFS) of one chunk of one batch x head: all in one launch where
+    the registers allow (sm_90), one launch each otherwise (the sm_80 compile spilled with two). Pairs inside
+    the chunk: dv = (QK^T * Wc)^T dO, dk = (dP * Wc)^T Q, dcoef[j, s] = sum_d lam_s^d (QK^T * dP)[j + d, j].
+    Writes into the state leaving the chunk (slot c of ``d_reads`` holds its gradient dH_s, db_s), w_s(j) =
+    lam_s^(n-1-j) coef[j, s]: dk_j += w_s(j) (dH_s v_j + db_s), dv_j += w_s(j) k_j dH_s, dcoef[j, s] +=
+    lam_s^(n-1-j) (v_j . (k_j dH_s) + k_j . db_s)."""
+    pid = tl.program_id(0)
+    c, bh = pid // BH, pid % BH
+    b, h = bh // H, bh % H
+    base, mask_t, n, _r, writes, linked, qc, kc, vc, dc, _dz, wc, d_p = _chunk_pairs(
+        q, k, v, coef, log_lam, docs, d_out, d_z, b, h, c * BT, seq_len, H, S, F, DV, BT, BF, BD, GN, PRECISION
+    )
+    scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+    terms = tl.arange(0, GN)
+    offs_f = tl.arange(0, BF)
+    offs_d = tl.arange(0, BD)
+    dk_c = tl.zeros([BT, BF], dtype=tl.float32)
+    dcoef_c = tl.zeros([BT, GN], dtype=tl.float32)
+    dv_c = tl.zeros([BT, BD], dtype=tl.float32)
+    if KEYS:
+        dk_c = tl.dot(tl.trans((d_p * wc).to(qc.dtype)), qc, input_precision=PRECISION)
+    if VALUES:
+        dv_c = tl.dot(tl.trans((scores * wc).to(dc.dtype)), dc, input_precision=PRECISION)
+    if COEFS:
+        spread = tl.trans(by_distance(tl.where(linked, scores * d_p, 0.0), BT))  # [j, d]
+        dcoef_c = tl.dot(spread, decay_table(log_lam, h, S, GN, BT), input_precision=PRECISION)
+    g_offs = offs_f[:, None] * DV + offs_d[None, :]  # dH_s: [BF, BD]
+    g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    steps = tl.maximum(n.to(tl.float32) - 1.0 - tl.arange(0, BT).to(tl.float32), 0.0)
+    for s in range(0, S):
+        lam_w = tl.where(writes, tl.exp(steps * tl.load(log_lam + h * S + s)), 0.0)
+        cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
+        here = ((c * BH + bh) * S + s).to(tl.int64) * W
+        dh = tl.load(d_reads + here + g_offs, mask=g_mask, other=0.0).to(kc.dtype)
+        db = tl.load(d_reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
+        if KEYS:
+            t = tl.dot(vc, tl.trans(dh), input_precision=PRECISION) + db[None, :]  # [BT, BF]
+            dk_c += t * (lam_w * cs)[:, None]
+        if VALUES or COEFS:
+            u = tl.dot(kc, dh, input_precision=PRECISION)  # [BT, BD]
+            if VALUES:
+                dv_c += u * (lam_w * cs)[:, None]
+            if COEFS:  # k_j . (dH_s v_j + db_s) = v_j . (k_j dH_s) + k_j . db_s
+                kv = tl.sum(vc.to(tl.float32) * u, axis=1) + tl.sum(kc.to(tl.float32) * db[None, :], axis=1)
+                dcoef_c += tl.where(terms[None, :] == s, (lam_w * kv)[:, None], 0.0)
+    if KEYS:
+        store_tile(dk, base, H, F, offs_f, mask_t, dk_c, BT)
+    if VALUES:
+        store_tile(dv, base, H, DV, offs_d, mask_t, dv_c, BT)
+    if COEFS:
+        store_tile(dcoef, base, H, S, terms, mask_t, dcoef_c, BT)
