@@ -227,6 +227,52 @@ def test_the_whole_model_forward_and_chunked_loss_compile_without_a_break(
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+class _TwoInputs(torch.nn.Module):
+    """A block that reads its input twice, as PMNet's first block does (``x`` and ``embedded``), with a
+    pre-forward hook that hands each tensor input through a view as FSDP2's does in the forward (its
+    post-backward Function) and not in the recompute of activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.register_forward_pre_hook(self._like_fsdp2, with_kwargs=True)
+
+    @staticmethod
+    def _like_fsdp2(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if torch._C._current_graph_task_id() != -1:  # the recompute, inside the backward
+            return args, kwargs
+        return tuple(a.view_as(a) for a in args), {k: v.view_as(v) for k, v in kwargs.items()}
+
+    def forward(self, x: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * embedded.cos()) @ self.weight
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+def test_a_compiled_block_recomputes_with_the_graph_of_its_forward(distinct: bool) -> None:
+    """Under activation checkpointing a compiled block given one tensor as two inputs trains as eager
+    does only with distinct_tensor_inputs: without it the forward (distinct views, from the hook) and the
+    recompute (the same tensor twice) run two graphs that save different tensors, and
+    torch.utils.checkpoint refuses the mismatch (the FSDP2 + PMNet failure)."""
+    from torch.utils.checkpoint import CheckpointError, checkpoint
+
+    from pretrain.distributed.compiling import distinct_tensor_inputs
+
+    dynamo.reset()
+    block = _TwoInputs()
+    x = torch.randn(3, 4, requires_grad=True)
+    want = torch.autograd.grad(checkpoint(block, x, embedded=x, use_reentrant=False).sum(), [x, block.weight])
+    compiled = torch.compile(block.forward, backend="aot_eager")
+    block.forward = distinct_tensor_inputs(compiled) if distinct else compiled
+    loss = checkpoint(block, x, embedded=x, use_reentrant=False).sum()
+    if not distinct:
+        with pytest.raises(CheckpointError, match="different number of tensors"):
+            loss.backward()
+        return
+    got = torch.autograd.grad(loss, [x, block.weight])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 # ----------------------------------------------------------------------------- the setting
 
 
@@ -295,17 +341,9 @@ ENGINE_CASES = {  # launcher, ranks, overrides: every engine, and sequence paral
 }
 
 
-# Known failure, kept visible (strict: the entry goes with the fix): FSDP2 with PMNet, activation
-# checkpointing and compiled blocks stops at the first backward with torch.utils.checkpoint's "a different
-# number of tensors was saved during the original forward and recomputation" (2026-12-06; the same run
-# without checkpointing trains, and so do the DeepSpeed cases and FSDP2 with VORT). Not diagnosed yet.
-FSDP_PMNET = pytest.mark.xfail(strict=True, reason="FSDP2 + PMNet + checkpointing + compile: recompute mismatch")
-ENGINE_PARAMS = [pytest.param(case, family, marks=FSDP_PMNET if (case, family) == ("fsdp2-sp2", "pmnet") else ())
-                 for case in ENGINE_CASES for family in ("vort", "pmnet")]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "family"), ENGINE_PARAMS)
+@pytest.mark.parametrize("family", ["vort", "pmnet"])
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_compiled_training_runs_under_every_engine(case: str, family: str, demo_shards, tmp_path: Path) -> None:
     """train.compile=true trains (finite losses, the first step's compile logged) under each engine and
     sequence-parallel split, activation checkpointing on as in the GPU configs."""
