@@ -19,14 +19,9 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from kernels.library import (
-    phasor_scan_backward_op,
-    phasor_scan_op,
-    soe_entering_backward_op,
-    soe_entering_op,
-    soe_scan_backward_op,
-    soe_scan_op,
-)
+from kernels.parallel import soe_entering_op
+from kernels.phasor.op import phasor_scan_op
+from kernels.soe.op import soe_scan_op
 from kernels.testing import phasor_inputs, resets, soe_inputs
 from model import build_model
 from model.config import ModelConfig
@@ -95,23 +90,33 @@ def test_backward_ops_pass_opcheck() -> None:
     q, k, v, coef, log_lam, g0, b0, chunk, reset = (a.detach() if isinstance(a, torch.Tensor) else a
                                                     for a in _soe_args(torch.float32, True))  # fmt: skip
     d_o, d_z = torch.randn(B, T, H, D), torch.randn(B, T, H)
-    _opcheck(soe_scan_backward_op, (q, k, v, coef, log_lam, g0, b0, chunk, reset, "torch", d_o, d_z, None, None,
-                                    [True] * 7))  # fmt: skip
-    _opcheck(soe_entering_backward_op, (q, log_lam, g0, b0, chunk, "torch", d_o, None, [True, False, True, True]))
+    recurrent = torch.ops.recurrent
+    _opcheck(recurrent.soe_scan_backward, (q, k, v, coef, log_lam, g0, b0, chunk, reset, "torch", q.new_empty(0), d_o,
+                                           d_z, None, None, [True] * 9))  # fmt: skip
+    _opcheck(recurrent.soe_entering_backward, (q, log_lam, g0, b0, chunk, "torch", d_o, None,
+                                               [True, False, True, True, False]))  # fmt: skip
     x, n_slots = phasor_inputs(B, T, 3, 4, 2, with_state=True, seed=2)
     delta, init = x["delta"].float(), x["init"].float()
-    _opcheck(phasor_scan_backward_op, (delta, x["slots"], n_slots, init, None, "torch", torch.randn_like(delta), None))
+    _opcheck(recurrent.phasor_scan_backward, (delta, x["slots"], n_slots, init, None, "torch",
+                                              torch.randn_like(delta), None, [True, False, False, True, False]))
 
 
-def test_soe_op_equals_the_eager_function_forward_and_backward() -> None:
-    """The op runs the eager path's Function: outputs and every input gradient are bitwise equal."""
-    from kernels.soe.chunk import SoeScanChunked
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])  # interpreted: ~30 s
+def test_soe_op_equals_the_eager_function_forward_and_backward(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op runs the eager path's Function: outputs and every input gradient are bitwise equal, and its
+    backward scans nothing forward again (the Triton scan's span states come from the forward op)."""
+    from kernels.soe.op import _function
 
+    function = _function(backend)
     args = _soe_args(torch.float32, True)
-    eager = SoeScanChunked.apply(*args)
+    eager = function.apply(*args)
     grads_eager = torch.autograd.grad(sum(o.sum() for o in eager), args[:7])
-    op = soe_scan_op(*args, "torch")
+    forwards = []
+    original = function.forward
+    monkeypatch.setattr(function, "forward", staticmethod(lambda *a: forwards.append(1) or original(*a)))
+    op = soe_scan_op(*args, backend)[:4]
     grads_op = torch.autograd.grad(sum(o.sum() for o in op), args[:7])
+    assert len(forwards) == 1
     for a, b in zip((*eager, *grads_eager), (*op, *grads_op)):
         assert torch.equal(a, b)
 
