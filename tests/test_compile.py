@@ -194,6 +194,22 @@ def test_a_block_compiles_to_one_graph_forward_and_backward(kind: str, with_docs
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 4-19 s a kind on this shared VM; the whole model's checkpointed case stays in make test
+@pytest.mark.parametrize("kind", list(TINY))
+def test_a_checkpointed_block_compiles_to_one_graph(kind: str) -> None:
+    """A block under activation checkpointing, as a compiled run with `activation_checkpointing: true`
+    calls it, with document starts: one graph, no break (the dynamo settings of a compiled run on)."""
+    from torch.utils.checkpoint import checkpoint
+
+    dynamo.reset()
+    model = _model(kind)
+    ids, doc_start = _batch(model, True)
+    x = model.embed(ids).detach().requires_grad_()
+    block, extra = model.blocks[0], model.block_inputs(x)
+    with dynamo.config.patch(**DYNAMO_SETTINGS):
+        _no_breaks(lambda *a: checkpoint(block, *a, use_reentrant=False, **extra), x, None, None, doc_start)
+
+
 def _tensors(state: object) -> list[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         return [state]
