@@ -37,7 +37,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels.library
+import kernels._common
 import kernels.parallel
 import kernels.phasor
 import kernels.soe
@@ -151,7 +151,7 @@ class _InductorBytes:
 
 def _scans_as_ops(on: bool) -> None:
     """Make the scans call their custom ops in eager mode too (what the compiled step calls), or stop."""
-    choose = (lambda: True) if on else kernels.library.compiling
+    choose = (lambda: True) if on else kernels._common.compiling
     for module in (kernels.soe, kernels.phasor, kernels.parallel):
         module.compiling = choose
 

@@ -24,6 +24,12 @@ def resolve_backend(backend: str, x: torch.Tensor, backends: tuple[str, ...] = B
     return backend
 
 
+def compiling() -> bool:
+    """Whether the caller is being traced by torch.compile: the scans then call their custom ops
+    (kernels/library.py), which the compiler keeps in its graph, instead of their autograd Functions."""
+    return torch.compiler.is_compiling()
+
+
 def wrap_angle(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """Map angles to [0, 2*pi); the gradient passes through unchanged (d wrap(x)/dx = 1)."""
     return x.remainder_(TWO_PI) if inplace else torch.remainder(x, TWO_PI)

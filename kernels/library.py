@@ -1,64 +1,48 @@
-"""The scans as ``torch.library`` custom ops, so that ``torch.compile`` keeps them inside one graph.
+"""How a scan becomes a pair of ``torch.library`` custom ops, so that ``torch.compile`` keeps it inside one graph.
 
 Dynamo cannot trace the scans' autograd Functions: they call numba-compiled loops on the CPU and Triton
-launches on CUDA. Each scan is therefore an opaque op pair to the compiler, ``recurrent::<name>`` (the
-forward) and ``recurrent::<name>_backward``, with a fake implementation that gives the output shapes
-and an autograd registration that calls the backward op. Both ops run the same autograd Function the
-eager path runs (its ``forward`` and ``backward`` called with a stand-in ctx), chosen by the resolved
-backend: "torch" is the CPU path (chunked SOE, numba phasor loop), "triton" the CUDA kernels (also CPU
-tensors under TRITON_INTERPRET=1). So compiled and eager training compute the same numbers.
+launches on CUDA. :func:`scan_op` makes each scan an opaque op pair to the compiler, ``recurrent::<name>``
+(the forward) and ``recurrent::<name>_backward``, with fake implementations that give the output shapes
+and an autograd registration that calls the backward op. Both ops run the autograd Function the eager
+path runs (its ``forward``, ``prepare_backward`` and ``backward`` called with a stand-in ctx), chosen
+by the resolved backend: "torch" is the CPU path, "triton" the CUDA kernels (also CPU tensors under
+TRITON_INTERPRET=1). So compiled and eager training compute the same numbers.
 
-The backward op gets the forward's inputs, not what the Function saved (an op's outputs are tensors of
-shapes known in advance). A Function with a ``prepare_backward(ctx, *inputs)`` rebuilds its saved
-tensors from the inputs without scanning (every CPU path and the phasor kernels); the Triton SOE scan
-and its entering-state read have none, and rerun their forward inside the backward op (one more scan
-forward per backward, on the compiled path only: eager calls the Functions directly).
+An op's outputs are tensors of shapes known in advance, so the backward op cannot get the Function's ctx.
+It gets the forward's inputs, from which every Function's ``prepare_backward(ctx, *inputs, *kept)``
+rebuilds its saved tensors without scanning, and ``kept``: the tensors only a scan makes that its
+backward reads (the Triton SOE scan's states at span borders), which the Function names with
+``kept(ctx)`` and the forward op returns after the scan's outputs (not differentiable). The ops
+themselves are registered beside their scans (kernels/soe/op.py, kernels/phasor/op.py,
+kernels/parallel.py); this module knows none of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-
-from kernels._common import work_dtype
 
 OpResult = tuple[Tensor, ...]
 
 
 class _Ctx:
     """What the scans' autograd Functions use of their ctx, for calling forward and backward outside
-    autograd: saved tensors, the input-gradient flags, and any attribute they set."""
+    autograd: saved tensors, the input-gradient flags, whether None gradients are materialised, and any
+    attribute they set."""
 
     def __init__(self, needs_input_grad: Sequence[bool] = ()) -> None:
         self.needs_input_grad = tuple(needs_input_grad)
         self.saved_tensors: tuple[Tensor | None, ...] = ()
+        self.materialize_grads = True
 
     def save_for_backward(self, *tensors: Tensor | None) -> None:
         self.saved_tensors = tensors
 
     def set_materialize_grads(self, value: bool) -> None:
-        """The Functions all take None for an unused output's gradient; nothing to do."""
-
-
-def _backward(function: Any, inputs: tuple, grads: tuple, needs: Sequence[bool]) -> tuple:
-    """``function``'s input gradients for ``grads``, with its ctx rebuilt from ``inputs``."""
-    ctx = _Ctx(needs)
-    if hasattr(function, "prepare_backward"):
-        function.prepare_backward(ctx, *inputs)
-    else:
-        function.forward(ctx, *inputs)
-    return function.backward(ctx, *grads)
-
-
-def _filled(grads: tuple, likes: Sequence[Tensor]) -> OpResult:
-    """Gradients as op outputs: zeros where the Function returned None, each a fresh tensor (no view of an
-    input or of another gradient) of its input's shape and dtype."""
-    out = tuple(torch.zeros_like(like, memory_format=torch.contiguous_format) if grad is None else grad.to(like.dtype)
-                for grad, like in zip(grads, likes))
-    return _fresh(out, likes)
+        self.materialize_grads = value
 
 
 def _aliases(x: Tensor, others: Sequence[Tensor | None]) -> bool:
@@ -66,219 +50,103 @@ def _aliases(x: Tensor, others: Sequence[Tensor | None]) -> bool:
     return any(o is not None and x.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others)
 
 
-def _fresh(outputs: tuple, inputs: Sequence[Tensor | None]) -> OpResult:
+def _fresh(outputs: Sequence[Tensor], inputs: Sequence[Any]) -> OpResult:
     """``outputs`` as the fake implementations describe them: contiguous, and none a view of an input or
     of an earlier output (those are copied)."""
+    tensors = [x for x in inputs if isinstance(x, Tensor)]
     out: list[Tensor] = []
     for x in outputs:
         x = x.contiguous()
-        out.append(x.clone() if _aliases(x, [*inputs, *out]) else x)
+        out.append(x.clone() if _aliases(x, [*tensors, *out]) else x)
     return tuple(out)
 
 
-def _needs(ctx: Any, count: int) -> list[bool]:
-    return [bool(n) for n in ctx.needs_input_grad[:count]]
-
-
-# ----------------------------------------------------------------------------- SOE scan
-
-
-def _soe_function(backend: str) -> Any:
-    if backend == "triton":
-        from kernels.soe.triton import SoeScanTriton
-
-        return SoeScanTriton
-    from kernels.soe.chunk import SoeScanChunked
-
-    return SoeScanChunked
-
-
-@torch.library.custom_op("recurrent::soe_scan", mutates_args=())
-def soe_scan_op(
-    q: Tensor, k: Tensor, v: Tensor, coef: Tensor, log_lam: Tensor, g0: Tensor, b0: Tensor,
-    chunk_size: int, reset: Tensor | None, backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(o, z, final G, final b) of :func:`kernels.soe_scan` from the initial state (g0, b0)."""
-    inputs = (q, k, v, coef, log_lam, g0, b0, reset)
-    return _fresh(_soe_function(backend).forward(_Ctx(), *inputs[:7], chunk_size, reset), inputs)
-
-
-@soe_scan_op.register_fake
-def _(q, k, v, coef, log_lam, g0, b0, chunk_size, reset, backend):
-    batch, seq_len, heads, _ = q.shape
-    state = torch.float32 if backend == "triton" else work_dtype(q.dtype)
-    return (q.new_empty(batch, seq_len, heads, v.shape[-1]), q.new_empty(batch, seq_len, heads),
-            g0.new_empty(g0.shape, dtype=state), b0.new_empty(b0.shape, dtype=state))  # fmt: skip
-
-
-@torch.library.custom_op("recurrent::soe_scan_backward", mutates_args=())
-def soe_scan_backward_op(
-    q: Tensor, k: Tensor, v: Tensor, coef: Tensor, log_lam: Tensor, g0: Tensor, b0: Tensor,
-    chunk_size: int, reset: Tensor | None, backend: str,
-    d_o: Tensor | None, d_z: Tensor | None, d_g: Tensor | None, d_b: Tensor | None, needs: list[bool],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of (q, k, v, coef, log_lam, g0, b0), zeros where ``needs`` is False for q or log_lam."""
-    inputs = (q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
-    flags = (*needs, False, False)
-    grads = _backward(_soe_function(backend), inputs, (d_o, d_z, d_g, d_b), flags)
-    return _filled(grads[:7], (q, k, v, coef, log_lam, g0, b0))
-
-
-@soe_scan_backward_op.register_fake
-def _(q, k, v, coef, log_lam, g0, b0, chunk_size, reset, backend, d_o, d_z, d_g, d_b, needs):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, coef, log_lam, g0, b0))
-
-
-def _soe_setup(ctx, inputs, output) -> None:
-    q, k, v, coef, log_lam, g0, b0, chunk_size, reset, backend = inputs
-    ctx.save_for_backward(q, k, v, coef, log_lam, g0, b0, reset)
-    ctx.chunk_size, ctx.backend = chunk_size, backend
-
-
-def _soe_backward(ctx, d_o, d_z, d_g, d_b):
-    q, k, v, coef, log_lam, g0, b0, reset = ctx.saved_tensors
-    needs = _needs(ctx, 7)
-    grads = soe_scan_backward_op(q, k, v, coef, log_lam, g0, b0, ctx.chunk_size, reset, ctx.backend,
-                                 d_o, d_z, d_g, d_b, needs)  # fmt: skip
-    return (*(g if n else None for g, n in zip(grads, needs)), None, None, None)
-
-
-soe_scan_op.register_autograd(_soe_backward, setup_context=_soe_setup)
-
-
-# ----------------------------------------------------------------------------- entering state (sequence parallelism)
-
-
-def _entering_function(backend: str) -> Any:
-    if backend == "triton":
-        from kernels.soe.triton import SoeEnteringTriton
-
-        return SoeEnteringTriton
-    from kernels.parallel import _SoeStateCorrection
-
-    return _SoeStateCorrection
-
-
-def _entering_args(q, log_lam, g_in, b_in, chunk_size: int, backend: str) -> tuple:
-    return (q, log_lam, g_in, b_in) if backend == "triton" else (q, log_lam, g_in, b_in, chunk_size)
-
-
-@torch.library.custom_op("recurrent::soe_entering", mutates_args=())
-def soe_entering_op(
-    q: Tensor, log_lam: Tensor, g_in: Tensor, b_in: Tensor, chunk_size: int, backend: str
-) -> tuple[Tensor, Tensor]:
-    """The (o, z) contributions of a state (g_in, b_in) entering a sequence-parallel piece."""
-    args = _entering_args(q, log_lam, g_in, b_in, chunk_size, backend)
-    return _fresh(_entering_function(backend).forward(_Ctx(), *args), (q, log_lam, g_in, b_in))
-
-
-@soe_entering_op.register_fake
-def _(q, log_lam, g_in, b_in, chunk_size, backend):
-    batch, seq_len, heads, _ = q.shape
-    return (q.new_empty(batch, seq_len, heads, g_in.shape[-1], dtype=g_in.dtype),
-            q.new_empty(batch, seq_len, heads, dtype=g_in.dtype))  # fmt: skip
-
-
-@torch.library.custom_op("recurrent::soe_entering_backward", mutates_args=())
-def soe_entering_backward_op(
-    q: Tensor, log_lam: Tensor, g_in: Tensor, b_in: Tensor, chunk_size: int, backend: str,
-    d_o: Tensor | None, d_z: Tensor | None, needs: list[bool],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of (q, log_lam, g_in, b_in)."""
-    args = _entering_args(q, log_lam, g_in, b_in, chunk_size, backend)
-    if d_o is None:  # the CPU Function takes both gradients (autograd materialises them for it)
-        d_o = g_in.new_zeros(*q.shape[:3], g_in.shape[-1])
-    if d_z is None:
-        d_z = g_in.new_zeros(q.shape[:3])
-    grads = _backward(_entering_function(backend), args, (d_o, d_z), (*needs, False))
-    return _filled(grads[:4], (q, log_lam, g_in, b_in))
-
-
-@soe_entering_backward_op.register_fake
-def _(q, log_lam, g_in, b_in, chunk_size, backend, d_o, d_z, needs):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, log_lam, g_in, b_in))
-
-
-def _entering_setup(ctx, inputs, output) -> None:
-    q, log_lam, g_in, b_in, chunk_size, backend = inputs
-    ctx.save_for_backward(q, log_lam, g_in, b_in)
-    ctx.chunk_size, ctx.backend = chunk_size, backend
-
-
-def _entering_backward(ctx, d_o, d_z):
-    needs = _needs(ctx, 4)
-    grads = soe_entering_backward_op(*ctx.saved_tensors, ctx.chunk_size, ctx.backend, d_o, d_z, needs)
-    return (*(g if n else None for g, n in zip(grads, needs)), None, None)
-
-
-soe_entering_op.register_autograd(_entering_backward, setup_context=_entering_setup)
-
-
-# ----------------------------------------------------------------------------- phasor scan
-
-
-def _phasor_function(backend: str) -> Any:
-    if backend == "triton":
-        from kernels.phasor.triton import PhasorScanTriton
-
-        return PhasorScanTriton
-    from kernels.phasor.compiled import PhasorScanCompiled
-
-    return PhasorScanCompiled
-
-
-@torch.library.custom_op("recurrent::phasor_scan", mutates_args=())
-def phasor_scan_op(
-    delta: Tensor, slots: Tensor, n_slots: int, init: Tensor, reset: Tensor | None, backend: str
-) -> tuple[Tensor, Tensor]:
-    """(read, final phases) of :func:`kernels.phasor_scan` from the phases ``init``."""
-    if slots.device.type == "cpu":
-        from kernels.phasor.compiled import check_slots
-
-        check_slots(slots, n_slots)
-    outputs = _phasor_function(backend).forward(_Ctx(), delta, slots, n_slots, init, reset)
-    return _fresh(outputs, (delta, slots, init, reset))
-
-
-@phasor_scan_op.register_fake
-def _(delta, slots, n_slots, init, reset, backend):
-    read = torch.empty_like(delta, memory_format=torch.contiguous_format)
-    return read, init.new_empty(init.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("recurrent::phasor_scan_backward", mutates_args=())
-def phasor_scan_backward_op(
-    delta: Tensor, slots: Tensor, n_slots: int, init: Tensor, reset: Tensor | None, backend: str,
-    d_read: Tensor | None, d_final: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """Gradients of (delta, init); ``delta`` is read for its shape, dtype and device only."""
-    inputs = (delta, slots, n_slots, init, reset)
-    grads = _backward(_phasor_function(backend), inputs, (d_read, d_final), (True, False, False, True, False))
-    return _filled((grads[0], grads[3]), (delta, init))
-
-
-@phasor_scan_backward_op.register_fake
-def _(delta, slots, n_slots, init, reset, backend, d_read, d_final):
-    return (torch.empty_like(delta, memory_format=torch.contiguous_format),
-            torch.empty_like(init, memory_format=torch.contiguous_format))  # fmt: skip
-
-
-def _phasor_setup(ctx, inputs, output) -> None:
-    delta, slots, n_slots, init, reset, backend = inputs
-    # the backward reads only delta's shape, dtype and device: a broadcast scalar keeps no [B, T, E, M] alive
-    ctx.save_for_backward(delta.new_zeros(()).expand(delta.shape), slots, init, reset)
-    ctx.n_slots, ctx.backend = n_slots, backend
-
-
-def _phasor_backward(ctx, d_read, d_final):
-    delta, slots, init, reset = ctx.saved_tensors
-    d_delta, d_init = phasor_scan_backward_op(delta, slots, ctx.n_slots, init, reset, ctx.backend, d_read, d_final)
-    return d_delta, None, None, d_init, None, None
-
-
-phasor_scan_op.register_autograd(_phasor_backward, setup_context=_phasor_setup)
-
-
-def compiling() -> bool:
-    """Whether the caller is being traced by torch.compile: the scans then call the custom ops above."""
-    return torch.compiler.is_compiling()
+def _filled(grads: Sequence[Tensor | None], likes: Sequence[Tensor], inputs: Sequence[Any]) -> OpResult:
+    """Gradients as op outputs: zeros where the Function returned None, each in its input's dtype and
+    a fresh tensor (no view of an input or of another gradient)."""
+    out = [torch.zeros_like(like, memory_format=torch.contiguous_format) if grad is None else grad.to(like.dtype)
+           for grad, like in zip(grads, likes)]  # fmt: skip
+    return _fresh(out, inputs)
+
+
+def scan_op(
+    name: str,
+    schema: str,
+    function: Callable[[str], Any],
+    fake: Callable[..., OpResult],
+    outputs: int,
+    differentiable: Sequence[int],
+    *,
+    kept: int = 0,
+    arguments: Callable[[tuple, str], tuple] | None = None,
+    shape_only: Sequence[int] = (),
+    check: Callable[..., None] | None = None,
+) -> Any:
+    """Register the scan ``recurrent::<name>`` and its backward and return the forward op.
+
+    ``schema`` lists the op's arguments before its final ``str backend`` ("Tensor q, ..., Tensor? reset");
+    ``function(backend)`` is the autograd Function that runs it, returning ``outputs`` tensors;
+    ``fake(*inputs, backend)`` gives them, then ``kept`` more (the Function's ``kept(ctx)``, empty
+    tensors for a backend that keeps none), as empty tensors; ``differentiable`` are the positions of
+    the inputs that get gradients. ``arguments(inputs, backend)`` maps the op's inputs to the Function's
+    (by default the same); the inputs at ``shape_only`` are saved as a broadcast zero (the backward reads
+    only their shape, dtype and device); ``check(*inputs)``, if given, validates the forward's inputs.
+    """
+    n_inputs = len(schema.split(","))
+    to_function = arguments or (lambda inputs, backend: inputs)
+    tensors = lambda count: ", ".join(["Tensor"] * count)  # noqa: E731
+
+    def forward(*args: Any) -> OpResult:
+        inputs, backend = args[:-1], args[-1]
+        if check is not None:
+            check(*inputs)
+        scan, ctx = function(backend), _Ctx()
+        results = scan.forward(ctx, *to_function(inputs, backend))
+        saved = tuple(scan.kept(ctx)) if hasattr(scan, "kept") else ()
+        saved += tuple(inputs[0].new_empty(0) for _ in range(kept - len(saved)))
+        return _fresh((*results, *saved), inputs)
+
+    def backward(*args: Any) -> OpResult:
+        inputs, backend = args[:n_inputs], args[n_inputs]
+        saved, grads, needs = args[n_inputs + 1 : n_inputs + 1 + kept], args[n_inputs + 1 + kept : -1], args[-1]
+        scan, ctx = function(backend), _Ctx(needs)
+        function_inputs = to_function(inputs, backend)
+        scan.prepare_backward(ctx, *function_inputs, *(saved if hasattr(scan, "kept") else ()))
+        if ctx.materialize_grads:  # as autograd does for a Function that did not turn it off
+            likes = fake(*inputs, backend)
+            grads = tuple(torch.zeros_like(like) if g is None else g for g, like in zip(grads, likes))
+        results = scan.backward(ctx, *grads)
+        return _filled([results[i] for i in differentiable], [inputs[i] for i in differentiable], inputs)
+
+    op = torch.library.custom_op(f"recurrent::{name}", forward, mutates_args=(),
+                                 schema=f"({schema}, str backend) -> ({tensors(outputs + kept)})")
+    op.register_fake(fake)
+    after = ", ".join([*(f"Tensor kept{i}" for i in range(kept)), *(f"Tensor? grad{i}" for i in range(outputs))])
+    backward_op = torch.library.custom_op(
+        f"recurrent::{name}_backward", backward, mutates_args=(),
+        schema=f"({schema}, str backend, {after}, bool[] needs) -> ({tensors(len(differentiable))})",
+    )
+    backward_op.register_fake(lambda *args: tuple(torch.empty_like(args[i], memory_format=torch.contiguous_format)
+                                                  for i in differentiable))
+
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        *inputs, ctx.backend = inputs
+        ctx.is_tensor = [isinstance(x, Tensor) for x in inputs]
+        ctx.others = [None if is_tensor else x for x, is_tensor in zip(inputs, ctx.is_tensor)]
+        stored = [x.new_zeros(()).expand(x.shape) if i in shape_only else x
+                  for i, x in enumerate(inputs) if ctx.is_tensor[i]]  # fmt: skip
+        ctx.mark_non_differentiable(*output[outputs:])
+        ctx.save_for_backward(*stored, *output[outputs:])
+
+    def gradients(ctx: Any, *grads: Tensor | None) -> tuple:
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if is_tensor else x for x, is_tensor in zip(ctx.others, ctx.is_tensor)]
+        needs = [bool(n) for n in ctx.needs_input_grad[:n_inputs]]
+        results = backward_op(*inputs, ctx.backend, *saved, *grads[:outputs], needs)
+        out: list[Tensor | None] = [None] * (n_inputs + 1)
+        for i, result in zip(differentiable, results):
+            out[i] = result if needs[i] else None
+        return tuple(out)
+
+    op.register_autograd(gradients, setup_context=setup_context)
+    return op

@@ -15,14 +15,15 @@ the models use it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from kernels._common import decay, decay_cutoff, resolve_backend, wrap_angle
-from kernels.library import compiling, soe_entering_op
+from kernels._common import compiling, decay, decay_cutoff, resolve_backend, wrap_angle
+from kernels.library import scan_op
 from kernels.phasor import phasor_scan, slot_phases
 from kernels.soe import soe_scan
 
@@ -185,6 +186,29 @@ class _SoeStateCorrection(torch.autograd.Function):
         d_state = live.total_grad()
         d_log_lam = d_log_lam.to(log_lam.dtype) if ctx.needs_input_grad[1] else None
         return d_q.to(q.dtype), d_log_lam, d_state[..., :D], d_state[..., D], None
+
+
+def _entering_function(backend: str) -> Any:
+    if backend == "triton":
+        from kernels.soe.triton import SoeEnteringTriton
+
+        return SoeEnteringTriton
+    return _SoeStateCorrection
+
+
+def _entering_fake(q, log_lam, g_in, b_in, chunk_size, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seq_len, heads, _ = q.shape
+    return (q.new_empty(batch, seq_len, heads, g_in.shape[-1], dtype=g_in.dtype),
+            q.new_empty(batch, seq_len, heads, dtype=g_in.dtype))  # fmt: skip
+
+
+soe_entering_op = scan_op(
+    "soe_entering", "Tensor q, Tensor log_lam, Tensor g_in, Tensor b_in, int chunk_size", _entering_function,
+    _entering_fake, outputs=2, differentiable=range(4),
+    arguments=lambda inputs, backend: inputs[:4] if backend == "triton" else inputs,  # Triton reads no chunk size
+)
+"""The (o, z) contributions of a state (g_in, b_in) entering a sequence-parallel piece, as a custom op
+(kernels/library.py) that torch.compile keeps in its graph."""
 
 
 class _LiveState:

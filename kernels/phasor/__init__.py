@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import BACKENDS, resolve_backend
-from kernels.library import compiling, phasor_scan_op
+from kernels._common import BACKENDS, compiling, resolve_backend
 from kernels.phasor.compiled import PhasorScanCompiled, check_slots
 from kernels.phasor.naive import phasor_scan_reference
+from kernels.phasor.op import phasor_scan_op
 from kernels.phasor.segment import PhasorScanSegmented
 
 PHASOR_BACKENDS = (*BACKENDS, "segmented")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import resolve_backend, work_dtype
-from kernels.library import compiling, soe_scan_op
+from kernels._common import compiling, resolve_backend, work_dtype
 from kernels.soe.chunk import SoeScanChunked
 from kernels.soe.naive import soe_scan_reference
+from kernels.soe.op import soe_scan_op
 
 State = tuple[torch.Tensor, torch.Tensor]
 
@@ -72,7 +72,7 @@ def soe_scan(
         g0, b0 = initial_state
     args = (q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
     if compiling():  # the same Functions, as a custom op that torch.compile keeps in its graph
-        o, z, g_t, b_t = soe_scan_op(*args, which)
+        o, z, g_t, b_t, _ = soe_scan_op(*args, which)
     elif which == "triton":
         from kernels.soe.triton import SoeScanTriton
 

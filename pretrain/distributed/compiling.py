@@ -13,7 +13,9 @@ tracing through the engine's hooks. docs/training.md ("Compiling the step") has 
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -45,7 +47,38 @@ def compile_blocks(model: nn.Module) -> None:
     """Replace each block's forward by its compiled form, in place: the parameter names, the state dict
     and the module hooks are untouched (the hooks run around the compiled forward)."""
     for block in model.blocks:
-        block.forward = torch.compile(block.forward)
+        block.forward = distinct_tensor_inputs(torch.compile(block.forward))
+
+
+def distinct_tensor_inputs(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` called with each tensor argument as its own object: a tensor passed twice (PMNet's
+    first block gets the embeddings as both ``x`` and ``embedded``) goes in the second time as a view.
+
+    Dynamo compiles one graph for two distinct inputs and another, which takes the tensor once, for the
+    same tensor twice; each saves a different number of tensors for the backward. Whether a block sees
+    one tensor or two can change between the forward and its recompute under activation checkpointing:
+    FSDP2's pre-forward hook hands the block each input through its post-backward autograd Function,
+    as distinct outputs, in the forward but not in the recompute, so the recompute ran the other graph
+    and torch.utils.checkpoint stopped at the mismatch. With every tensor input distinct both passes
+    run the same graph. A view shares the storage and copies nothing.
+    """
+
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        seen: set[int] = set()
+
+        def distinct(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if id(value) in seen:
+                return value.view_as(value)
+            seen.add(id(value))
+            return value
+
+        args = tuple(distinct(a) for a in args)
+        return forward(*args, **{name: distinct(v) for name, v in kwargs.items()})
+
+    return call
 
 
 def compile_model(cfg: RunConfig, model: nn.Module) -> bool:

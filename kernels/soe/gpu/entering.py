@@ -116,23 +116,31 @@ def entering_launches(
 
 class SoeEnteringTriton(torch.autograd.Function):
     """The (o, z) contributions of a state entering a piece: o_t = sum_s lam_s^(t+1) q_t^T G_s, z_t likewise
-    with b_s; the Triton form of kernels.parallel's entering-state correction. Saves only the inputs."""
+    with b_s; the Triton form of kernels.parallel's entering-state correction. Saves only the inputs
+    (``prepare_backward``)."""
 
     @staticmethod
     def forward(ctx, q, log_lam, g_in, b_in):
         batch, seq_len, heads, feat = q.shape
         n_terms, width = log_lam.shape[-1], g_in.shape[-1]
         check_triton_inputs(q, entering_fwd_kernel)
-        q = q.contiguous()
-        ll, state = log_lam.float().contiguous(), pack(g_in, b_in)[None]
+        q, ll, state = SoeEnteringTriton.prepare_backward(ctx, q, log_lam, g_in, b_in)
         out = torch.empty(batch, seq_len, heads, width, dtype=torch.float32, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q.device)
         launch = entering_launches(batch, seq_len, heads, n_terms, feat, width, q.dtype, device_capability(q))["fwd"]
         launch.run(q, ll, state, out, z, seq_len, batch * heads, heads, n_terms, feat, width, state.shape[-1])
+        return out.to(g_in.dtype), z.to(g_in.dtype)
+
+    @staticmethod
+    def prepare_backward(ctx, q, log_lam, g_in, b_in) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Save what the backward reads, the inputs as the kernels take them (q, fp32 log_lam, the packed
+        state), and return them: the forward's first half, all a backward run apart from it needs (the
+        torch.library op's backward, kernels/library.py)."""
+        q, ll, state = q.contiguous(), log_lam.float().contiguous(), pack(g_in, b_in)[None]
         ctx.save_for_backward(q, ll, state)
         ctx.meta = ((q.dtype, log_lam.dtype, g_in.dtype, b_in.dtype), g_in.shape)
         ctx.set_materialize_grads(False)
-        return out.to(g_in.dtype), z.to(g_in.dtype)
+        return q, ll, state
 
     @staticmethod
     def backward(ctx, d_o, d_z):

@@ -41,6 +41,50 @@ def pass_sizes(states: torch.Tensor, terms_per_row: int) -> tuple[int, int, int,
     return states[0].numel(), width, terms_per_row, terms_per_row * width
 
 
+def _operands(q, k, v, coef, log_lam, chunk_size: int, reset) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """(q, k, v, coef, log_lam, document numbers, span carry) as the kernels read them, with the launches,
+    the span size and the chunk of this scan."""
+    batch, seq_len = q.shape[:2]
+    q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
+    coef = coef.to(q.dtype).contiguous()
+    ll = log_lam.float().contiguous()
+    launches, span, chunk = _geometry(q, v, log_lam, chunk_size)
+    docs = document_numbers(reset, batch, seq_len, q.device)
+    return (q, k, v, coef, ll, docs, span_carry(docs, span * chunk)), (launches, span, chunk)
+
+
+def _geometry(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[dict, int, int]:
+    """The launches, the span size (in chunks) and the chunk of a scan of these operands."""
+    batch, seq_len, heads, feat = q.shape
+    sizes = (batch, seq_len, heads, log_lam.shape[-1], feat, v.shape[-1])
+    capability = device_capability(q)
+    chunk, launches = soe_launches(*sizes, chunk_size, q.dtype, capability)
+    return launches, walk_span(*sizes, chunk, capability), chunk
+
+
+def span_states_shape(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[int, ...]:
+    """The shape of the packed fp32 states at the span borders that the forward saves for the backward,
+    [n_spans + 1, B*H*S, F*D + F] (a fake implementation's output shape, kernels/library.py)."""
+    batch, seq_len, heads, feat = q.shape
+    _, span, chunk = _geometry(q, v, log_lam, chunk_size)
+    return triton.cdiv(seq_len, span * chunk) + 1, batch * heads * log_lam.shape[-1], feat * (v.shape[-1] + 1)
+
+
+def _sizes(q: torch.Tensor, v: torch.Tensor, ll: torch.Tensor, span: int) -> tuple[int, ...]:
+    """The integer arguments the walks take."""
+    batch, seq_len, heads, feat = q.shape
+    width = v.shape[-1]
+    return seq_len, batch * heads, heads, ll.shape[-1], feat, width, feat * (width + 1), span
+
+
+def _save(ctx, saved: tuple[torch.Tensor, ...], chunk_size: int, dtypes: list, g_shape: torch.Size) -> None:
+    """What the backward reads: the operands and span states ``saved``, the chunk size, the dtypes of
+    the inputs (q, k, v, coef, log_lam, g0, b0), which their gradients take, and the state's shape."""
+    ctx.save_for_backward(*saved)
+    ctx.set_materialize_grads(False)
+    ctx.meta = (chunk_size, dtypes, g_shape)
+
+
 class SoeScanTriton(torch.autograd.Function):
     """Triton forward in chunk-parallel form and backward over spans of chunks (kernels/soe/gpu/launches.py lists
     the launches). The forward's walk stores the state entering every chunk in the operands' dtype for the
@@ -54,32 +98,36 @@ class SoeScanTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
-        batch, seq_len, heads, feat = q.shape
-        n_terms, width = log_lam.shape[-1], v.shape[-1]
         check_triton_inputs(q, chunk_output_kernel)
-        q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
-        coef = coef.to(q.dtype).contiguous()
-        ll = log_lam.float().contiguous()
-        capability = device_capability(q)
-        chunk, launches = soe_launches(batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability)
-        span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
-        n_spans = triton.cdiv(seq_len, span * chunk)
-        docs = document_numbers(reset, batch, seq_len, q.device)
-        carry = span_carry(docs, span * chunk)
-        ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1))
-        states = slots(n_spans, pack(g0, b0), at_end=False)
+        batch, seq_len, heads, _ = q.shape
+        dtypes = [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)]
+        operands, (launches, span, chunk) = _operands(q, k, v, coef, log_lam, chunk_size, reset)
+        q, k, v, coef, ll, docs, _carry = operands
+        ints = _sizes(q, v, ll, span)[:-1]
+        states = slots(triton.cdiv(seq_len, span * chunk), pack(g0, b0), at_end=False)
         fc = launches["fwd"].constexprs["BT"]
         reads = q.new_empty(triton.cdiv(seq_len, fc), *states.shape[1:])
         launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, triton.cdiv(span * chunk, fc))
-        out = torch.empty(batch, seq_len, heads, width, dtype=q.dtype, device=q.device)
+        out = torch.empty(batch, seq_len, heads, v.shape[-1], dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
         launches["fwd"].run(q, k, v, coef, ll, docs, reads, out, z, *ints)
         del reads
+        _save(ctx, (*operands, states), chunk_size, dtypes, g0.shape)
         g_t, b_t = unpack(states[-1], g0.shape)
-        ctx.save_for_backward(q, k, v, coef, ll, docs, carry, states)
-        ctx.set_materialize_grads(False)
-        ctx.meta = (chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)], g0.shape)
         return out, z, g_t, b_t
+
+    @staticmethod
+    def kept(ctx) -> tuple[torch.Tensor]:
+        """What the backward reads that only the forward's scan makes: the states at span borders."""
+        return (ctx.saved_tensors[-1],)
+
+    @staticmethod
+    def prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset, states) -> None:
+        """Save what the backward reads, as the forward does, from the inputs and the span states
+        ``states`` that a forward returned (:func:`span_states_shape`) without scanning again: the
+        torch.library op's backward (kernels/library.py)."""
+        operands, _ = _operands(q, k, v, coef, log_lam, chunk_size, reset)
+        _save(ctx, (*operands, states), chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)], g0.shape)
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
@@ -104,7 +152,7 @@ class SoeScanTriton(torch.autograd.Function):
             return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
         span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
         n_spans = states.shape[0] - 1
-        ints = (seq_len, batch * heads, heads, n_terms, feat, width, feat * (width + 1), span)
+        ints = _sizes(q, v, ll, span)
         d_states = slots(n_spans, final, at_end=True)
         launches["bwd_states"].run(q, d_out, d_zz, ll, docs, d_states, *ints)
         pass_args = (n_spans, seq_len, span * chunk, *pass_sizes(d_states, heads * n_terms))
