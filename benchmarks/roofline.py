@@ -43,6 +43,7 @@ overheads, the sequence-parallel entering-state read (a one-piece step makes non
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -145,6 +146,8 @@ ACCESS: dict[str, dict[str, dict[str, str]]] = {
         # side, each its own coefficient column; it writes the state entering every chunk once
         "fwd_states": {"k": SHARED, "v": SHARED, "coef": ONCE, "log_lam": ONCE, "docs": SHARED, "reads": ONCE,
                        "states": STATE},
+        "bwd_reads": {"k": SHARED, "v": SHARED, "coef": ONCE, "log_lam": ONCE, "docs": SHARED, "reads": ONCE,
+                      "states": STATE},  # the same walk again in the backward, phase by phase
         "fwd": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS, "reads": ONCE,
                                                               "out": ONCE, "z": ONCE},
         "bwd_states": {"q": SHARED, "d_out": ONCE, "d_z": ONCE, "log_lam": DECAYS, "docs": SHARED, "states": STATE},
@@ -198,7 +201,7 @@ def _soe_flops(name: str, c: dict, named: dict) -> int:
     n_blocks = _column_programs(name, c, named) - (name in ("fwd", "bwd_keys")) if block else 0
     mask = 2 * 2 * bt * gn * bt  # R = E^T @ coef^T in tf32
     walk = 2 * bt * bt * cols + mask + 2 * bt * bt * block + 2 * 2 * rows * cols * bt  # intra part, read, write
-    if name in ("fwd_states", "bwd_chunk_states"):  # one term's write (or its gradient's)
+    if name in ("fwd_states", "bwd_reads", "bwd_chunk_states"):  # one term's write (or its gradient's)
         return 2 * bt * c["BF"] * c["BD"]
     if name == "bwd_chunk_queries":  # dO V^T, (dP * Wc) K, the kernel matrix, a read per term
         return 2 * bt * bt * (c["BF"] + c["BD"]) + mask + named["S"] * 2 * bt * c["BF"] * c["BD"]
@@ -272,7 +275,7 @@ def launch_names(scan: str, captured: Sequence[tuple[Launch, tuple]]) -> list[st
             values = args[0]  # the increments or their read gradients, [B, T, levels, width]
             b, t, levels, width = values.shape
             made = phasor_launches(b, t, levels, width, named["NS"], values.dtype, CAPABILITY)[1]
-        found = [n for n, m in made.items() if m == launch]
+        found = [n for n, m in made.items() if dataclasses.replace(m, grid=launch.grid) == launch]  # phases: grids
         if not found:
             raise ValueError(f"{scan}: the step launches {launch.kernel.__name__} with {launch.constexprs}, which "
                              "the launch functions do not make at its sizes")
@@ -303,6 +306,16 @@ def pointer_bytes(mode: str, t: torch.Tensor, launch: Launch, sharers: Counter) 
     return 0.0  # UNUSED
 
 
+def _phase_share(t: torch.Tensor, named: dict, launch: Launch) -> float:
+    """The share of a per-token tensor ([B, T, ...]) that one phase of the SOE chunk kernels (a launch with
+    a first chunk C0) touches: its chunks' tokens; 1 for every other tensor and launch."""
+    if "C0" not in named or t.dim() < 2 or t.shape[1] != named["seq_len"]:
+        return 1.0
+    bt, n_chunks = launch.constexprs["BT"], -(-named["seq_len"] // launch.constexprs["BT"])
+    chunks = min(named["N"], n_chunks - named["C0"]) if "N" in named else launch.programs // named["BH"]
+    return min(1.0, chunks * bt / named["seq_len"])
+
+
 def launch_cost(scan: str, name: str, launch: Launch, args: tuple, sharers: Counter) -> tuple[float, float, str]:
     """(tl.dot FLOPs, global-memory bytes, rate) of one captured launch: bytes from its arguments' sizes
     and ACCESS (ValueError where ACCESS does not name exactly the launch's pointers); ``sharers`` counts
@@ -314,7 +327,8 @@ def launch_cost(scan: str, name: str, launch: Launch, args: tuple, sharers: Coun
     named, c = dict(zip(launch.argument_names(), args)), launch.constexprs
     if name == "bwd_coef" and not c["NEED_DLL"]:  # the shares' sum alone (the pairs are in the shares)
         access = {p: mode if p in ("shares", "dcoef", "docs") else UNUSED for p, mode in access.items()}
-    traffic = sum(pointer_bytes(mode, named[p], launch, sharers) for p, mode in access.items())
+    traffic = sum(pointer_bytes(mode, named[p], launch, sharers) * _phase_share(named[p], named, launch)
+                  for p, mode in access.items())  # fmt: skip
     if scan == "phasor":  # programs x the chunks of a span (spans are whole chunks): every chunk once
         if "L" not in named:  # a sequence pass: no products
             return 0, traffic, "tf32"
@@ -328,8 +342,8 @@ def launch_cost(scan: str, name: str, launch: Launch, args: tuple, sharers: Coun
     if "SPAN" in named:  # a walk: the column programs of a span x batch x head cover its chunks once
         spans = launch.programs // _column_programs(name, c, named) // named["BH"]
         chunks = named["BH"] * min(spans * named["SPAN"], n_chunks)
-    elif name in ("fwd_states", "bwd_chunk_states"):  # a walk per batch x head x term over every chunk
-        chunks = launch.programs * n_chunks
+    elif "N" in named:  # a chunk walk per batch x head x term (x state block) over a phase's chunks
+        chunks = launch.programs * min(named["N"], n_chunks - named["C0"])
     else:  # chunk parallel
         chunks = launch.programs
     return chunks * _soe_flops(name, c, named), traffic, "fp32" if c.get("PRECISION") == "ieee" else "bf16"
@@ -378,7 +392,10 @@ def built_rows(cfg: ModelConfig, scan: str, seq_len: int = SEQ_LEN) -> tuple[lis
     model = _meta_model(cfg)
     captured = capture_step(model, 1, seq_len, CAPABILITY)
     names = launch_names(scan, captured)
-    layers = names.count("fwd")
+    layers = sum(  # a layer's forward starts at chunk 0 (the SOE forward runs in phases of chunks)
+        1 for (launch, args), name in zip(captured, names)
+        if name == "fwd" and dict(zip(launch.argument_names(), args)).get("C0", 0) == 0
+    )
     sharers = Counter(
         id(a) for (launch, args), name in zip(captured, names)
         for p, a in zip(launch.argument_names(), args) if ACCESS[scan][name].get(p) == PARTIAL

@@ -144,27 +144,32 @@ def test_soe_triton_term_groups_match_reference(monkeypatch, n_terms):
     _check_soe(inputs, 16)
 
 
-@pytest.mark.parametrize(("per_span", "target"), [(1, 80), (2, 80), (4, 80), (4, 90)])
-def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target):
+@pytest.mark.parametrize(("per_span", "target", "phased"), [(1, 80, False), (2, 80, True), (4, 80, False),
+                                                             (4, 90, False)])  # fmt: skip
+def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phased):
     """Decays that are buffers (VORT's): the chunk-parallel backward returns None for log_lam, every other
     gradient matches the reference, and two runs are bitwise equal. 18 terms, resets, an initial state and
     the final state's gradient, at forward chunks of 16, 32 and 64 tokens (spans of 1, 2 and 4 chunks of
     16; 70 tokens, so the last chunk is short), with an A100's launches (dk, dv and dcoef apart) and an
-    H100's (in one launch)."""
+    H100's (in one launch); ``phased``: the per-chunk states budget cut to one span's, so the forward and
+    the backward run the chunks in three phases of one span (one chunk of 32; the last of 6 tokens)."""
     import kernels.soe.gpu.function as function
+    import kernels.soe.gpu.launches as launches
     from kernels.soe.triton import soe_launches
 
     monkeypatch.setattr(function, "device_capability", lambda _x: target)
+    if phased:
+        monkeypatch.setattr(launches, "READS_BYTES", 1)
     names = soe_launches(2, 70, 2, 18, 6, 9, 16, torch.float32, target, decay_grad=False)[1].keys()
     assert ("bwd_chunk_values" in names) == (target == 80) and "bwd_chunk_keys" in names
 
     if per_span < 4:
         _spans_of(monkeypatch, 2, 70, 2, 16, per_span, 18, 6, 9)
     else:  # one span over the sequence: chunks of 64 (the last of 6 tokens)
-        import kernels.soe.gpu.launches as launches
-
         monkeypatch.setattr(launches, "MIN_PROGRAMS", 1)
     assert soe_launches(2, 70, 2, 18, 6, 9, 16, torch.float32, 80)[1]["fwd"].constexprs["BT"] == 16 * per_span
+    fwd = soe_launches(2, 70, 2, 18, 6, 9, 16, torch.float32, target, decay_grad=False)[1]["fwd"]
+    assert fwd.grid[0] == (1 if phased else math.ceil(70 / (16 * per_span))) * 2 * 2
     inputs = soe_inputs(2, 70, 2, 6, 9, 18, True, seed=3)
     inputs["reset"] = resets(70, RESET_ROWS)
     runs = []

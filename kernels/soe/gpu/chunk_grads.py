@@ -37,14 +37,15 @@ from kernels.soe.gpu.walk import (
 @triton.jit
 def chunk_state_grads_kernel(
     q, d_out, d_z, log_lam, docs, d_reads, d_edges,
-    seq_len, BH, H, S, F, DV, W,
+    seq_len, BH, H, S, F, DV, W, C0, N,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Term s's state gradient walked from the final state's gradient (slot 1 of ``d_edges``, [2, B*H*S, W]
-    fp32) over the chunks in reverse: slot c of ``d_reads`` ([chunks, B*H*S, W], the operands' dtype) gets
-    the gradient of the state leaving chunk c, then the chunk's reads add sum_i lam^(i+1) q_i (dO_i, dz_i)
-    and the carry through the chunk decays it by lam^n (cut where a document starts inside). The gradient
-    of the initial state goes to slot 0 of ``d_edges``. A program owns a [BF, BD] block of the state, the
+    """Term s's state gradient walked over chunks C0 .. C0 + N - 1 (a phase) in reverse, from the gradient
+    of the state leaving the phase (slot 1 of ``d_edges``, [2, B*H*S, W] fp32): slot c - C0 of ``d_reads``
+    ([phase chunks, B*H*S, W], the operands' dtype) gets the gradient of the state leaving chunk c, then
+    the chunk's reads add sum_i lam^(i+1) q_i (dO_i, dz_i) and the carry through the chunk decays it by
+    lam^n (cut where a document starts inside). The gradient of the state entering the phase goes to
+    slot 0 of ``d_edges``. A program owns a [BF, BD] block of the state, the
     normalisers' gradient riding with value block 0."""
     row, fb, vb = _state_program(F, DV, BF, BD)
     s = row % S
@@ -61,10 +62,10 @@ def chunk_state_grads_kernel(
     b_mask = (offs_f < F) & (vb == 0)
     db = tl.load(d_edges + last + F * DV + offs_f, mask=b_mask, other=0.0)
     pos = tl.arange(0, BT).to(tl.float32) + 1.0
-    n_chunks = tl.cdiv(seq_len, BT)
-    for i in range(0, n_chunks):
-        c = n_chunks - 1 - i
-        here = (c * rows + row).to(tl.int64) * W
+    n_here = tl.minimum(N, tl.cdiv(seq_len, BT) - C0)
+    for i in range(0, n_here):
+        c = C0 + n_here - 1 - i
+        here = ((c - C0) * rows + row).to(tl.int64) * W
         tl.store(d_reads + here + g_offs, dg.to(d_reads.dtype.element_ty), mask=g_mask)
         tl.store(d_reads + here + F * DV + offs_f, db.to(d_reads.dtype.element_ty), mask=b_mask)
         start = c * BT
@@ -106,13 +107,14 @@ def _chunk_pairs(q, k, v, coef, log_lam, docs, d_out, d_z, b, h, start, seq_len,
 @triton.jit
 def chunk_query_grads_kernel(
     q, k, v, coef, log_lam, docs, reads, d_out, d_z, dq,
-    seq_len, BH, H, S, F, DV, W,
+    seq_len, BH, H, S, F, DV, W, C0,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dq of one chunk of one batch x head: (dP * Wc) K over the chunk's pairs, plus sum_s lam_s^(i+1)
-    (dO_i G_s^T + dz_i b_s) for the tokens that read the state entering the chunk (slot c of ``reads``)."""
+    """dq of one chunk c (C0 + program / BH, slot c - C0 of ``reads``) of one batch x head: (dP * Wc) K over the
+    chunk's pairs, plus sum_s lam_s^(i+1) (dO_i G_s^T + dz_i b_s) for the tokens that read the state entering
+    the chunk (slot c of ``reads``)."""
     pid = tl.program_id(0)
-    c, bh = pid // BH, pid % BH
+    c, bh = C0 + pid // BH, pid % BH
     b, h = bh // H, bh % H
     base, mask_t, _n, reads_in, _w, _l, _q, kc, _v, dc, dz, wc, d_p = _chunk_pairs(
         q, k, v, coef, log_lam, docs, d_out, d_z, b, h, c * BT, seq_len, H, S, F, DV, BT, BF, BD, GN, PRECISION
@@ -125,7 +127,7 @@ def chunk_query_grads_kernel(
     pos = tl.arange(0, BT).to(tl.float32) + 1.0
     for s in range(0, S):
         alpha = tl.where(reads_in, tl.exp(pos * tl.load(log_lam + h * S + s)), 0.0)
-        here = ((c * BH + bh) * S + s).to(tl.int64) * W
+        here = (((c - C0) * BH + bh) * S + s).to(tl.int64) * W
         g_t = tl.load(reads + here + g_offs, mask=g_mask, other=0.0)
         bn = tl.load(reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
         read = tl.dot(dc, g_t.to(dc.dtype), input_precision=PRECISION) + dz[:, None] * bn[None, :]
@@ -136,18 +138,19 @@ def chunk_query_grads_kernel(
 @triton.jit
 def chunk_key_value_grads_kernel(
     q, k, v, coef, log_lam, docs, d_reads, d_out, d_z, dk, dv, dcoef,
-    seq_len, BH, H, S, F, DV, W,
+    seq_len, BH, H, S, F, DV, W, C0,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
     KEYS: tl.constexpr, VALUES: tl.constexpr, COEFS: tl.constexpr,
 ):  # fmt: skip
-    """dk (KEYS), dv (VALUES) and dcoef (COEFS) of one chunk of one batch x head: all in one launch where
+    """dk (KEYS), dv (VALUES) and dcoef (COEFS) of one chunk c (C0 + program / BH, slot c - C0 of
+    ``d_reads``) of one batch x head: all in one launch where
     the registers allow (sm_90), one launch each otherwise (the sm_80 compile spilled with two). Pairs inside
     the chunk: dv = (QK^T * Wc)^T dO, dk = (dP * Wc)^T Q, dcoef[j, s] = sum_d lam_s^d (QK^T * dP)[j + d, j].
     Writes into the state leaving the chunk (slot c of ``d_reads`` holds its gradient dH_s, db_s), w_s(j) =
     lam_s^(n-1-j) coef[j, s]: dk_j += w_s(j) (dH_s v_j + db_s), dv_j += w_s(j) k_j dH_s, dcoef[j, s] +=
     lam_s^(n-1-j) (v_j . (k_j dH_s) + k_j . db_s)."""
     pid = tl.program_id(0)
-    c, bh = pid // BH, pid % BH
+    c, bh = C0 + pid // BH, pid % BH
     b, h = bh // H, bh % H
     base, mask_t, n, _r, writes, linked, qc, kc, vc, dc, _dz, wc, d_p = _chunk_pairs(
         q, k, v, coef, log_lam, docs, d_out, d_z, b, h, c * BT, seq_len, H, S, F, DV, BT, BF, BD, GN, PRECISION
@@ -172,7 +175,7 @@ def chunk_key_value_grads_kernel(
     for s in range(0, S):
         lam_w = tl.where(writes, tl.exp(steps * tl.load(log_lam + h * S + s)), 0.0)
         cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
-        here = ((c * BH + bh) * S + s).to(tl.int64) * W
+        here = (((c - C0) * BH + bh) * S + s).to(tl.int64) * W
         dh = tl.load(d_reads + here + g_offs, mask=g_mask, other=0.0).to(kc.dtype)
         db = tl.load(d_reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
         if KEYS:

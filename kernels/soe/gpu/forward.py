@@ -39,12 +39,13 @@ def _state_program(F, DV, BF: tl.constexpr, BD: tl.constexpr):
 @triton.jit
 def chunk_states_kernel(
     k, v, coef, log_lam, docs, reads, states,
-    seq_len, BH, H, S, F, DV, W, STRIDE,
-    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+    seq_len, BH, H, S, F, DV, W, STRIDE, C0, N,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, BORDERS: tl.constexpr,
 ):  # fmt: skip
-    """Term s's state block, value columns vb * BD.., walked over the chunks from the initial state in slot 0
-    of ``states`` ([spans + 1, B*H*S, W] fp32, W = F*DV + F: G_s row-major, then b_s). Before each chunk c
-    the state goes to slot c of ``reads`` ([chunks, B*H*S, W], the operands' dtype); after every STRIDE
+    """Term s's state block, value columns vb * BD.., walked over chunks C0 .. C0 + N - 1 (a phase; C0 a
+    multiple of STRIDE) from the state entering chunk C0, slot C0 / STRIDE of ``states`` ([spans + 1,
+    B*H*S, W] fp32, W = F*DV + F: G_s row-major, then b_s). Before each chunk c the state goes to slot
+    c - C0 of ``reads`` ([phase chunks, B*H*S, W], the operands' dtype); with BORDERS, after every STRIDE
     chunks, and after the last, to the next slot of ``states``. A chunk of n tokens decays the state by
     lam^n (cut to zero when a document starts inside it) and adds sum_j lam^(n-1-j) coef_j k_j v_j^T over
     the tokens whose writes reach its end; the normalisers b_s ride with value block 0. A program owns a
@@ -60,12 +61,13 @@ def chunk_states_kernel(
     b_mask = (offs_f < F) & (vb == 0)
     rows = BH * S
     ll = tl.load(log_lam + h * S + s)
-    g = tl.load(states + row.to(tl.int64) * W + g_offs, mask=g_mask, other=0.0)
-    bn = tl.load(states + row.to(tl.int64) * W + F * DV + offs_f, mask=b_mask, other=0.0)
+    first = ((C0 // STRIDE) * rows + row).to(tl.int64) * W
+    g = tl.load(states + first + g_offs, mask=g_mask, other=0.0)
+    bn = tl.load(states + first + F * DV + offs_f, mask=b_mask, other=0.0)
     pos = tl.arange(0, BT).to(tl.float32)
     n_chunks = tl.cdiv(seq_len, BT)
-    for c in range(0, n_chunks):
-        here = (c * rows + row).to(tl.int64) * W
+    for c in range(C0, tl.minimum(C0 + N, n_chunks)):
+        here = ((c - C0) * rows + row).to(tl.int64) * W
         tl.store(reads + here + g_offs, g.to(reads.dtype.element_ty), mask=g_mask)
         tl.store(reads + here + F * DV + offs_f, bn.to(reads.dtype.element_ty), mask=b_mask)
         start = c * BT
@@ -79,7 +81,7 @@ def chunk_states_kernel(
         decay = carry * tl.exp(n.to(tl.float32) * ll)
         g = tl.dot(tl.trans(kw.to(kc.dtype)), vc, acc=g * decay, input_precision=PRECISION)
         bn = bn * decay + tl.sum(kw, axis=0)
-        if ((c + 1) % STRIDE == 0) | (c + 1 == n_chunks):
+        if BORDERS and (((c + 1) % STRIDE == 0) | (c + 1 == n_chunks)):
             border = ((tl.cdiv(c + 1, STRIDE) * rows) + row).to(tl.int64) * W
             tl.store(states + border + g_offs, g, mask=g_mask)
             tl.store(states + border + F * DV + offs_f, bn, mask=b_mask)
@@ -88,14 +90,15 @@ def chunk_states_kernel(
 @triton.jit
 def chunk_output_kernel(
     q, k, v, coef, log_lam, docs, reads, out, z,
-    seq_len, BH, H, S, F, DV, W,
+    seq_len, BH, H, S, F, DV, W, C0,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """o and z of one chunk of one batch x head: sum_j (q_i . k_j) Wc[i, j] (v_j, 1) over the chunk's
-    linked pairs, plus sum_s lam_s^(i+1) q_i (G_s, b_s) for the tokens that read the state entering the
-    chunk (slot c of ``reads``). BD covers every value column. Stored once, in their dtype."""
+    """o and z of one chunk c (C0 + program / BH) of one batch x head: sum_j (q_i . k_j) Wc[i, j] (v_j, 1)
+    over the chunk's linked pairs, plus sum_s lam_s^(i+1) q_i (G_s, b_s) for the tokens that read the state
+    entering the chunk (slot c - C0 of ``reads``). BD covers every value column. Stored once, in their
+    dtype."""
     pid = tl.program_id(0)
-    c, bh = pid // BH, pid % BH
+    c, bh = C0 + pid // BH, pid % BH
     b, h = bh // H, bh % H
     start = c * BT
     offs_f = tl.arange(0, BF)
@@ -116,7 +119,7 @@ def chunk_output_kernel(
     q32 = qc.to(tl.float32)
     for s in range(0, S):
         alpha = tl.where(reads_in, tl.exp(pos * tl.load(log_lam + h * S + s)), 0.0)
-        here = ((c * BH + bh) * S + s).to(tl.int64) * W
+        here = (((c - C0) * BH + bh) * S + s).to(tl.int64) * W
         g = tl.load(reads + here + g_offs, mask=g_mask, other=0.0)
         bn = tl.load(reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
         o += tl.dot(qc, g.to(qc.dtype), input_precision=PRECISION) * alpha[:, None]

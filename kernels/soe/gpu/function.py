@@ -105,12 +105,14 @@ class SoeScanTriton(torch.autograd.Function):
         q, k, v, coef, ll, docs, _carry = operands
         ints = _sizes(q, v, ll, span)[:-1]
         states = slots(triton.cdiv(seq_len, span * chunk), pack(g0, b0), at_end=False)
-        fc = launches["fwd"].constexprs["BT"]
-        reads = q.new_empty(triton.cdiv(seq_len, fc), *states.shape[1:])
-        launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, triton.cdiv(span * chunk, fc))
         out = torch.empty(batch, seq_len, heads, v.shape[-1], dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
-        launches["fwd"].run(q, k, v, coef, ll, docs, reads, out, z, *ints)
+        stride = triton.cdiv(span * chunk, launches["fwd"].constexprs["BT"])
+        reads = None
+        for c0, n, phase in _phases(launches["fwd"], batch * heads, seq_len):
+            reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
+            launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, stride, c0, n)
+            phase.run(q, k, v, coef, ll, docs, reads, out, z, *ints, c0)
         del reads
         _save(ctx, (*operands, states), chunk_size, dtypes, g0.shape)
         g_t, b_t = unpack(states[-1], g0.shape)
@@ -148,7 +150,9 @@ class SoeScanTriton(torch.autograd.Function):
         )
         final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
         if not decay_grad:
-            grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states[0], d_out, d_zz, final, g_shape)
+            stride = triton.cdiv(walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability) * chunk,
+                                 launches["fwd"].constexprs["BT"])
+            grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, d_out, d_zz, final, g_shape, stride)
             return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
         span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
         n_spans = states.shape[0] - 1
@@ -197,26 +201,40 @@ class SoeScanTriton(torch.autograd.Function):
         return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
 
 
-def _chunk_grads(launches: dict, inputs: tuple, first: torch.Tensor, d_out: torch.Tensor, d_z: torch.Tensor,
-                 final: torch.Tensor, g_shape: torch.Size) -> tuple:  # fmt: skip
+def _phases(launch, rows: int, seq_len: int):
+    """(first chunk, chunks, the launch with its grid) of each phase of a chunk-parallel launch whose full
+    grid is one phase of chunks x ``rows`` programs (launches.chunk_phase), first to last."""
+    per_phase, chunk = launch.grid[0] // rows, launch.constexprs["BT"]
+    n_chunks = triton.cdiv(seq_len, chunk)
+    for c0 in range(0, n_chunks, per_phase):
+        n = min(per_phase, n_chunks - c0)
+        yield c0, per_phase, dataclasses.replace(launch, grid=(n * rows, 1, 1))
+
+
+def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, d_out: torch.Tensor, d_z: torch.Tensor,
+                 final: torch.Tensor, g_shape: torch.Size, stride: int) -> tuple:  # fmt: skip
     """(dq, dk, dv, dcoef, None, dG0, db0) by the chunk-parallel backward (kernels/soe/gpu/chunk_grads.py)
-    for decays that need no gradient: the states entering every chunk walked again from the initial one
-    (``first``, a packed slot), the gradients of the states leaving every chunk walked back from the
-    final one's (``final``), then dq and (dk, dv, dcoef), each one program per chunk x batch x head."""
+    for decays that need no gradient, phase by phase from the last: the states entering the phase's chunks
+    walked again from the fp32 state at its start (``states``: the forward's span borders, ``stride``
+    chunks apart), the gradients of the states leaving them walked back from the one leaving the phase
+    (``final`` for the last), then dq and (dk, dv, dcoef), each one program per chunk x batch x head."""
     q, k, v, coef, ll, docs = inputs
     batch, seq_len, heads, feat = q.shape
-    ints = (seq_len, batch * heads, heads, ll.shape[-1], feat, v.shape[-1], first.shape[-1])
-    n_chunks = launches["bwd_chunk_queries"].grid[0] // (batch * heads)
-    reads = q.new_empty(n_chunks, *first.shape)
-    launches["bwd_reads"].run(k, v, coef, ll, docs, reads, torch.stack((first, first)), *ints, n_chunks)
-    d_reads = q.new_empty(n_chunks, *first.shape)
-    d_edges = torch.stack((torch.empty_like(final), final))
-    launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges, *ints)
+    ints = (seq_len, batch * heads, heads, ll.shape[-1], feat, v.shape[-1], states.shape[-1])
     dq, dk, dv, dcoef = (torch.empty_like(x) for x in (q, k, v, coef))
-    launches["bwd_chunk_queries"].run(*inputs, reads, d_out, d_z, dq, *ints)
-    del reads
-    for name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
-        if name in launches:
-            launches[name].run(*inputs, d_reads, d_out, d_z, dk, dv, dcoef, *ints)
+    d_edges = torch.stack((torch.empty_like(final), final))
+    reads = d_reads = None
+    for c0, n, phase in reversed(list(_phases(launches["bwd_chunk_queries"], batch * heads, seq_len))):
+        reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
+        d_reads = torch.empty_like(reads) if d_reads is None else d_reads
+        launches["bwd_reads"].run(k, v, coef, ll, docs, reads, states, *ints, stride, c0, n)
+        launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges, *ints, c0, n)
+        phase.run(*inputs, reads, d_out, d_z, dq, *ints, c0)
+        for name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
+            if name in launches:
+                grid = phase.grid
+                dataclasses.replace(launches[name], grid=grid).run(*inputs, d_reads, d_out, d_z, dk, dv, dcoef, *ints,
+                                                                   c0)  # fmt: skip
+        d_edges[1].copy_(d_edges[0])
     dg0, db0 = unpack(d_edges[0], g_shape)
     return dq, dk, dv, dcoef, None, dg0, db0

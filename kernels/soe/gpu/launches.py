@@ -64,6 +64,7 @@ INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that divides the backward's span
 
 SHARES_BYTES = 2**30  # the most the coefficient gradient's fp32 shares of one phase of the backward take
+READS_BYTES = 2**29  # the most one phase's per-chunk states (or state gradients) take
 
 
 def chunk_block(chunk_size: int, capability: int) -> int:
@@ -132,6 +133,14 @@ def state_blocks(rows: int, feat: int, width: int) -> tuple[int, int]:
         else:
             bf //= 2
     return bf, bd
+
+
+def chunk_phase(rows: int, width: int, itemsize: int, stride: int, n_chunks: int) -> int:
+    """Chunks per phase of the chunk-parallel kernels: whole spans (``stride`` chunks each) whose states,
+    one [rows, width] slot of ``itemsize`` bytes per chunk, stay within READS_BYTES (at least one span;
+    the whole sequence, 256 chunks, at vort-125m x 16,384 tokens; 4 phases at 65,536)."""
+    spans = max(1, READS_BYTES // (stride * rows * width * itemsize))
+    return min(spans * stride, n_chunks)
 
 
 def forward_chunk(span: int, chunk: int, n_chunks: int) -> int:
@@ -221,24 +230,30 @@ def soe_launches(
 
     fc = forward_chunk(span, bt, triton.cdiv(seq_len, bt))
     sbf, sbd = state_blocks(batch * heads * n_terms, bf, bv)
+    stride = triton.cdiv(span * bt, fc)
+    per_phase = chunk_phase(batch * heads * n_terms, feat * (width + 1), dtype.itemsize, stride,
+                            triton.cdiv(seq_len, fc))  # fmt: skip
     forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype)}
     fwd_ints = {k: "i32" for k in INTS if k != "SPAN"}
     d_state_in = qkv | base | {"d_states": "fp32", "d_out": operand}
     launches = {
         "fwd_states": Launch(
             chunk_states_kernel, {"k": operand, "v": operand} | base | {"reads": operand, "states": "fp32"},
-            fwd_ints | {"STRIDE": "i32"}, forward | {"BF": sbf, "BD": sbd},
+            fwd_ints | {"STRIDE": "i32", "C0": "i32", "N": "i32"},
+            forward | {"BF": sbf, "BD": sbd, "BORDERS": True},
             (batch * heads * n_terms * triton.cdiv(feat, sbf) * triton.cdiv(width, sbd), 1, 1),
             tiles.forward_warps, tiles.forward_stages, wide=frozenset(("k", "v", "coef", "reads", "states")),
         ),
         "fwd": Launch(
-            chunk_output_kernel, qkv | base | {"reads": operand, "out": operand, "z": operand}, fwd_ints,
-            forward | {"BD": bv, "GN": gn}, (triton.cdiv(seq_len, fc) * batch * heads, 1, 1), tiles.forward_warps,
+            chunk_output_kernel, qkv | base | {"reads": operand, "out": operand, "z": operand},
+            fwd_ints | {"C0": "i32"},
+            forward | {"BD": bv, "GN": gn}, (per_phase * batch * heads, 1, 1), tiles.forward_warps,
             tiles.forward_stages, wide=frozenset(("q", "k", "v", "coef", "reads", "out", "z")),
         ),
     }  # fmt: skip
     if not decay_grad:
-        return bt, launches | _chunk_backward(launches, operand, fwd_ints, forward | {"BD": bv, "GN": gn}, tiles)
+        chunked = forward | {"BD": bv, "GN": gn}
+        return bt, launches | _chunk_backward(launches, operand, fwd_ints | {"C0": "i32"}, chunked, tiles)
     launches |= {
         "bwd_states": walk(state_grads_kernel, {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32",
                                                 "docs": "i32", "states": "fp32"}, ints, dict(by_value), value_grid),
@@ -285,9 +300,11 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
                       wide=frozenset(pointers) - {"log_lam", "docs"})  # fmt: skip
 
     state_in = {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32", "docs": "i32"}
+    walk = forward["fwd_states"]
     out = {
-        "bwd_reads": forward["fwd_states"],
-        "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"}, ints,
+        "bwd_reads": dataclasses.replace(walk, constexprs=walk.constexprs | {"BORDERS": False}),
+        "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"},
+                                   ints | {"N": "i32"},
                              {k: forward["fwd_states"].constexprs[k] for k in ("BT", "BF", "BD", "PRECISION")},
                              forward["fwd_states"].grid,
                              tiles.forward_warps, tiles.forward_stages,
