@@ -137,10 +137,12 @@ def state_blocks(rows: int, feat: int, width: int) -> tuple[int, int]:
 
 def chunk_phase(rows: int, width: int, itemsize: int, stride: int, n_chunks: int) -> int:
     """Chunks per phase of the chunk-parallel kernels: whole spans (``stride`` chunks each) whose states,
-    one [rows, width] slot of ``itemsize`` bytes per chunk, stay within READS_BYTES (at least one span;
-    the whole sequence, 256 chunks, at vort-125m x 16,384 tokens; 4 phases at 65,536)."""
-    spans = max(1, READS_BYTES // (stride * rows * width * itemsize))
-    return min(spans * stride, n_chunks)
+    one [rows, width] slot of ``itemsize`` bytes per chunk, stay within READS_BYTES (at least one span),
+    the spans shared out evenly over the fewest phases (so that no last phase of a chunk or two leaves
+    the GPU idle): the whole sequence, 256 chunks, at vort-125m x 16,384 tokens; 4 phases at 65,536."""
+    most = max(1, READS_BYTES // (stride * rows * width * itemsize))  # spans per phase at most
+    n_spans = triton.cdiv(n_chunks, stride)
+    return min(triton.cdiv(n_spans, triton.cdiv(n_spans, most)) * stride, n_chunks)
 
 
 def forward_chunk(span: int, chunk: int, n_chunks: int) -> int:
