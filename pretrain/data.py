@@ -23,9 +23,7 @@ from pretrain.protocols import Batch
 def configure_storage(cfg: RunConfig) -> None:
     """This process's retry policy and s3:// settings from the config's `storage` section
     (data_pipeline/storage.py); before anything remote is read."""
-    s = cfg.storage
-    storage.configure(storage.RetryPolicy(s.retries, s.backoff_s, s.backoff_max_s), s.endpoint_url, s.region,
-                      s.read_timeout_s, s.connect_timeout_s, s.block_size)
+    storage.apply(cfg.storage)
 
 
 def make_task_data(cfg: RunConfig, rank: int, world: int) -> TaskBatches:

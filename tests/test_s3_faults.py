@@ -17,6 +17,7 @@ from data_pipeline.build import build_shards
 from data_pipeline.shards import ShardError
 from data_pipeline.stream import PackedStream
 from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.layout import CheckpointError
 from pretrain.checkpoint.manifest import committed_steps
 from tests.fault_proxy import FaultProxy
 from tests.launchers import REPO
@@ -100,7 +101,8 @@ def test_a_fault_outlasting_the_budget_names_the_url_and_the_attempts(s3, proxy:
     root = s3.url("run/checkpoints")
     save(Checkpointer(root, tmp_path / "stage", 2, 0, False), 1)
     proxy.plan = lambda n, line: "reset" if line.startswith(b"PUT") and b"step_00000002/manifest.json" in line else None
-    with pytest.raises(storage.StorageError, match=rf"cannot upload '{root}/step_00000002/manifest.json': failed 5"):
+    with pytest.raises(CheckpointError,
+                       match=rf"of step 2: cannot upload '{root}/step_00000002/manifest.json': failed 5"):
         save(Checkpointer(root, tmp_path / "stage", 2, 0, False), 2)
     proxy.plan = lambda n, line: None
     assert committed_steps(root) == ["step_00000001"]  # step 2's files are there, uncommitted
