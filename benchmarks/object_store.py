@@ -81,6 +81,7 @@ def stream_rate(source: str, seq_len: int, samples: int, ranks: int, read: str,
         next(it)
     elapsed = time.perf_counter() - t0
     stats = stream.stats()
+    stream.close()  # no read ahead of this stream goes on into the next row's time
     return {"read": read, "seq_len": seq_len, "samples": samples, "tokens_per_s": samples * seq_len / elapsed,
             "first_sample_s": first, "mb_read": stats["shard_bytes_read"] / 1e6, "read_retries": stats["read_retries"],
             "load_avg_1m": os.getloadavg()[0]}
@@ -114,10 +115,12 @@ def loader(args: argparse.Namespace) -> list[dict[str, Any]]:
             for read, where, source, mib in runs:
                 if "ms)" in where and proxy is None:
                     proxy = delayed(args.latency_ms / 1000)
+                    warm(remote)
                 elif "ms)" not in where and proxy is not None:
                     proxy.close()
                     proxy = None
                     storage.configure(storage.RetryPolicy(), endpoint_url=_server_endpoint)
+                    warm(remote)
                 block = None if mib is None else int(mib * (1 << 20))
                 row = {"run": run, "where": where, "ranks": args.ranks, "shards": len(m.shards), "block_mib": mib,
                        **stream_rate(source, args.seq_len, args.samples, args.ranks, read, block)}
@@ -126,6 +129,13 @@ def loader(args: argparse.Namespace) -> list[dict[str, Any]]:
     if proxy is not None:
         proxy.close()
     return rows
+
+
+def warm(url: str) -> None:
+    """Make this process's s3:// filesystem (a new one after `storage.configure`) and its first
+    connection, as the rows before it found them: its set-up (botocore's models, a session) is the
+    process's start, not the stream's."""
+    fsspec.filesystem("s3").cat_file(f"{url}/manifest.json")
 
 
 def delayed(delay_s: float) -> Any:

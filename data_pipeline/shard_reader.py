@@ -141,6 +141,18 @@ class ShardReader:
                      _index_pool=None, _block_pid=-1, _index_reads={}, _waiting={})
         return state
 
+    def close(self) -> None:
+        """Stop this process's background reads: those not started are dropped, those running finish
+        (each is one request) and are let go; the caches are emptied."""
+        for pool in (self._pool, self._block_pool, self._index_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._block_pool = self._index_pool = None
+        self._pool_pid = self._block_pid = -1
+        self._inflight, self._blocks, self._block_bytes = OrderedDict(), OrderedDict(), 0
+        self._index_reads, self._waiting = {}, {}
+        self._cache, self._cached_tokens = OrderedDict(), 0
+
     def set_read_ahead(self, samples: int, sample_bytes: int, stream_bytes: int) -> None:
         """Size the block cache for a read-ahead of ``samples`` samples of ``sample_bytes`` each,
         spanning ``stream_bytes`` of the epoch's stream: the blocks of two shuffle windows (the one

@@ -213,6 +213,12 @@ class PackedStream(IterableDataset):
         spans = math.ceil(shard_reader.BLOCKS_AHEAD * reader.block_size / stride)
         return min(4096, max(shard_reader.RANGE_AHEAD, spans))
 
+    def close(self) -> None:
+        """Stop the background reads of this process (prefetched shards, blocks, indexes) and drop the
+        caches; a later iteration starts them again."""
+        for source in self._sources:
+            source.reader.close()
+
     @property
     def vocab_size(self) -> int:
         """Vocabulary size of the shards' tokenizer."""

@@ -85,6 +85,9 @@ class DataSection:
     shuffle_buffer: int = 1024
     doc_boundaries: bool = False
     num_workers: int = 0
+    # "shard": whole shards, sha256-checked; "range": each sample's bytes (on an object store the blocks of
+    # storage.block_size that hold them), no sha256 (docs/data.md, "Reading"); the same samples either way
+    read: Literal["shard", "range"] = "shard"
     # global sample numbers never trained on, as [first, end) pairs (data_pipeline/skips.py); a loss-spike
     # rollback adds its range to the data state itself, so this is for skipping data by hand
     skip_samples: list[list[int]] = dataclasses.field(default_factory=list)

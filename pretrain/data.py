@@ -48,6 +48,8 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
         expected_tokenizer=cfg.data.tokenizer,
         skip_samples=cfg.data.skip_samples,
         read_retries=cfg.storage.retries,
+        read=cfg.data.read,
+        verify=cfg.data.read == "shard",
     )
     # pinned batches copy to the GPU without making the host wait (the loop's non_blocking copies)
     return StreamLoader(stream, num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available())

@@ -50,23 +50,25 @@ def through(endpoint: str) -> None:
     forget_filesystems()
 
 
-def _samples(url: str, read: str) -> tuple[list[list[int]], int]:
+def _samples(url: str, read: str, block_size: int | None = None) -> tuple[list[list[int]], int]:
     stream = PackedStream([(url, 1.0)], seq_len=128, seed=5, shuffle_buffer=8, read=read, verify=read == "shard",
-                          read_retries=FAST.retries)
+                          read_retries=FAST.retries, block_size=block_size)
     samples = [s["input_ids"].tolist() for _, s in zip(range(150 if read == "shard" else 40), stream)]
     return samples, stream.stats()["read_retries"]
 
 
-@pytest.mark.parametrize("read", ["shard", "range"])
+@pytest.mark.parametrize(("read", "block_size"), [("shard", None), ("range", None), ("range", 200)])
 def test_shards_read_through_faults_are_the_clean_samples(s3, proxy: FaultProxy, paragraphs: list[str],
-                                                          read: str) -> None:
+                                                          read: str, block_size: int | None) -> None:
+    """Whole shards, and byte ranges in blocks (a block a shard's tokens, and blocks of 200 bytes read by
+    the block threads ahead of the samples): the faults are retried, counted, and change no sample."""
     url = s3.url("shards")
     build_shards(paragraphs, url, shard_tokens=1000)
-    clean, retries = _samples(url, read)
+    clean, retries = _samples(url, read, block_size)
     assert retries == 0
     through(proxy.endpoint)
     proxy.every = 3
-    faulted, retries = _samples(url, read)
+    faulted, retries = _samples(url, read, block_size)
     assert faulted == clean  # nothing lost, repeated or reordered
     # the faults on shard reads were retried and counted (a loaded machine may add timeouts of its own)
     assert retries >= 4, (retries, proxy.requests, proxy.done)

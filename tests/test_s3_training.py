@@ -88,7 +88,8 @@ def test_a_run_on_s3_exports_and_inits_from_the_bucket_and_writes_no_secret(s3, 
 
 def test_a_run_through_faults_logs_the_clean_losses(s3, s3_server, demo_shards, tmp_path: Path) -> None:
     """Resets, cut answers, stalls past the read timeout and 503 SlowDown on every 5th request while
-    training: the losses and the data position are those of a clean run, the retries counted."""
+    training, reading byte ranges in 4 kB blocks: the losses and the data position are those of a clean
+    run reading whole shards, the retries counted."""
     shards = upload_shards(s3, demo_shards)
     fast = ["storage.read_timeout_s=0.5", "storage.backoff_s=0.01", "storage.backoff_max_s=0.05",
             "checkpoint.async_save=false"]
@@ -97,7 +98,8 @@ def test_a_run_through_faults_logs_the_clean_losses(s3, s3_server, demo_shards, 
     proxy = FaultProxy(("127.0.0.1", s3_server.port), every=5, stall_s=1.5)
     os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # the s3 fixture puts it back
     try:
-        run_training("python", 1, tiny_args(shards, faulty, s3.url("faulty/ckpt"), 6, *fast))
+        run_training("python", 1, tiny_args(shards, faulty, s3.url("faulty/ckpt"), 6, *fast, "data.read=range",
+                                            "storage.block_size=4096"))
     finally:
         proxy.close()
     assert step_losses(faulty) == step_losses(clean) and len(step_losses(clean)) == 6
@@ -107,6 +109,8 @@ def test_a_run_through_faults_logs_the_clean_losses(s3, s3_server, demo_shards, 
               for name in ("clean", "faulty")]
     assert states[0]["data"] == states[1]["data"]  # the same samples consumed: none lost or repeated
     records = [json.loads(line) for line in (faulty / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("data/sha256_verified", 0) for r in records) == 0  # read by ranges: no whole shard
+    assert max(r.get("data/prefetched", 0) for r in records) > 0  # blocks asked for ahead of the samples
     retries = max(r.get("data/read_retries", 0) for r in records), max(r.get("ckpt/retries", 0) for r in records)
     assert proxy.done.total() >= 4 and retries[0] + retries[1] >= 1, (proxy.done, retries, last)
 
