@@ -13,8 +13,14 @@ import numpy as np
 _SHARD_ORDER_TAG = 1
 _WINDOW_TAG = 2
 _MIX_TAG = 3
-_WINDOWS_KEPT = 64
-_MIX_BLOCKS_KEPT = 16
+_KEPT_ITEMS = 1 << 20
+"""Permutation entries kept for look-ups that alternate between places (a read-ahead runs ahead of the
+samples being read): at most this many per cache, at least two windows or mixture blocks."""
+
+
+def _kept(size: int, most: int) -> int:
+    """How many permutations of ``size`` entries a cache keeps: ``most``, fewer when they are large."""
+    return max(2, min(most, _KEPT_ITEMS // max(1, size)))
 
 
 def seeded_rng(*keys: int) -> np.random.Generator:
@@ -47,6 +53,7 @@ class SourceOrder:
         self._ends = np.empty(0, dtype=np.int64)
         self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._windows_kept = _kept(window, 64)
 
     def _layout(self, epoch: int) -> None:
         """Shard order and cumulative stream ends for ``epoch`` (the last two epochs' are kept: a
@@ -75,7 +82,7 @@ class SourceOrder:
         if perm is None:  # a few windows are kept: a read-ahead runs into the next while this one is read
             size = min(self.window, self.samples_per_epoch - w * self.window)
             perm = self._windows[(epoch, w)] = seeded_rng(self.seed, self.salt, _WINDOW_TAG, epoch, w).permutation(size)
-            while len(self._windows) > _WINDOWS_KEPT:
+            while len(self._windows) > self._windows_kept:
                 self._windows.popitem(last=False)
         else:
             self._windows.move_to_end((epoch, w))
@@ -129,6 +136,7 @@ class Mixture:
         self.quota = quota
         self._base = np.repeat(np.arange(len(w)), quota)
         self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._blocks_kept = _kept(2 * block, 16)
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Source of each slot in block ``b`` and its rank among that source's slots (a few blocks are
@@ -142,7 +150,7 @@ class Mixture:
         rank = np.empty(self.block, dtype=np.int64)
         rank[order] = np.arange(self.block) - np.repeat(np.cumsum(self.quota) - self.quota, self.quota)
         self._blocks[b] = perm, rank
-        while len(self._blocks) > _MIX_BLOCKS_KEPT:
+        while len(self._blocks) > self._blocks_kept:
             self._blocks.popitem(last=False)
         return perm, rank
 

@@ -16,7 +16,7 @@ import pytest
 from data_pipeline.build import build_shards
 from data_pipeline.build import main as build_main
 from data_pipeline.shards import load_manifest
-from data_pipeline.stream import PackedStream
+from data_pipeline.stream import PackedStream, StreamLoader
 from tests.launchers import REPO
 
 BOOKS = REPO / "data" / "demo" / "train"
@@ -137,6 +137,26 @@ def test_block_reads_from_s3_give_the_local_samples_within_their_memory_bound(s3
         assert stats["shard_bytes_read"] < 0.8 * 250 * 101 * 3, stats
         if prefetch:
             assert remote._read_ahead >= 16 and stats["prefetched"] > 0
+
+
+def test_block_reads_from_s3_in_data_loader_workers_and_a_mixture_give_the_local_batches(s3, tmp_path: Path) -> None:
+    """Two sources read in blocks by two data-loader workers (each plans its own read-ahead, its threads
+    made after the fork): the batches of local range reads, in order."""
+    local = [str(tmp_path / "a"), str(tmp_path / "b")]
+    _paragraph_shards(tmp_path, local[0])
+    build_shards(INPUTS[:2], local[1], shard_tokens=20_000)
+    fs, _ = fsspec.core.url_to_fs(s3.url())
+    for name, path in zip("ab", local):
+        fs.put(path + "/", s3.url(name) + "/", recursive=True)
+    args = dict(seq_len=64, seed=2, shuffle_buffer=8, read="range", verify=False, rank=1, world_size=2,
+                batch_size=4)
+
+    def batches(sources: list[str], **extra: int) -> list[list[list[int]]]:
+        stream = PackedStream([(sources[0], 0.7), (sources[1], 0.3)], **args, **extra)
+        loader = StreamLoader(stream, num_workers=2)
+        return [b["input_ids"].tolist() for _, b in zip(range(40), loader)]
+
+    assert batches([s3.url("a"), s3.url("b")], block_size=512) == batches(local)
 
 
 def test_a_missing_dataset_on_s3_is_named(s3) -> None:
