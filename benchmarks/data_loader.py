@@ -8,6 +8,10 @@
     ``--sp-model`` names one): tokens/s and tokens per CPU-second (one core's rate, since the parts
     of a build are independent), and the hours that rate gives for ``--target-tokens`` on ``--cores``.
 
+``python -m benchmarks.data_loader s3 --input <corpus files/globs> --workdir <dir> [--ranks 8]``
+    tokens/s per rank from a local S3 server (moto on loopback) beside local disk in the same run, whole
+    shards and byte ranges: ``benchmarks.object_store loader`` (its docstring says how).
+
 ``python -m benchmarks.data_loader scale --shards 10000 --shard-tokens 1880000 --workdir <dir>``
     start-up time and peak memory for a very large manifest, against a small one, to show that
     neither grows with the size of the dataset. docs/data.md, "Measurements", says how each is set up.
@@ -293,6 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sc.add_argument("--shard-tokens", type=int, default=1_880_000)
     sc.add_argument("--doc-tokens", type=int, default=10_000)
     sc.add_argument("--seq-len", type=int, default=4096)
+    s3 = sub.add_parser("s3", help="tokens/s per rank from a local S3 server beside local disk")
+    from benchmarks import object_store
+
+    object_store.add_loader_arguments(s3)
+    s3.add_argument("--workdir", required=True)
+    s3.add_argument("--endpoint", default=None, help="an S3 endpoint already running (default: start one)")
+    s3.add_argument("--json", default=None, help="also write the rows here")
     child = sub.add_parser("_startup")
     child.add_argument("source")
     child.add_argument("seq_len", type=int)
@@ -304,6 +315,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_speed(args)
     elif args.command == "scale":
         scale(args)
+    elif args.command == "s3":
+        from benchmarks import object_store
+
+        rows = object_store.loader(args)
+        print(object_store.table(rows))
+        print(object_store.loader_summary(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     else:
         _startup_child(args.source, args.seq_len, args.resume_tokens)
     return 0

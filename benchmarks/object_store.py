@@ -3,10 +3,13 @@ load time, each from a local S3 endpoint (moto's server on loopback, benchmarks/
 same thing on local disk in the same run. Results and commands: docs/data.md, "Object storage".
 
 ``python -m benchmarks.object_store loader --input <files/globs> --workdir <dir> [--ranks 8]``
-    builds byte-level shards on disk, copies them to a bucket, and streams rank 0's share (of
-    ``--ranks``) from each: whole shards with sha256 and prefetch, and byte ranges (on the store with
-    each ``--range-ahead`` look-ahead depth, and with ``--latency-ms`` once more through a proxy that
-    adds that round trip to each request, as a remote store would). tokens/s per rank.
+(also ``python -m benchmarks.data_loader s3 ...``)
+    builds byte-level shards on disk, lists them ``--repeat`` times in the manifest (a corpus that many
+    times larger, larger than any cache of the reader, without storing it that many times), copies
+    them to a bucket, and streams rank 0's share (of ``--ranks``) from each, ``--runs`` times in
+    alternation: whole shards with sha256 and prefetch, and byte ranges (on the store in blocks of each
+    ``--block-mib``, and with ``--latency-ms`` once more through a proxy that adds that round trip to
+    each request, as a remote store would). tokens/s per rank, from a cold start.
 
 ``python -m benchmarks.object_store checkpoint --model configs/model/vort-125m.yaml --workdir <dir>``
     saves and restores the state of that model with AdamW moments (engine.kind=single's payload)
@@ -26,15 +29,19 @@ import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import fsspec
 import torch
 
 from benchmarks.local_s3 import LocalS3
-from data_pipeline import shard_reader, storage
+from data_pipeline import storage
 from data_pipeline.build import build_shards
+from data_pipeline.shards import Manifest, load_manifest, save_manifest
 from data_pipeline.stream import PackedStream
+
+_server_endpoint: str | None = None
 
 
 @contextlib.contextmanager
@@ -47,6 +54,8 @@ def bucket(endpoint: str | None, workdir: Path) -> Iterator[str]:
         for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                            "AWS_DEFAULT_REGION": "us-east-1"}.items():
             os.environ.setdefault(key, value)
+    global _server_endpoint
+    _server_endpoint = endpoint
     storage.configure(storage.RetryPolicy(), endpoint_url=endpoint)
     try:
         name = server.new_bucket() if server else f"bench-{os.getpid()}"
@@ -58,47 +67,75 @@ def bucket(endpoint: str | None, workdir: Path) -> Iterator[str]:
             server.stop()
 
 
-def stream_rate(source: str, seq_len: int, samples: int, ranks: int, read: str) -> dict[str, Any]:
-    """tokens/s of rank 0's stream of `ranks` over `samples` samples, from a cold start."""
+def stream_rate(source: str, seq_len: int, samples: int, ranks: int, read: str,
+                block_size: int | None = None) -> dict[str, Any]:
+    """tokens/s of rank 0's stream of `ranks` over `samples` samples, from a cold start (the stream
+    made, its first sample read and all the rest)."""
     t0 = time.perf_counter()
     stream = PackedStream([(source, 1.0)], seq_len=seq_len, seed=0, rank=0, world_size=ranks, shuffle_buffer=256,
-                          verify=read == "shard", read=read)
+                          verify=read == "shard", read=read, block_size=block_size)
     it = iter(stream)
-    t1 = time.perf_counter()
-    for _ in range(samples):
+    next(it)
+    first = time.perf_counter() - t0
+    for _ in range(samples - 1):
         next(it)
-    elapsed = time.perf_counter() - t1
+    elapsed = time.perf_counter() - t0
     stats = stream.stats()
+    stream.close()  # no read ahead of this stream goes on into the next row's time
     return {"read": read, "seq_len": seq_len, "samples": samples, "tokens_per_s": samples * seq_len / elapsed,
-            "startup_s": t1 - t0, "mb_read": stats["shard_bytes_read"] / 1e6, "read_retries": stats["read_retries"]}
+            "first_sample_s": first, "mb_read": stats["shard_bytes_read"] / 1e6, "read_retries": stats["read_retries"],
+            "load_avg_1m": os.getloadavg()[0]}
+
+
+def repeat_manifest(directory: str, times: int) -> Manifest:
+    """List the shards of the manifest in `directory` `times` times over (rewritten in place): a
+    corpus `times` times larger to the reader, which reads and caches each listed shard apart."""
+    m = load_manifest(directory)
+    m.shards = [dict(s) for _ in range(times) for s in m.shards]
+    save_manifest(m, directory)
+    return load_manifest(directory)
 
 
 def loader(args: argparse.Namespace) -> list[dict[str, Any]]:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     local = str(work / "shards")
-    m = build_shards(args.input, local, shard_tokens=args.shard_tokens, overwrite=True)
-    default_ahead, rows, proxy = shard_reader.RANGE_AHEAD, [], None
+    build_shards(args.input, local, shard_tokens=args.shard_tokens, overwrite=True)
+    m = repeat_manifest(local, args.repeat)
+    rows, proxy = [], None
     with bucket(args.endpoint, work) as root:
         remote = f"{root}/shards"
         fsspec.filesystem("s3").put(local + "/", remote + "/", recursive=True)
         runs = [("shard", "local disk", local, None), ("shard", "s3 (loopback)", remote, None),
                 ("range", "local disk", local, None)]
-        runs += [("range", "s3 (loopback)", remote, n) for n in args.range_ahead]
+        runs += [("range", "s3 (loopback)", remote, mib) for mib in args.block_mib]
         if args.latency_ms:
-            runs += [("range", f"s3 (+{args.latency_ms:g} ms)", remote, n) for n in args.range_ahead]
-        for read, where, source, ahead in runs:
-            if "ms)" in where and proxy is None:
-                proxy = delayed(args.latency_ms / 1000)
-            shard_reader.RANGE_AHEAD = default_ahead if ahead is None else ahead
-            row = {"where": where, "ranks": args.ranks, "shards": len(m.shards), "in_flight": ahead,
-                   **stream_rate(source, args.seq_len, args.samples, args.ranks, read)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        shard_reader.RANGE_AHEAD = default_ahead
+            runs += [("range", f"s3 (+{args.latency_ms:g} ms)", remote, mib) for mib in args.block_mib]
+        for run in range(args.runs):
+            for read, where, source, mib in runs:
+                if "ms)" in where and proxy is None:
+                    proxy = delayed(args.latency_ms / 1000)
+                    warm(remote)
+                elif "ms)" not in where and proxy is not None:
+                    proxy.close()
+                    proxy = None
+                    storage.configure(storage.RetryPolicy(), endpoint_url=_server_endpoint)
+                    warm(remote)
+                block = None if mib is None else int(mib * (1 << 20))
+                row = {"run": run, "where": where, "ranks": args.ranks, "shards": len(m.shards), "block_mib": mib,
+                       **stream_rate(source, args.seq_len, args.samples, args.ranks, read, block)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if proxy is not None:
         proxy.close()
     return rows
+
+
+def warm(url: str) -> None:
+    """Make this process's s3:// filesystem (a new one after `storage.configure`) and its first
+    connection, as the rows before it found them: its set-up (botocore's models, a session) is the
+    process's start, not the stream's."""
+    fsspec.filesystem("s3").cat_file(f"{url}/manifest.json")
 
 
 def delayed(delay_s: float) -> Any:
@@ -106,8 +143,7 @@ def delayed(delay_s: float) -> Any:
     `delay_s` (tests/fault_proxy.py, without faults): a remote store's round trip on loopback."""
     from tests.fault_proxy import FaultProxy
 
-    endpoint = fsspec.config.conf["s3"]["endpoint_url"]
-    host, port = endpoint.rsplit("//", 1)[1].split(":")
+    host, port = str(_server_endpoint).rsplit("//", 1)[1].split(":")
     proxy = FaultProxy((host, int(port)), delay_s=delay_s)
     storage.configure(storage.RetryPolicy(), endpoint_url=proxy.endpoint)
     return proxy
@@ -170,12 +206,53 @@ def _size(url: str) -> int:
     return sum(fs.du(path, total=False).values())
 
 
+def _cell(value: Any) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
-        lines.append("| " + " | ".join(f"{v:,.1f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+        lines.append("| " + " | ".join(_cell(v) for v in row.values()) + " |")
     return "\n".join(lines)
+
+
+def loader_summary(rows: list[dict[str, Any]]) -> str:
+    """One line per row kind: the median tokens/s per rank over the runs, their range, and the median
+    of each run's ratio to local disk with the same read mode in the same run."""
+    local = {(r["run"], r["read"]): r["tokens_per_s"] for r in rows if r["where"] == "local disk"}
+    kinds: dict[tuple[str, str, Any], list[dict[str, Any]]] = {}
+    for r in rows:
+        kinds.setdefault((r["where"], r["read"], r["block_mib"]), []).append(r)
+    lines = ["| where | read | block MiB | tokens/s per rank (median, min-max) | vs local disk (median, min-max) "
+             "| first sample s | MB read |", "|---|---|---|---|---|---|---|"]
+    for (where, read, mib), group in kinds.items():
+        rates = sorted(r["tokens_per_s"] for r in group)
+        ratios = sorted(r["tokens_per_s"] / local[(r["run"], read)] for r in group)
+        lines.append(
+            f"| {where} | {read} | {mib if mib is not None else '-'} | {median(rates) / 1e6:.2f}M "
+            f"({rates[0] / 1e6:.2f}-{rates[-1] / 1e6:.2f}) | {median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) "
+            "| "
+            f"{median(r['first_sample_s'] for r in group):.3f} | {median(r['mb_read'] for r in group):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def add_loader_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", nargs="+", required=True)
+    parser.add_argument("--shard-tokens", type=int, default=1 << 22)
+    parser.add_argument("--repeat", type=int, default=8, help="times the manifest lists the built shards")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=6000)
+    parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks; rank 0's share is read")
+    parser.add_argument("--block-mib", type=float, nargs="+", default=[storage.DEFAULT_BLOCK_SIZE / (1 << 20)],
+                        help="block sizes of range reads on the store, MiB (one s3 range row each)")
+    parser.add_argument("--latency-ms", type=float, default=0,
+                        help="also read ranges through a proxy adding this round trip to each request")
+    parser.add_argument("--runs", type=int, default=1, help="times every row is measured, in alternation")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,15 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ld = sub.add_parser("loader")
-    ld.add_argument("--input", nargs="+", required=True)
-    ld.add_argument("--shard-tokens", type=int, default=1 << 22)
-    ld.add_argument("--seq-len", type=int, default=2048)
-    ld.add_argument("--samples", type=int, default=2000)
-    ld.add_argument("--ranks", type=int, default=8, help="data-parallel ranks; rank 0's share is read")
-    ld.add_argument("--range-ahead", type=int, nargs="+", default=[shard_reader.RANGE_AHEAD],
-                    help="samples whose ranges are read ahead on the store (one s3 range row each)")
-    ld.add_argument("--latency-ms", type=float, default=0,
-                    help="also read ranges through a proxy adding this round trip to each request")
+    add_loader_arguments(ld)
     ck = sub.add_parser("checkpoint")
     ck.add_argument("--model", default="configs/model/vort-125m.yaml")
     for p in (ld, ck):
@@ -201,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = loader(args) if args.command == "loader" else checkpoint(args)
     print(table(rows))
+    if args.command == "loader":
+        print(loader_summary(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -40,6 +40,7 @@ import numpy as np
 from fsspec.core import url_to_fs
 from tqdm import tqdm
 
+from data_pipeline import storage
 from data_pipeline.encode import encoded, in_thread
 from data_pipeline.errors import DATA_ERRORS, report_data_error
 from data_pipeline.shards import (
@@ -401,8 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the shards of another build in --output (refused without it)")
     parser.add_argument("--no-progress", action="store_true")
+    storage.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        # s3fs keeps its own retries here: the inputs are streamed outside storage.retrying's loop
+        storage.configure_from_args(args, single_attempt=False)
         return _run(args)
     except DATA_ERRORS as err:
         return report_data_error(err)

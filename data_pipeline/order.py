@@ -4,6 +4,8 @@ stream: one global order")."""
 
 from __future__ import annotations
 
+import bisect
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -11,6 +13,14 @@ import numpy as np
 _SHARD_ORDER_TAG = 1
 _WINDOW_TAG = 2
 _MIX_TAG = 3
+_KEPT_ITEMS = 1 << 20
+"""Permutation entries kept for look-ups that alternate between places (a read-ahead runs ahead of the
+samples being read): at most this many per cache, at least two windows or mixture blocks."""
+
+
+def _kept(size: int, most: int) -> int:
+    """How many permutations of ``size`` entries a cache keeps: ``most``, fewer when they are large."""
+    return max(2, min(most, _KEPT_ITEMS // max(1, size)))
 
 
 def seeded_rng(*keys: int) -> np.random.Generator:
@@ -41,20 +51,26 @@ class SourceOrder:
         self._epoch = -1
         self._order = np.empty(0, dtype=np.int64)
         self._ends = np.empty(0, dtype=np.int64)
-        self._window_key: tuple[int, int] = (-1, -1)
-        self._window_perm = np.empty(0, dtype=np.int64)
+        self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._windows_kept = _kept(window, 64)
 
     def _layout(self, epoch: int) -> None:
-        """Shard order and cumulative stream ends for ``epoch`` (recomputed on epoch change)."""
+        """Shard order and cumulative stream ends for ``epoch`` (the last two epochs' are kept: a
+        read-ahead runs into the next epoch while this one is read)."""
         if epoch == self._epoch:
             return
-        n = len(self.lengths)
-        if self.shuffle:
-            order = seeded_rng(self.seed, self.salt, _SHARD_ORDER_TAG, epoch).permutation(n)
-        else:
-            order = np.arange(n)
-        self._order = order
-        self._ends = np.cumsum(self.lengths[order])
+        layout = self._layouts.get(epoch)
+        if layout is None:
+            n = len(self.lengths)
+            if self.shuffle:
+                order = seeded_rng(self.seed, self.salt, _SHARD_ORDER_TAG, epoch).permutation(n)
+            else:
+                order = np.arange(n)
+            layout = self._layouts[epoch] = order, np.cumsum(self.lengths[order])
+            while len(self._layouts) > 2:
+                self._layouts.popitem(last=False)
+        self._order, self._ends = layout
         self._epoch = epoch
 
     def sample_in_epoch(self, epoch: int, q: int) -> int:
@@ -62,11 +78,15 @@ class SourceOrder:
         if self.window == 1:
             return q
         w, k = divmod(q, self.window)
-        if self._window_key != (epoch, w):
+        perm = self._windows.get((epoch, w))
+        if perm is None:  # a few windows are kept: a read-ahead runs into the next while this one is read
             size = min(self.window, self.samples_per_epoch - w * self.window)
-            self._window_perm = seeded_rng(self.seed, self.salt, _WINDOW_TAG, epoch, w).permutation(size)
-            self._window_key = (epoch, w)
-        return w * self.window + int(self._window_perm[k])
+            perm = self._windows[(epoch, w)] = seeded_rng(self.seed, self.salt, _WINDOW_TAG, epoch, w).permutation(size)
+            while len(self._windows) > self._windows_kept:
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end((epoch, w))
+        return w * self.window + int(perm[k])
 
     def sample_span(self, position: int, with_prev: bool) -> tuple[int, int, int, bool]:
         """``(epoch, start, stop, has_prev)``: stream positions of the source's ``position``-th sample
@@ -76,17 +96,20 @@ class SourceOrder:
         has_prev = with_prev and start > 0
         return epoch, start - int(has_prev), start + self.seq_len + 1, has_prev
 
-    def pieces(self, epoch: int, start: int, stop: int) -> Iterator[tuple[int, int, int, int | None]]:
-        """``(shard, lo, hi, following shard)`` for each shard that positions ``[start, stop)`` of the
-        epoch's stream cross; ``[lo, hi)`` are positions within that shard's stream."""
+    def pieces(self, epoch: int, start: int, stop: int, ahead: int = 2) -> Iterator[tuple[int, int, int, list[int]]]:
+        """``(shard, lo, hi, following shards)`` for each shard that positions ``[start, stop)`` of the
+        epoch's stream cross; ``[lo, hi)`` are positions within that shard's stream, and the following
+        shards the (at most ``ahead``) next ones of the epoch's order."""
         self._layout(epoch)
-        pos = int(self._ends.searchsorted(start, side="right"))
+        ends, order = self._ends, self._order
+        pos = bisect.bisect_right(ends, start)  # not numpy's searchsorted, which releases the interpreter lock
         while start < stop:
-            shard_end = int(self._ends[pos])
-            shard_start = shard_end - int(self.lengths[self._order[pos]])
-            following = int(self._order[pos + 1]) if pos + 1 < len(self._order) else None
+            shard_end = int(ends[pos])
+            shard = int(order[pos])
+            shard_start = shard_end - int(self.lengths[shard])
+            following = order[pos + 1 : pos + 1 + ahead].tolist()
             take = min(stop, shard_end)
-            yield int(self._order[pos]), start - shard_start, take - shard_start, following
+            yield shard, start - shard_start, take - shard_start, following
             start = take
             pos += 1
 
@@ -112,19 +135,24 @@ class Mixture:
         self.seed = seed
         self.quota = quota
         self._base = np.repeat(np.arange(len(w)), quota)
-        self._cached_block = -1
-        self._perm = self._base
-        self._rank = np.zeros(0, dtype=np.int64)
+        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._blocks_kept = _kept(2 * block, 16)
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Source of each slot in block ``b`` and its rank among that source's slots."""
-        if b != self._cached_block:
-            perm = seeded_rng(self.seed, _MIX_TAG, b).permutation(self._base) if len(self.quota) > 1 else self._base
-            order = np.argsort(perm, kind="stable")
-            rank = np.empty(self.block, dtype=np.int64)
-            rank[order] = np.arange(self.block) - np.repeat(np.cumsum(self.quota) - self.quota, self.quota)
-            self._perm, self._rank, self._cached_block = perm, rank, b
-        return self._perm, self._rank
+        """Source of each slot in block ``b`` and its rank among that source's slots (a few blocks are
+        kept: a read-ahead runs into the next ones while this one is read)."""
+        cached = self._blocks.get(b)
+        if cached is not None:
+            self._blocks.move_to_end(b)
+            return cached
+        perm = seeded_rng(self.seed, _MIX_TAG, b).permutation(self._base) if len(self.quota) > 1 else self._base
+        order = np.argsort(perm, kind="stable")
+        rank = np.empty(self.block, dtype=np.int64)
+        rank[order] = np.arange(self.block) - np.repeat(np.cumsum(self.quota) - self.quota, self.quota)
+        self._blocks[b] = perm, rank
+        while len(self._blocks) > self._blocks_kept:
+            self._blocks.popitem(last=False)
+        return perm, rank
 
     def locate(self, n: int) -> tuple[int, int]:
         """``(source, k)``: the ``n``-th sample of this mixture is source's ``k``-th sample."""

@@ -1,10 +1,19 @@
 """Reading one source's shards as token streams (documents each followed by EOS): whole shards
-(sha256-verified, cached, the next one prefetched in a thread) or byte ranges plus a small per-shard
-index. Knows nothing of sample order; ``data_pipeline.order`` says which positions to read."""
+(sha256-verified, cached, the next ones prefetched in a thread) or byte ranges plus a small per-shard
+index. Knows nothing of sample order; ``data_pipeline.order`` says which positions to read.
+
+Byte ranges on an object store are read in aligned blocks of ``storage.block_size`` bytes of a
+shard's token payload (8 MiB by default), never one request per sample: a request costs a round
+trip and the server's work whatever its size, so a sample-sized GET (a few kB) is bound by requests
+per second. The blocks the next samples need are fetched ahead by a small pool of threads (the stream
+says which samples come next: ``prefetch``) into a per-reader LRU bounded in bytes; what a sample
+holds never depends on which block arrived first."""
 
 from __future__ import annotations
 
+import bisect
 import os
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,6 +22,7 @@ from typing import Any
 import numpy as np
 from fsspec.core import url_to_fs
 
+from data_pipeline import storage
 from data_pipeline.shards import (
     Manifest,
     ShardError,
@@ -29,10 +39,19 @@ from data_pipeline.tokenizer import smallest_dtype
 
 _OPEN_HANDLES = 16
 _CACHED_INDEXES = 64
-_INFLIGHT = 2
+_EOS_AS_LIST = 1 << 16
+SHARDS_AHEAD = 2
+"""Whole shards read ahead in epoch order (shard mode): the next two, fetched one after the other in a
+background thread while this one is packed."""
 RANGE_AHEAD = 16
-"""Byte ranges of upcoming samples read concurrently on an object store (range mode): one GET costs a
-round trip, so reading one sample at a time would leave a rank waiting on latency, not bandwidth."""
+"""Fewest upcoming samples whose blocks are requested ahead on an object store (range mode); the
+stream looks further ahead when that spans less than ``BLOCKS_AHEAD`` blocks of the stream."""
+BLOCKS_AHEAD = 2
+"""Blocks of the epoch's stream the range read-ahead spans (at least): the next block is on its way
+while this one is read."""
+BLOCK_THREADS = 2
+"""Block requests in flight at once per reader (range mode on an object store)."""
+_stats_lock = threading.Lock()
 
 
 @dataclass
@@ -42,13 +61,16 @@ class ReadPolicy:
     mode: ``"shard"`` reads whole shards, ``"range"`` only the requested byte ranges.
     verify: check each whole shard's sha256 (impossible in range mode).
     retries: retries of a failed (non-missing) read before raising ``ShardError``.
-    prefetch: read and hash the next shard in a background thread (shard mode).
+    prefetch: read and hash the next shards in a background thread (shard mode).
+    block_size: bytes per request of range reads on an object store (None: the process's
+        ``storage.block_size()``, set from ``storage.block_size``).
     """
 
     mode: str = "shard"
     verify: bool = True
     retries: int = 2
     prefetch: bool = True
+    block_size: int | None = None  # range reads on an object store; None: storage.block_size()
 
     def __post_init__(self) -> None:
         if self.mode not in ("shard", "range"):
@@ -93,41 +115,92 @@ class ShardReader:
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._cached_tokens = 0
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
+        self._eos_lists: dict[int, list[int]] = {}
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._handles_pid = -1
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._inflight: OrderedDict[int, Future] = OrderedDict()
-        self._ranges: OrderedDict[tuple[int, int, int], Future] = OrderedDict()
-        self._range_pool: ThreadPoolExecutor | None = None
-        self._range_pid = -1
+        self._remote_ranges = policy.mode == "range" and is_remote(self.shard_urls[0])
+        self.block_size = int(policy.block_size or storage.block_size())
+        self.window_bytes = window_tokens * np.dtype(manifest.dtype).itemsize
+        self.block_budget = self.window_bytes + 2 * self.block_size  # set_read_ahead adds the read-ahead's
+        self._blocks: OrderedDict[tuple[int, int], _Block] = OrderedDict()
+        self._block_bytes = 0
+        self._block_pool: ThreadPoolExecutor | None = None
+        self._index_pool: ThreadPoolExecutor | None = None
+        self._block_pid = -1
+        self._index_reads: dict[int, Future] = {}
+        self._waiting: dict[int, list[tuple[int, int]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the shard cache, open files and the prefetch thread (workers rebuild them)."""
         state = dict(self.__dict__)
         state.update(_cache=OrderedDict(), _cached_tokens=0, _pool=None, _pool_pid=-1, _inflight=OrderedDict())
-        state.update(_handles=OrderedDict(), _handles_pid=-1, _ranges=OrderedDict(), _range_pool=None, _range_pid=-1)
+        state.update(_handles=OrderedDict(), _handles_pid=-1, _blocks=OrderedDict(), _block_bytes=0, _block_pool=None,
+                     _index_pool=None, _block_pid=-1, _index_reads={}, _waiting={})
         return state
 
-    def prefetch(self, idx: int, start: int, stop: int) -> None:
-        """Start reading positions ``[start, stop)`` of shard ``idx`` in the background (range mode on
-        an object store; elsewhere nothing): at most RANGE_AHEAD reads wait, concurrently. The shard's
-        index is read here, in the caller's thread; the threads only fetch bytes."""
-        if self.policy.mode != "range" or not is_remote(self.shard_urls[idx]):
-            return
-        if self._range_pool is None or self._range_pid != os.getpid():
-            self._range_pool = ThreadPoolExecutor(max_workers=RANGE_AHEAD, thread_name_prefix="range-prefetch")
-            self._range_pid, self._ranges = os.getpid(), OrderedDict()
-        key = (idx, start, stop)
-        if key in self._ranges:
-            return
-        lo, hi = self._byte_span(idx, start, stop)
-        self._ranges[key] = self._range_pool.submit(self._read_range, idx, lo, hi)
-        while len(self._ranges) > 4 * RANGE_AHEAD:  # ranges never asked for (a skip, a new iteration)
-            self._ranges.popitem(last=False)
+    def close(self) -> None:
+        """Stop this process's background reads: those not started are dropped, those running finish
+        (each is one request) and are let go; the caches are emptied."""
+        for pool in (self._pool, self._block_pool, self._index_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._block_pool = self._index_pool = None
+        self._pool_pid = self._block_pid = -1
+        self._inflight, self._blocks, self._block_bytes = OrderedDict(), OrderedDict(), 0
+        self._index_reads, self._waiting = {}, {}
+        self._cache, self._cached_tokens = OrderedDict(), 0
 
-    def span(self, idx: int, start: int, stop: int, following: int | None) -> np.ndarray:
-        """Positions ``[start, stop)`` of shard ``idx``'s stream; ``following`` is the shard read next
+    def set_read_ahead(self, samples: int, sample_bytes: int, stream_bytes: int) -> None:
+        """Size the block cache for a read-ahead of ``samples`` samples of ``sample_bytes`` each,
+        spanning ``stream_bytes`` of the epoch's stream: the blocks of two shuffle windows (the one
+        read and the one the read-ahead has reached), of the read-ahead (at most its span, at most
+        each sample's bytes and two blocks cut by its ends), the one read and one cut by a shard's end."""
+        ahead = min(stream_bytes, samples * (sample_bytes + 2 * self.block_size))
+        self.block_budget = 2 * self.window_bytes + ahead + 2 * self.block_size
+
+    def remote_ranges(self) -> bool:
+        """Whether positions are read as blocks of an object store (range mode, remote shards)."""
+        return self._remote_ranges
+
+    def prefetch(self, idx: int, start: int, stop: int) -> None:
+        """Start reading the blocks that positions ``[start, stop)`` of shard ``idx`` need, in the
+        background (range mode on an object store; elsewhere nothing). A shard whose index is not
+        here yet has it read by an index thread first; the blocks are asked for once it has come.
+        The caches and counts are kept in the caller's thread; the threads only read."""
+        if not self.remote_ranges():
+            return
+        self._pool_for_blocks()
+        self._settle_indexes()
+        if idx not in self._indexes:  # its blocks are asked for when the index has come
+            if idx not in self._index_reads:
+                self._index_reads[idx] = self._index_pool.submit(self._read_index, idx)
+            self._waiting.setdefault(idx, []).append((start, stop))
+            return
+        self._want(idx, start, stop)
+
+    def _want(self, idx: int, start: int, stop: int) -> None:
+        lo, hi = self._byte_span(idx, start, stop)
+        for b in self._block_numbers(idx, lo, hi):
+            self._block(idx, b).wanted += 1
+
+    def _settle_indexes(self) -> None:
+        """Take in the shard indexes read in the background, and ask for the blocks of the samples
+        that were waiting for them (a failed read is left for ``_index`` to raise when it is needed)."""
+        for idx in [i for i, future in self._index_reads.items() if future.done()]:
+            future = self._index_reads[idx]
+            waiting = self._waiting.pop(idx, [])
+            if future.exception() is not None:
+                continue
+            del self._index_reads[idx]
+            self._keep_index(idx, *future.result())
+            for start, stop in waiting:
+                self._want(idx, start, stop)
+
+    def span(self, idx: int, start: int, stop: int, following: list[int]) -> np.ndarray:
+        """Positions ``[start, stop)`` of shard ``idx``'s stream; ``following`` are the shards read next
         in the epoch's order (prefetched in shard mode)."""
         if self.policy.mode == "range":
             return self._range(idx, start, stop)
@@ -152,11 +225,8 @@ class ShardReader:
             f.close()
 
     def _read_range(self, idx: int, start: int, stop: int) -> tuple[bytes, int]:
-        """Bytes ``[start, stop)`` of shard ``idx``: one range GET on an object store (an open
-        file there would read whole blocks ahead), a seek and read of a cached handle on disk."""
-        url = self.shard_urls[idx]
-        if is_remote(url):
-            return with_retries(url, self.policy.retries, lambda: cat(url, start, stop))
+        """Bytes ``[start, stop)`` of shard ``idx``: a seek and read of a cached handle (local files and
+        other stores read without blocks)."""
 
         def read() -> bytes:
             f = self._handle(idx)
@@ -179,12 +249,13 @@ class ShardReader:
         if idx in self._cache or idx in self._inflight:
             return
         self._inflight[idx] = self._pool.submit(self._fetch, idx)
-        while len(self._inflight) > _INFLIGHT:
-            self._inflight.popitem(last=False)
+        while len(self._inflight) > SHARDS_AHEAD + 1:
+            self._inflight.popitem(last=False)[1].cancel()
 
-    def _shard(self, idx: int, following: int | None) -> np.ndarray:
-        """Decoded shard ``idx`` as one stream, through an LRU cache; on a miss, ``following`` starts
-        loading in the background so its reading and hashing overlap with packing this one."""
+    def _shard(self, idx: int, following: list[int]) -> np.ndarray:
+        """Decoded shard ``idx`` as one stream, through an LRU cache; on a miss, the ``following``
+        shards start loading in the background so their reading and hashing overlap with packing
+        this one."""
         hit = self._cache.get(idx)
         if hit is not None:
             self._cache.move_to_end(idx)
@@ -196,8 +267,9 @@ class ShardReader:
             self.stats.prefetched += 1
         else:
             data, used, digest = self._fetch(idx)
-        if self.policy.prefetch and following is not None:
-            self._schedule(following)
+        if self.policy.prefetch:
+            for later in following[:SHARDS_AHEAD]:
+                self._schedule(later)
         self.stats.read_retries += used
         self.stats.shards_opened += 1
         self.stats.shard_bytes_read += len(data)
@@ -220,21 +292,44 @@ class ShardReader:
     def _with_eos(self, tokens: np.ndarray, eos_at: np.ndarray, size: int) -> np.ndarray:
         """``size`` stream positions: EOS at ``eos_at``, ``tokens`` in order everywhere else."""
         out = np.empty(size, dtype=self.out_dtype)
-        keep = np.ones(size, dtype=bool)
-        keep[eos_at] = False
-        out[keep] = tokens
+        if eos_at.size <= 64 or tokens.size >= 256 * eos_at.size:  # long documents: a copy per document
+            begin = 0
+            for n, at in enumerate(eos_at.tolist()):
+                out[begin:at] = tokens[begin - n : at - n]
+                begin = at + 1
+            out[begin:] = tokens[begin - eos_at.size :]
+        else:
+            keep = np.ones(size, dtype=bool)
+            keep[eos_at] = False
+            out[keep] = tokens
         out[eos_at] = self.eos
         return out
 
     def _index(self, idx: int) -> ShardIndex:
-        """Token offset and EOS positions of shard ``idx`` (range mode), through a small LRU cache."""
+        """Token offset and EOS positions of shard ``idx`` (range mode), through a small LRU cache;
+        waits for a read that ``prefetch`` started."""
         hit = self._indexes.get(idx)
         if hit is not None:
             self._indexes.move_to_end(idx)
             return hit
+        pending = self._index_reads.pop(idx, None) if self._block_pid == os.getpid() else None
+        if pending is None:
+            return self._keep_index(idx, *self._read_index(idx))
+        index = self._keep_index(idx, *pending.result())
+        for start, stop in self._waiting.pop(idx, []):  # prefetches that came before the index
+            self._want(idx, start, stop)
+        return index
+
+    def _read_index(self, idx: int) -> tuple[ShardIndex, int]:
+        """Read shard ``idx``'s index (in the caller's thread or an index thread)."""
+        used = [0]
+        return read_index(self.shard_urls[idx], self.policy.retries, used), used[0]
+
+    def _keep_index(self, idx: int, index: ShardIndex, used: int) -> ShardIndex:
+        """Check a shard's index against the manifest and cache it (the caller's thread)."""
         url = self.shard_urls[idx]
-        index = read_index(url, self.policy.retries)
         self.stats.shards_opened += 1
+        self.stats.read_retries += used
         if (
             index.tokens != self.tokens[idx]
             or index.eos_positions.size != self.documents[idx]
@@ -245,33 +340,125 @@ class ShardReader:
                 f"manifest says {self.tokens[idx]} {self.manifest.dtype} / {self.documents[idx]}"
             )
         self._indexes[idx] = index
+        if index.eos_positions.size <= _EOS_AS_LIST:
+            self._eos_lists[idx] = index.eos_positions.tolist()
         while len(self._indexes) > _CACHED_INDEXES:
-            self._indexes.popitem(last=False)
+            self._eos_lists.pop(self._indexes.popitem(last=False)[0], None)
         return index
+
+    def _eos_before(self, idx: int, index: ShardIndex, position: int) -> int:
+        """How many EOS of shard ``idx`` lie before stream position ``position`` (a bisection of a
+        Python list where the shard's documents are not too many: numpy's searchsorted would hand
+        the interpreter lock to the block threads on each call)."""
+        positions = self._eos_lists.get(idx)
+        if positions is None:
+            return int(index.eos_positions.searchsorted(position))
+        return bisect.bisect_left(positions, position)
 
     def _byte_span(self, idx: int, start: int, stop: int) -> tuple[int, int]:
         """The bytes of shard ``idx`` holding the tokens of stream positions ``[start, stop)``."""
         index = self._index(idx)
-        first, last = int(index.eos_positions.searchsorted(start)), int(index.eos_positions.searchsorted(stop))
+        first, last = self._eos_before(idx, index, start), self._eos_before(idx, index, stop)
         item = index.dtype.itemsize
         return index.data_offset + (start - first) * item, index.data_offset + (stop - last) * item
 
     def _range(self, idx: int, start: int, stop: int) -> np.ndarray:
-        """Stream positions ``[start, stop)`` of shard ``idx`` read as one byte range (no whole-shard
-        read), or taken from a prefetch started for them."""
+        """Stream positions ``[start, stop)`` of shard ``idx``, from their token bytes: read as one byte
+        range (no whole-shard read), or cut from the blocks that hold them on an object store."""
         index = self._index(idx)
         eos = index.eos_positions
-        first, last = int(eos.searchsorted(start)), int(eos.searchsorted(stop))
+        first, last = self._eos_before(idx, index, start), self._eos_before(idx, index, stop)
         lo, hi = start - first, stop - last
         item = index.dtype.itemsize
-        pending = self._ranges.pop((idx, start, stop), None) if self._range_pid == os.getpid() else None
-        if pending is not None:
-            raw, used = pending.result()
-            self.stats.prefetched += 1
+        if self.remote_ranges():
+            raw = self._from_blocks(idx, index.data_offset + lo * item, index.data_offset + hi * item)
         else:
             raw, used = self._read_range(idx, index.data_offset + lo * item, index.data_offset + hi * item)
-        self.stats.read_retries += used
-        self.stats.shard_bytes_read += len(raw)
+            self.stats.read_retries += used
+            self.stats.shard_bytes_read += len(raw)
         if len(raw) != (hi - lo) * item:
             raise ShardError(f"shard {self.shard_urls[idx]!r} is truncated (tokens {lo}..{hi} cut off)")
         return self._with_eos(np.frombuffer(raw, dtype=index.dtype), eos[first:last] - start, stop - start)
+
+    # -- blocks (range mode on an object store)
+
+    def _block_numbers(self, idx: int, lo: int, hi: int) -> range:
+        """Blocks of shard ``idx`` that bytes ``[lo, hi)`` of its file lie in (block 0 starts at the
+        first token byte)."""
+        if hi <= lo:
+            return range(0)
+        origin = self._index(idx).data_offset
+        return range((lo - origin) // self.block_size, (hi - 1 - origin) // self.block_size + 1)
+
+    def _block(self, idx: int, b: int) -> _Block:
+        """Block ``b`` of shard ``idx``, requested now unless it is cached or on its way. Past
+        ``block_budget`` bytes the cache drops blocks that no sample asked for by ``prefetch`` still
+        needs first, then the least recently asked for (never the one asked for now)."""
+        self._pool_for_blocks()
+        key = (idx, b)
+        block = self._blocks.get(key)
+        if block is not None:
+            self._blocks.move_to_end(key)
+            return block
+        index = self._index(idx)
+        end = index.data_offset + index.tokens * index.dtype.itemsize
+        lo = index.data_offset + b * self.block_size
+        hi = min(lo + self.block_size, end)
+        block = self._blocks[key] = _Block(lo, hi - lo, self._block_pool.submit(self._read_block, idx, lo, hi))
+        self._block_bytes += block.size
+        while self._block_bytes > self.block_budget and len(self._blocks) > 1:
+            done = next((k for k, v in self._blocks.items() if v.wanted <= 0 and k != key), None)
+            old = self._blocks.pop(done if done is not None else next(iter(self._blocks)))
+            self._block_bytes -= old.size
+            old.future.cancel()
+            self.stats.cache_evictions += 1
+        return block
+
+    def _pool_for_blocks(self) -> None:
+        """The block and index threads of this process (made anew after a fork, with empty caches)."""
+        if self._block_pool is None or self._block_pid != os.getpid():
+            self._block_pool = ThreadPoolExecutor(max_workers=BLOCK_THREADS, thread_name_prefix="block-read")
+            self._index_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="index-read")
+            self._block_pid, self._blocks, self._block_bytes = os.getpid(), OrderedDict(), 0
+            self._index_reads, self._waiting = {}, {}
+
+    def _read_block(self, idx: int, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)`` of shard ``idx`` with one range GET, retried (in a block thread); the
+        retries and bytes are counted as they happen."""
+        url = self.shard_urls[idx]
+        data, used = with_retries(url, self.policy.retries, lambda: cat(url, lo, hi))
+        with _stats_lock:
+            self.stats.read_retries += used
+            self.stats.shard_bytes_read += len(data)
+        return data
+
+    def _from_blocks(self, idx: int, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)`` of shard ``idx``'s file, cut from its blocks (waiting for those on their
+        way; a failed read raises its ShardError here, naming the shard)."""
+        parts = []
+        for b in self._block_numbers(idx, lo, hi):
+            block = self._block(idx, b)
+            try:
+                data = block.future.result()
+            except BaseException:
+                self._blocks.pop((idx, b), None)
+                self._block_bytes -= block.size
+                raise
+            block.wanted -= 1
+            if not block.used:
+                block.used = True
+                with _stats_lock:
+                    self.stats.prefetched += 1
+            parts.append(data[max(lo, block.start) - block.start : min(hi, block.start + block.size) - block.start])
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+@dataclass
+class _Block:
+    """One block of a shard's token payload: file bytes ``[start, start + size)``, being read or read."""
+
+    start: int
+    size: int
+    future: Future
+    used: bool = False  # a sample was cut from it
+    wanted: int = 0  # pieces of samples that prefetch asked it for and that were not read yet

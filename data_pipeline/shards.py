@@ -248,10 +248,13 @@ class ShardIndex:
     eos_positions: np.ndarray
 
 
-def _tar_member_at(url: str, offset: int, part: str, retries: int) -> tuple[int, int, np.dtype, int, bytes]:
+def _tar_member_at(url: str, offset: int, part: str, retries: int, used: list[int]) -> tuple[int, int, np.dtype, int,
+                                                                                          bytes]:
     """Read the tar header + npy header of member ``*.part`` at ``offset``:
-    ``(payload offset, count, dtype, member size, bytes read from the payload start)``."""
-    head, _ = read_bytes(url, retries, offset, offset + 4096)
+    ``(payload offset, count, dtype, member size, bytes read from the payload start)``; the retries
+    made are added to ``used[0]``."""
+    head, n = read_bytes(url, retries, offset, offset + 4096)
+    used[0] += n
     if len(head) < 512:
         raise ShardError(f"shard {url!r} is truncated (no tar header at byte {offset})")
     try:
@@ -265,13 +268,19 @@ def _tar_member_at(url: str, offset: int, part: str, retries: int) -> tuple[int,
     return payload, count, dtype, info.size, head[512 + header_len :]
 
 
-def read_index(url: str, retries: int = 2) -> ShardIndex:
-    """Read a shard's token offset and document lengths with small range reads (not the tokens)."""
-    data_offset, count, dtype, size, _ = _tar_member_at(url, 0, "tokens.npy", retries)
+def read_index(url: str, retries: int = 2, used: list[int] | None = None) -> ShardIndex:
+    """Read a shard's token offset and document lengths with small range reads (not the tokens); the
+    retries made are added to ``used[0]`` when given."""
+    used = [0] if used is None else used
+    data_offset, count, dtype, size, _ = _tar_member_at(url, 0, "tokens.npy", retries, used)
     lengths_at = 512 + -(-size // 512) * 512
-    offset, n_docs, ldtype, _, have = _tar_member_at(url, lengths_at, "lengths.npy", retries)
+    offset, n_docs, ldtype, _, have = _tar_member_at(url, lengths_at, "lengths.npy", retries, used)
     need = n_docs * ldtype.itemsize
-    raw = have[:need] if len(have) >= need else read_bytes(url, retries, offset, offset + need)[0]
+    if len(have) >= need:
+        raw = have[:need]
+    else:
+        raw, n = read_bytes(url, retries, offset, offset + need)
+        used[0] += n
     if len(raw) != need:
         raise ShardError(f"shard {url!r} is truncated (document lengths cut off)")
     lengths = np.frombuffer(raw, dtype=ldtype).astype(np.int64)

@@ -8,6 +8,7 @@ number of global samples consumed plus the mixture bookkeeping (see docs/data.md
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
@@ -61,14 +62,15 @@ class _Source:
     def prefetch(self, position: int, with_prev: bool) -> None:
         """Let the reader start fetching the ``position``-th sample (range mode on an object store)."""
         epoch, start, stop, _ = self.order.sample_span(position, with_prev)
-        for idx, first, end, _ in self.order.pieces(epoch, start, stop):
+        for idx, first, end, _ in self.order.pieces(epoch, start, stop, 0):
             self.reader.prefetch(idx, first, end)
 
     def sample(self, position: int, with_prev: bool) -> tuple[np.ndarray, bool]:
         """Tokens of the source's ``position``-th sample (``seq_len + 1`` of them, or one more in front
         when ``with_prev`` and the sample does not start the epoch); returns ``(tokens, has_prev)``."""
         epoch, start, stop, has_prev = self.order.sample_span(position, with_prev)
-        pieces = [self.reader.span(*piece) for piece in self.order.pieces(epoch, start, stop)]
+        pieces = [self.reader.span(*piece)
+                  for piece in self.order.pieces(epoch, start, stop, shard_reader.SHARDS_AHEAD)]
         return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)), has_prev
 
 
@@ -100,13 +102,17 @@ class PackedStream(IterableDataset):
         max_samples: stop before global sample ``max_samples`` (None: infinite stream, epochs repeat).
         mix_block: samples per mixture block (the mixture is exact within each block).
         read_retries: retries of a failed (non-missing) shard read before raising ``ShardError``.
-        prefetch: read (and hash) the next shard in a background thread while packing the current one;
-            with ``read="range"`` on an object store, read the next RANGE_AHEAD samples' ranges concurrently.
+        prefetch: read (and hash) the next shards in a background thread while packing the current one;
+            with ``read="range"`` on an object store, request the blocks of this rank's next samples
+            (at least two blocks of the stream ahead) from a few threads.
         read: ``"shard"`` reads, verifies and caches whole shards (every rank reads every shard of its
             shuffle windows); ``"range"`` reads only each sample's byte range plus a small per-shard
-            index, so a rank reads ~1/world_size of the data. sha256 needs whole files, so
+            index, so a rank reads ~1/world_size of the data (on an object store: the blocks of
+            ``storage.block_size`` bytes that hold its samples, which is all of them unless the ranks
+            are many or the blocks small; docs/data.md, "Reading"). sha256 needs whole files, so
             ``"range"`` requires ``verify=False`` (structure and counts are still checked; verify the
             set once with ``python -m data_pipeline.verify``).
+        block_size: bytes per request of range reads on an object store (None: ``storage.block_size``).
         skip_samples: ``[[first, end), ...]`` global sample numbers never read (data_pipeline/skips.py);
             the ranges are part of the state, so a resumed stream skips them too.
 
@@ -134,6 +140,7 @@ class PackedStream(IterableDataset):
         prefetch: bool = True,
         read: str = "shard",
         skip_samples: Sequence[Sequence[int]] = (),
+        block_size: int | None = None,
     ) -> None:
         super().__init__()
         if seq_len < 1:
@@ -144,7 +151,8 @@ class PackedStream(IterableDataset):
             raise ValueError("batch_size must be >= 1")
         if not sources:
             raise ValueError("at least one source is needed")
-        policy = ReadPolicy(mode=read, verify=verify, retries=read_retries, prefetch=prefetch and read == "shard")
+        policy = ReadPolicy(mode=read, verify=verify, retries=read_retries, prefetch=prefetch and read == "shard",
+                            block_size=block_size)
         self.seq_len = seq_len
         self.seed = seed
         self.rank = rank
@@ -155,12 +163,14 @@ class PackedStream(IterableDataset):
         self.max_samples = max_samples
         self.shuffle = shuffle
         self._read_stats = ReadStats()
-        self._read_ahead = shard_reader.RANGE_AHEAD if read == "range" and prefetch else 0
+        self._read_ahead = 0  # samples whose blocks are requested ahead (range reads on an object store)
         self._samples = 0
         self._skips = SkipRanges(skip_samples)
         self._sources = [
             _Source(url, seq_len, seed, shuffle_buffer, shuffle, policy, self._read_stats) for url, _ in sources
         ]
+        self._prefetch = prefetch
+        self._plan_read_ahead()
         fingerprints = [s.fingerprint for s in self._sources]
         if len(set(fingerprints)) != len(fingerprints):
             raise ValueError("the same dataset appears twice in sources; merge their weights instead")
@@ -178,6 +188,36 @@ class PackedStream(IterableDataset):
         self._offsets = np.zeros(len(self._sources), dtype=np.int64)
         self._start = self._skips.nth(0, 0)
         self._yielded = 0
+
+    def _plan_read_ahead(self) -> None:
+        """How many samples ahead the blocks of range reads on an object store are asked for, and the
+        block caches that this needs (in each data-loader worker anew: a worker's samples lie further
+        apart)."""
+        remote = [s.reader for s in self._sources if s.reader.remote_ranges()]
+        if not (self._prefetch and remote):
+            return
+        self._read_ahead = max(self._samples_ahead(reader) for reader in remote)
+        for reader in remote:
+            item = np.dtype(reader.manifest.dtype).itemsize
+            reader.set_read_ahead(self._read_ahead, (self.seq_len + 2) * item, self._read_ahead * self._stride(item))
+
+    def _stride(self, itemsize: int) -> int:
+        """Bytes of a source's stream between two samples of this rank (and data-loader worker)."""
+        info = get_worker_info()
+        return self.world_size * (1 if info is None else info.num_workers) * self.seq_len * itemsize
+
+    def _samples_ahead(self, reader: ShardReader) -> int:
+        """This rank's samples to look ahead so that the read-ahead spans ``BLOCKS_AHEAD`` blocks of
+        the stream, at least ``RANGE_AHEAD`` and at most 4,096."""
+        stride = self._stride(np.dtype(reader.manifest.dtype).itemsize)
+        spans = math.ceil(shard_reader.BLOCKS_AHEAD * reader.block_size / stride)
+        return min(4096, max(shard_reader.RANGE_AHEAD, spans))
+
+    def close(self) -> None:
+        """Stop the background reads of this process (prefetched shards, blocks, indexes) and drop the
+        caches; a later iteration starts them again."""
+        for source in self._sources:
+            source.reader.close()
 
     @property
     def vocab_size(self) -> int:
@@ -243,6 +283,8 @@ class PackedStream(IterableDataset):
         """
         if get_worker_info() is None:
             self._start = self._skips.nth(self._start, self._yielded * self.world_size)
+        else:
+            self._plan_read_ahead()
         self._yielded = 0
         ahead: deque[int] = deque()
         upcoming = self._local_indices()

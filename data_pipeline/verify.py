@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from data_pipeline import storage
 from data_pipeline.errors import DATA_ERRORS, report_data_error
 from data_pipeline.shards import ShardError, checked_shard, load_manifest, read_bytes, sha256_hex
 
@@ -38,8 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.verify", description=__doc__)
     parser.add_argument("manifest", help="manifest.json URL or the directory holding it")
     parser.add_argument("--no-progress", action="store_true")
+    storage.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        storage.configure_from_args(args)
         problems = verify_shards(args.manifest, progress=not args.no_progress)
     except DATA_ERRORS as err:
         return report_data_error(err)

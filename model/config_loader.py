@@ -326,9 +326,14 @@ def read_tree(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     (or the command line) each dotted key came from."""
     sources: dict[str, str] = {}
     tree = _load_tree(Path(path), sources)
+    apply_overrides(tree, overrides, sources)
+    return tree, sources
+
+
+def apply_overrides(tree: dict, overrides: list[str] | tuple[str, ...], sources: dict[str, str]) -> None:
+    """Apply dotted `key=value` overrides to `tree` in place, recording the command line as their source."""
     for item in overrides:
         _apply_override(tree, item, sources)
-    return tree, sources
 
 
 def build_config(cls: type, tree: dict, sources: dict[str, str] | None = None, prefix: str = "") -> Any:

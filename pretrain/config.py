@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from data_pipeline import synthetic
+from data_pipeline.storage import StorageSettings
 from model import family
 from model.config import ModelConfig, as_trained
 from model.config_loader import ConfigError as ConfigError  # re-exported: run code reports config errors by it
@@ -84,6 +85,9 @@ class DataSection:
     shuffle_buffer: int = 1024
     doc_boundaries: bool = False
     num_workers: int = 0
+    # "shard": whole shards, sha256-checked; "range": each sample's bytes (on an object store the blocks of
+    # storage.block_size that hold them), no sha256 (docs/data.md, "Reading"); the same samples either way
+    read: Literal["shard", "range"] = "shard"
     # global sample numbers never trained on, as [first, end) pairs (data_pipeline/skips.py); a loss-spike
     # rollback adds its range to the data state itself, so this is for skipping data by hand
     skip_samples: list[list[int]] = dataclasses.field(default_factory=list)
@@ -281,33 +285,9 @@ class LogSection:
             raise ValueError(f"peak_tflops: must be > 0 or null (measure at start-up), got {self.peak_tflops}")
 
 
-@dataclasses.dataclass
-class StorageSection:
-    """Object storage (s3:// and other fsspec URLs in data.train, checkpoint.dir, init.from): the retry
-    policy of every remote call and the settings of new s3:// filesystems (data_pipeline/storage.py).
-    Null: the AWS environment's (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION). Credentials never go here,
-    where they would be saved with the run: they come from the AWS variables or files."""
-
-    retries: int = 5
-    backoff_s: float = 0.5
-    backoff_max_s: float = 20.0
-    read_timeout_s: float = 60.0
-    connect_timeout_s: float = 10.0
-    endpoint_url: str | None = None
-    region: str | None = None
-    block_size: int | None = None  # bytes an opened remote file reads at a time (s3fs's default_block_size)
-
-    def __post_init__(self) -> None:
-        check_range("retries", self.retries, low=0)
-        check_range("backoff_s", self.backoff_s, low=0)
-        check_range("backoff_max_s", self.backoff_max_s, low=self.backoff_s, note=" (at least backoff_s)")
-        check_range("read_timeout_s", self.read_timeout_s, low=0, low_open=True)
-        check_range("connect_timeout_s", self.connect_timeout_s, low=0, low_open=True)
-        if self.block_size is not None:
-            check_range("block_size", self.block_size, low=1)
-        if self.endpoint_url is not None and "@" in self.endpoint_url.split("://", 1)[-1].split("/", 1)[0]:
-            raise ValueError("endpoint_url: must not hold credentials (user:secret@host); set them in the AWS "
-                             "environment variables, which are never saved")
+StorageSection = StorageSettings
+"""The `storage` section: data_pipeline.storage.StorageSettings, the one home of the object-storage
+settings that the command-line tools (data_pipeline.build, pretrain.export) take too."""
 
 
 @dataclasses.dataclass

@@ -23,9 +23,7 @@ from pretrain.protocols import Batch
 def configure_storage(cfg: RunConfig) -> None:
     """This process's retry policy and s3:// settings from the config's `storage` section
     (data_pipeline/storage.py); before anything remote is read."""
-    s = cfg.storage
-    storage.configure(storage.RetryPolicy(s.retries, s.backoff_s, s.backoff_max_s), s.endpoint_url, s.region,
-                      s.read_timeout_s, s.connect_timeout_s, s.block_size)
+    storage.apply(cfg.storage)
 
 
 def make_task_data(cfg: RunConfig, rank: int, world: int) -> TaskBatches:
@@ -50,6 +48,8 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
         expected_tokenizer=cfg.data.tokenizer,
         skip_samples=cfg.data.skip_samples,
         read_retries=cfg.storage.retries,
+        read=cfg.data.read,
+        verify=cfg.data.read == "shard",
     )
     # pinned batches copy to the GPU without making the host wait (the loop's non_blocking copies)
     return StreamLoader(stream, num_workers=cfg.data.num_workers, pin_memory=torch.cuda.is_available())

@@ -100,8 +100,13 @@ def account_skips(state: TrainerState, pending: list[tuple[int, torch.Tensor]], 
     return diverged
 
 
-def _any_rank(flag: bool) -> bool:
-    return all_reduce_sum([1.0 if flag else 0.0])[0] > 0
+def _stop_vote(run: Run, flag: bool) -> bool:
+    """Collective, every step: whether any rank wants to stop (`flag`); when rank 0's commit in the
+    background has failed, every rank raises its error instead (Checkpointer.raise_if_failed), so that
+    none goes on into the next step's collectives while rank 0 stops."""
+    stop, failed = all_reduce_sum([1.0 if flag else 0.0, 1.0 if run.checkpointer.failed() else 0.0])
+    run.checkpointer.raise_if_failed(failed > 0)
+    return stop > 0
 
 
 @dataclass
@@ -224,10 +229,10 @@ def _restored_state(batches: StepBatches | carry.StateCarrier, spikes: SpikeDete
 
 def _join_commit(run: Run) -> None:
     """Collective: rank 0 waits for its asynchronous commit in flight (a full hash, and the upload to a
-    remote root) and the others for rank 0, timed apart from the save that follows."""
+    remote root) and the others for rank 0, timed apart from the save that follows; a failed commit
+    raises on every rank (Checkpointer.settle)."""
     watchdog.phase("checkpoint_commit")
-    run.checkpointer.wait()
-    barrier()
+    run.checkpointer.settle()
 
 
 def _save(run: Run, pending: list[tuple[int, torch.Tensor]], apart: Checkpointer | None = None) -> None:
@@ -396,7 +401,6 @@ def _loop(run: Run, started: float, stop: requeue.StopFlag, times: straggler.Ste
         times.step_ends(counted=not committing and run.checkpointer.join(0.0))
         if run.carrier is not None:
             run.carrier.update(info.states)
-        run.checkpointer.poll()
         state.step += 1
         state.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
@@ -420,7 +424,7 @@ def _loop(run: Run, started: float, stop: requeue.StopFlag, times: straggler.Ste
             watchdog.phase("step_end")
             times.skip_next()
         out_of_time = cfg.train.max_runtime is not None and _projected_past(started, state.step, cfg)
-        if _any_rank(stop.signal is not None or out_of_time):
+        if _stop_vote(run, stop.signal is not None or out_of_time):
             exit_code = _check(run, pending)  # a stop between two checks: the steps since are judged first
             if exit_code is not None:
                 return exit_code
@@ -469,7 +473,7 @@ def train(
         exit_code = _loop(run, started, stop, times)
         # the last commit, rank 0's closing of the metrics (wandb) and the other ranks' wait for both
         watchdog.phase("finish")
-        run.checkpointer.wait()
+        run.checkpointer.settle()
         if exit_code == EXIT_PREEMPTED and preempted_marker and run.rank == 0:
             requeue.write_preempted_marker(Path(preempted_marker), run.state.step, run.checkpointer.last_committed,
                                    stop.signal)

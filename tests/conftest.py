@@ -82,6 +82,7 @@ def s3(s3_server, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     from s3fs import S3FileSystem
 
     saved = copy.deepcopy(fsspec.config.conf), storage.retry_policy(), S3FileSystem.retries
+    monkeypatch.setattr(storage, "_block_size", storage.block_size())  # put back by monkeypatch
     forget_filesystems()
     yield env
     fsspec.config.conf.clear()

@@ -4,6 +4,7 @@ ranges, sample for sample the local stream."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from data_pipeline.build import build_shards
 from data_pipeline.build import main as build_main
 from data_pipeline.shards import load_manifest
-from data_pipeline.stream import PackedStream
+from data_pipeline.stream import PackedStream, StreamLoader
 from tests.launchers import REPO
 
 BOOKS = REPO / "data" / "demo" / "train"
@@ -76,6 +77,86 @@ def test_streaming_from_s3_gives_the_local_samples(s3, local_build: Path, read: 
     remote, local = _samples(s3.url("copied"), read), _samples(str(local_build), read)
     assert len(remote) == 60 and remote == local
     assert np.unique(np.array(remote)).size > 20  # real text, not a constant
+
+
+def test_build_and_verify_reach_the_store_through_their_storage_flags(s3, local_build: Path, tmp_path: Path) -> None:
+    """No AWS_ENDPOINT_URL in the environment: the endpoint comes from --config (a run config's
+    `storage` section) or --storage, the settings a run's config gives the trainer."""
+    env = {k: v for k, v in s3.child_env().items() if k != "AWS_ENDPOINT_URL"}
+    config = tmp_path / "run.yaml"
+    config.write_text(f"storage:\n  endpoint_url: {s3.endpoint}\n  retries: 2\n")
+    url = s3.url("flagged")
+    commands = [
+        ["data_pipeline.build", "--input", *INPUTS, "--output", url, *FLAGS, "--config", str(config)],
+        ["data_pipeline.verify", url, "--no-progress", "--storage", f"endpoint_url={s3.endpoint}"],
+    ]
+    for command in commands:
+        done = subprocess.run([sys.executable, "-m", *command], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, (command[0], done.stdout[-2000:], done.stderr[-2000:])
+    assert "0 problem(s)" in done.stdout
+    assert _objects(url) == _files(local_build)
+    bad = subprocess.run([sys.executable, "-m", "data_pipeline.build", "--input", *INPUTS, "--output", url, *FLAGS,
+                          "--storage", "retries=-1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "<command line>: storage.retries: must be >= 0" in bad.stderr, bad.stderr[-2000:]
+
+
+def _paragraph_shards(tmp_path: Path, out: str) -> None:
+    """Two plays as JSONL, a paragraph a document: shards of many documents (EOS inside samples)."""
+    path = tmp_path / "paragraphs.jsonl"
+    texts = [t for book in ("macbeth.txt", "tempest.txt") for t in (BOOKS / book).read_text().split("\n\n") if t]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    build_shards([str(path)], out, shard_tokens=30_000)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_block_reads_from_s3_give_the_local_samples_within_their_memory_bound(s3, tmp_path: Path,
+                                                                             prefetch: bool) -> None:
+    """Range reads on the store come in blocks: blocks far smaller than a sample (so a sample spans
+    several, and a block several documents) and a cache far smaller than a shard give the samples of
+    local range reads, in the same order, on every rank; the cache never holds more than its budget,
+    and no block is read twice while a sample still needs it."""
+    local = str(tmp_path / "shards")
+    _paragraph_shards(tmp_path, local)
+    fs, _ = fsspec.core.url_to_fs(s3.url())
+    fs.put(local + "/", s3.url("blocks") + "/", recursive=True)
+    for rank in (0, 1, 2):
+        args = dict(seq_len=100, seed=4, shuffle_buffer=4, read="range", verify=False, rank=rank, world_size=3,
+                    prefetch=prefetch)
+        remote = PackedStream([(s3.url("blocks"), 1.0)], block_size=96, **args)
+        reader = remote._sources[0].reader
+        most, got = 0, []
+        for _, sample in zip(range(250), remote):
+            got.append(sample["input_ids"].tolist())
+            most = max(most, reader._block_bytes)
+        want = [s["input_ids"].tolist() for _, s in zip(range(250), PackedStream([(local, 1.0)], **args))]
+        assert got == want and len(got) == 250
+        stats = remote.stats()
+        assert 0 < most <= reader.block_budget and stats["cache_evictions"] > 0, (most, stats)
+        # a rank's samples are a third of the stream: blocks of 96 bytes read little more than them
+        assert stats["shard_bytes_read"] < 0.8 * 250 * 101 * 3, stats
+        if prefetch:
+            assert remote._read_ahead >= 16 and stats["prefetched"] > 0
+
+
+def test_block_reads_from_s3_in_data_loader_workers_and_a_mixture_give_the_local_batches(s3, tmp_path: Path) -> None:
+    """Two sources read in blocks by two data-loader workers (each plans its own read-ahead, its threads
+    made after the fork): the batches of local range reads, in order."""
+    local = [str(tmp_path / "a"), str(tmp_path / "b")]
+    _paragraph_shards(tmp_path, local[0])
+    build_shards(INPUTS[:2], local[1], shard_tokens=20_000)
+    fs, _ = fsspec.core.url_to_fs(s3.url())
+    for name, path in zip("ab", local):
+        fs.put(path + "/", s3.url(name) + "/", recursive=True)
+    args = dict(seq_len=64, seed=2, shuffle_buffer=8, read="range", verify=False, rank=1, world_size=2,
+                batch_size=4)
+
+    def batches(sources: list[str], **extra: int) -> list[list[list[int]]]:
+        stream = PackedStream([(sources[0], 0.7), (sources[1], 0.3)], **args, **extra)
+        loader = StreamLoader(stream, num_workers=2)
+        return [b["input_ids"].tolist() for _, b in zip(range(40), loader)]
+
+    assert batches([s3.url("a"), s3.url("b")], block_size=512) == batches(local)
 
 
 def test_a_missing_dataset_on_s3_is_named(s3) -> None:

@@ -17,6 +17,7 @@ from data_pipeline.build import build_shards
 from data_pipeline.shards import ShardError
 from data_pipeline.stream import PackedStream
 from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.layout import CheckpointError
 from pretrain.checkpoint.manifest import committed_steps
 from tests.fault_proxy import FaultProxy
 from tests.launchers import REPO
@@ -49,23 +50,25 @@ def through(endpoint: str) -> None:
     forget_filesystems()
 
 
-def _samples(url: str, read: str) -> tuple[list[list[int]], int]:
+def _samples(url: str, read: str, block_size: int | None = None) -> tuple[list[list[int]], int]:
     stream = PackedStream([(url, 1.0)], seq_len=128, seed=5, shuffle_buffer=8, read=read, verify=read == "shard",
-                          read_retries=FAST.retries)
+                          read_retries=FAST.retries, block_size=block_size)
     samples = [s["input_ids"].tolist() for _, s in zip(range(150 if read == "shard" else 40), stream)]
     return samples, stream.stats()["read_retries"]
 
 
-@pytest.mark.parametrize("read", ["shard", "range"])
+@pytest.mark.parametrize(("read", "block_size"), [("shard", None), ("range", None), ("range", 200)])
 def test_shards_read_through_faults_are_the_clean_samples(s3, proxy: FaultProxy, paragraphs: list[str],
-                                                          read: str) -> None:
+                                                          read: str, block_size: int | None) -> None:
+    """Whole shards, and byte ranges in blocks (a block a shard's tokens, and blocks of 200 bytes read by
+    the block threads ahead of the samples): the faults are retried, counted, and change no sample."""
     url = s3.url("shards")
     build_shards(paragraphs, url, shard_tokens=1000)
-    clean, retries = _samples(url, read)
+    clean, retries = _samples(url, read, block_size)
     assert retries == 0
     through(proxy.endpoint)
     proxy.every = 3
-    faulted, retries = _samples(url, read)
+    faulted, retries = _samples(url, read, block_size)
     assert faulted == clean  # nothing lost, repeated or reordered
     # the faults on shard reads were retried and counted (a loaded machine may add timeouts of its own)
     assert retries >= 4, (retries, proxy.requests, proxy.done)
@@ -100,7 +103,8 @@ def test_a_fault_outlasting_the_budget_names_the_url_and_the_attempts(s3, proxy:
     root = s3.url("run/checkpoints")
     save(Checkpointer(root, tmp_path / "stage", 2, 0, False), 1)
     proxy.plan = lambda n, line: "reset" if line.startswith(b"PUT") and b"step_00000002/manifest.json" in line else None
-    with pytest.raises(storage.StorageError, match=rf"cannot upload '{root}/step_00000002/manifest.json': failed 5"):
+    with pytest.raises(CheckpointError,
+                       match=rf"of step 2: cannot upload '{root}/step_00000002/manifest.json': failed 5"):
         save(Checkpointer(root, tmp_path / "stage", 2, 0, False), 2)
     proxy.plan = lambda n, line: None
     assert committed_steps(root) == ["step_00000001"]  # step 2's files are there, uncommitted

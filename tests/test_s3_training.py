@@ -20,7 +20,7 @@ from pretrain.checkpoint.manifest import committed_steps
 from pretrain.export import load_exported
 from pretrain.run.init_from import read_initial_weights
 from tests.fault_proxy import FaultProxy
-from tests.launchers import REPO, run_training
+from tests.launchers import REPO, free_port, run_training
 from tests.s3_server import SECRETS
 from tests.test_resume import STEPS, config_args, kill_at_step, step_losses
 
@@ -61,9 +61,11 @@ def test_a_run_on_s3_exports_and_inits_from_the_bucket_and_writes_no_secret(s3, 
     assert all(r["ckpt/retries"] == 0 and r["data/read_retries"] == 0 for r in records if "train/loss" in r)
 
     export_url, export_dir = s3.url("exports/tiny"), tmp_path / "export"
-    exported = subprocess.run(
-        [sys.executable, "-m", "pretrain.export", "--checkpoint", s3.url("runs/tiny"), "--out", export_url],
+    exported = subprocess.run(  # the endpoint from the flag alone, as the tools take a run's storage settings
+        [sys.executable, "-m", "pretrain.export", "--checkpoint", s3.url("runs/tiny"), "--out", export_url,
+         "--storage", f"endpoint_url={s3.endpoint}", "--storage", "retries=2"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in s3.child_env().items() if k != "AWS_ENDPOINT_URL"},
     )
     assert exported.returncode == 0, exported.stderr[-3000:]
     fs, _ = fsspec.core.url_to_fs(export_url)
@@ -86,7 +88,8 @@ def test_a_run_on_s3_exports_and_inits_from_the_bucket_and_writes_no_secret(s3, 
 
 def test_a_run_through_faults_logs_the_clean_losses(s3, s3_server, demo_shards, tmp_path: Path) -> None:
     """Resets, cut answers, stalls past the read timeout and 503 SlowDown on every 5th request while
-    training: the losses and the data position are those of a clean run, the retries counted."""
+    training, reading byte ranges in 4 kB blocks: the losses and the data position are those of a clean
+    run reading whole shards, the retries counted."""
     shards = upload_shards(s3, demo_shards)
     fast = ["storage.read_timeout_s=0.5", "storage.backoff_s=0.01", "storage.backoff_max_s=0.05",
             "checkpoint.async_save=false"]
@@ -95,7 +98,8 @@ def test_a_run_through_faults_logs_the_clean_losses(s3, s3_server, demo_shards, 
     proxy = FaultProxy(("127.0.0.1", s3_server.port), every=5, stall_s=1.5)
     os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # the s3 fixture puts it back
     try:
-        run_training("python", 1, tiny_args(shards, faulty, s3.url("faulty/ckpt"), 6, *fast))
+        run_training("python", 1, tiny_args(shards, faulty, s3.url("faulty/ckpt"), 6, *fast, "data.read=range",
+                                            "storage.block_size=4096"))
     finally:
         proxy.close()
     assert step_losses(faulty) == step_losses(clean) and len(step_losses(clean)) == 6
@@ -105,8 +109,38 @@ def test_a_run_through_faults_logs_the_clean_losses(s3, s3_server, demo_shards, 
               for name in ("clean", "faulty")]
     assert states[0]["data"] == states[1]["data"]  # the same samples consumed: none lost or repeated
     records = [json.loads(line) for line in (faulty / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("data/sha256_verified", 0) for r in records) == 0  # read by ranges: no whole shard
+    assert max(r.get("data/prefetched", 0) for r in records) > 0  # blocks asked for ahead of the samples
     retries = max(r.get("data/read_retries", 0) for r in records), max(r.get("ckpt/retries", 0) for r in records)
     assert proxy.done.total() >= 4 and retries[0] + retries[1] >= 1, (proxy.done, retries, last)
+
+
+def test_a_commit_failing_on_rank_0_stops_both_ranks_with_exit_2(s3, s3_server, demo_shards, tmp_path: Path) -> None:
+    """Two ranks (plain processes joined through env://, FSDP on gloo), checkpoints in the bucket, the
+    manifest of step 3 never getting through: only rank 0 commits, so only rank 0 sees the upload fail,
+    in the background; both ranks stop with exit 2 and rank 0's line naming the object, none hangs."""
+    shards, ckpt = upload_shards(s3, demo_shards), s3.url("two/ckpt")
+    proxy = FaultProxy(("127.0.0.1", s3_server.port))
+    proxy.plan = lambda n, line: "reset" if line.startswith(b"PUT") and b"step_00000003/manifest.json" in line else None
+    args = tiny_args(shards, tmp_path / "run", ckpt, 6, "storage.retries=2", "storage.backoff_s=0.01",
+                     "storage.backoff_max_s=0.05", "engine.kind=fsdp", "engine.dist_timeout_s=120")
+    port = free_port()
+    env = {**s3.child_env(), "AWS_ENDPOINT_URL": proxy.endpoint, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(REPO / "launch" / "pretrain.py"), *args], cwd=REPO, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    finally:
+        proxy.close()
+        for rank in ranks:
+            rank.kill()
+    said = f"rank 0 could not commit the checkpoint of step 3: cannot upload '{ckpt}/step_00000003/manifest.json'"
+    for r, (rank, output) in enumerate(zip(ranks, outputs)):
+        assert rank.returncode == 2 and said in output, (r, rank.returncode, output[-3000:])
+    assert committed_steps(ckpt) == []
+    assert not leaked([tmp_path / "run"], outputs)
 
 
 @pytest.mark.slow

@@ -63,3 +63,36 @@ def test_credentials_in_the_storage_section_are_refused() -> None:
     assert cfg.storage.retries == 2
     with pytest.raises(ConfigError, match=r"storage.backoff_max_s"):
         config_from_dict({"storage": {"backoff_s": 2.0, "backoff_max_s": 1.0}})
+    with pytest.raises(ConfigError, match=r"storage.options: secret would save a credential"):
+        config_from_dict({"storage": {"options": {"profile": "lab", "secret": "x"}}})
+
+
+def test_the_tools_take_the_storage_section_of_a_config_and_flags_after_it(tmp_path, monkeypatch) -> None:
+    """data_pipeline.build, data_pipeline.verify and pretrain.export read the same settings a run's
+    `storage` section holds: --config FILE's section (extends followed), then --storage KEY=VALUE."""
+    import argparse
+
+    import fsspec
+
+    (tmp_path / "base.yaml").write_text("storage:\n  endpoint_url: http://127.0.0.1:9\n  retries: 3\n")
+    (tmp_path / "run.yaml").write_text("extends: base.yaml\nstorage:\n  region: eu-west-1\n")
+    parser = argparse.ArgumentParser()
+    storage.add_arguments(parser)
+    args = parser.parse_args(["--config", str(tmp_path / "run.yaml"), "--storage", "retries=4",
+                              "--storage", "options.requester_pays=true", "--storage", "block_size=1048576"])
+    monkeypatch.setattr(fsspec.config, "conf", {})
+    monkeypatch.setattr(storage, "_policy", storage.retry_policy())
+    monkeypatch.setattr(storage, "_block_size", storage.block_size())
+    from s3fs import S3FileSystem
+
+    monkeypatch.setattr(S3FileSystem, "retries", S3FileSystem.retries)
+    settings = storage.configure_from_args(args)
+    assert (settings.endpoint_url, settings.region, settings.retries) == ("http://127.0.0.1:9", "eu-west-1", 4)
+    s3 = fsspec.config.conf["s3"]
+    assert s3["endpoint_url"] == "http://127.0.0.1:9" and s3["client_kwargs"] == {"region_name": "eu-west-1"}
+    assert s3["requester_pays"] is True and s3["default_block_size"] == 1 << 20 == storage.block_size()
+    assert storage.retry_policy().retries == 4
+    with pytest.raises(ConfigError, match=r"<command line>: storage.options: key would save a credential"):
+        storage.settings_from_args(parser.parse_args(["--storage", "options.key=AKIA123"]))
+    with pytest.raises(ConfigError, match=r"storage.retrys: unknown key"):
+        storage.settings_from_args(parser.parse_args(["--storage", "retrys=3"]))

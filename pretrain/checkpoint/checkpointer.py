@@ -73,6 +73,7 @@ class Checkpointer:
         self.keep_last, self.milestone_every, self.async_save = keep_last, milestone_every, async_save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._error_step = 0  # the step whose commit raised `_error`
         self.last_committed: str | None = None
         self.restored_step: int | None = None  # the committed step this run resumed from
         self.retries = 0  # retried object-store calls (ckpt/retries in metrics.jsonl)
@@ -85,8 +86,9 @@ class Checkpointer:
     ) -> None:
         """Collective: write this step's checkpoint; commit it now or in the background.
         `rank_writer(directory, rank)`, when given, adds each rank's own files (the carried
-        states of train.carry_state)."""
-        self.wait()
+        states of train.carry_state). Only rank 0 commits; a commit that fails raises on every rank
+        (`settle`): now when it runs in the foreground, else at the next `settle` or `failed` vote."""
+        self.settle()
         if step == self.restored_step:  # already committed and verified: re-saving it only risks it
             get_logger().info("step %d is the checkpoint this run resumed from: not saved again", step)
             self.last_committed = step_dir_name(step)
@@ -108,19 +110,19 @@ class Checkpointer:
             fsync_write(stage / TRAINER_STATE, json.dumps(state, indent=1, sort_keys=True))
             fsync_write(stage / "config.yaml", config_yaml)
         distributed.barrier()
-        if rank != 0:
-            return
-        if self.async_save:
+        if rank == 0 and self.async_save:
             self._thread = threading.Thread(target=self._commit_guarded, args=(stage, step), daemon=True)
             self._thread.start()
-        else:
-            self._commit(stage, step)
+        elif rank == 0:
+            self._commit_guarded(stage, step)
+        if not self.async_save:
+            self.settle()
 
     def _commit_guarded(self, stage: Path, step: int) -> None:
         try:
             self._commit(stage, step)
-        except BaseException as err:  # surfaced in the training loop by poll()
-            self._error = err
+        except Exception as err:  # raised on every rank by settle() (or the loop's vote)
+            self._error, self._error_step = err, step
 
     def _commit(self, stage: Path, step: int) -> None:
         """Manifest, then swap in: a committed step is never absent. An existing directory of the
@@ -156,18 +158,46 @@ class Checkpointer:
     def _count_retry(self, n: int) -> None:
         self.retries += n
 
+    def failed(self) -> bool:
+        """Whether this rank's commit (rank 0's: only it commits) failed and was not raised yet."""
+        return self._error is not None
+
     def poll(self) -> None:
-        """Raise, in the caller's thread, an error that happened in a background save."""
+        """Raise, in this rank alone, an error that happened in a commit (see `settle` for all ranks)."""
         if self._error is not None:
-            err, self._error = self._error, None
-            raise CheckpointError(f"background checkpoint save failed: {err}") from err
+            err = self._error
+            raise CheckpointError(self._take_error()) from err
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) has committed, then surface its error."""
+        """Block until the commit in flight (if any) has finished, then raise its error in this rank."""
+        self._join_thread()
+        self.poll()
+
+    def settle(self) -> None:
+        """Collective: rank 0 waits for its commit in flight, and when a commit of rank 0 failed, every
+        rank raises the same CheckpointError (launch/pretrain.py: exit 2 on every rank), with rank 0's
+        message; the ranks wait for one another here, as at a barrier."""
+        self._join_thread()
+        self.raise_if_failed(distributed.all_reduce_sum([1.0 if self.failed() else 0.0])[0] > 0)
+
+    def raise_if_failed(self, failed_anywhere: bool) -> None:
+        """Collective when `failed_anywhere` (every rank's sum of `failed()`, e.g. from a vote the loop
+        takes anyway): every rank raises rank 0's commit error, its text sent to the others."""
+        if not failed_anywhere:
+            return
+        err = self._error
+        said = share_text(self._take_error() if err is not None and distributed.rank() == 0 else "")
+        raise CheckpointError(said or "rank 0 could not commit a checkpoint (its log says why)") from err
+
+    def _take_error(self) -> str:
+        """The message of the commit error held (which is dropped: it is raised once)."""
+        err, self._error = self._error, None
+        return f"rank 0 could not commit the checkpoint of step {self._error_step}: {err}"
+
+    def _join_thread(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.poll()
 
     def join(self, timeout_s: float) -> bool:
         """Wait `timeout_s` at most for the commit in flight (the hang watchdog's grace before it exits);
@@ -275,7 +305,7 @@ class Checkpointer:
     def restore_before(self, step: int, engine: Engine) -> dict[str, Any] | None:
         """Collective: restore the newest checkpoint of a step before `step` that verifies (a loss-spike
         rollback, in the running processes); as `resume`'s return, or None if there is none."""
-        self.wait()
+        self.settle()
         chosen = None
         if distributed.rank() == 0:
             chosen = self._verified([n for n in self.list() if step_number(n) < step])

@@ -69,6 +69,7 @@ RULES: dict[str, Rule] = {
     "data.shuffle_buffer": Rule(_never, NEVER, "it defines the sample order"),
     "data.doc_boundaries": Rule(_never, NEVER, "it changes what the model computes (resets at document starts)"),
     "data.num_workers": Rule(_always, ALWAYS, "how the same samples are read"),
+    "data.read": Rule(_always, ALWAYS, "how the same samples are read"),
     "data.skip_samples": Rule(_always, ALWAYS, "samples never trained on: a resume may skip more by hand (a "
                                                "loss-spike rollback keeps its own in the data state)"),
     "train": Rule(_always, ALWAYS, "the schedule and the loop's settings are read from the config every step"),
