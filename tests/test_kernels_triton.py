@@ -267,19 +267,27 @@ def test_scan_kernels_have_no_atomics():
 
 def test_soe_grids_fit_at_a_million_tokens():
     """At 1M tokens per rank and the vort-125m sizes (12 heads, 18 terms, 64-wide features and values,
-    chunk 64), every SOE launch keeps grid axes 1 and 2 within 65,535 (the long axis is axis 0), the
-    walks' grids do not grow with the length (their spans do, or, for the forward's state walk, the chunks
-    it walks), and the forward's outputs run one program per chunk x head."""
+    chunk 64), every SOE launch keeps grid axes 1 and 2 within 65,535 (the long axis is axis 0), the chunk
+    walk's grid does not grow with the length (the chunks it walks do), and the chunk-parallel launches
+    run a phase of chunks x heads whose per-chunk states stay within READS_BYTES."""
+    from kernels.soe.gpu.launches import SHARES_BYTES, walk_span
     from kernels.soe.triton import entering_launches, soe_launches
 
     for capability in (80, 90):
         chunk, launches = soe_launches(1, 1 << 20, 12, 18, 64, 64, 64, torch.bfloat16, capability)
         short = soe_launches(1, 1 << 16, 12, 18, 64, 64, 64, torch.bfloat16, capability)[1]
-        assert all(launches[n].grid == short[n].grid for n in launches if n.startswith(("fwd", "bwd_")) and
-                   n not in ("fwd", "bwd_keys", "bwd_values", "bwd_coef"))  # fmt: skip
-        assert launches["fwd"].grid[0] == (1 << 20) // launches["fwd"].constexprs["BT"] * 12
+        assert launches["fwd_states"].grid == short["fwd_states"].grid  # the chunk walk's grid: heads x terms
+        # the chunk-parallel launches run a phase of chunks at a time, their states within READS_BYTES
+        from kernels.soe.gpu.launches import READS_BYTES
+
+        phase = launches["fwd"].grid[0] // 12
+        assert phase * 12 == launches["fwd"].grid[0] and phase < (1 << 20) // 64
+        assert phase * 12 * 18 * 64 * 65 * 2 <= READS_BYTES
         # the key and value walks and the coefficient kernel run phases of spans whose shares stay within 1 GiB
-        assert launches["bwd_values"].grid[0] < short["bwd_values"].grid[0]
+        values = 64 // launches["bwd_values"].constexprs["BD"]
+        phase = launches["bwd_values"].grid[0] // (12 * values)  # spans whose shares are made at once
+        span_tokens = walk_span(1, 1 << 20, 12, 18, 64, 64, chunk, capability) * chunk
+        assert 0 < (values + 1) * phase * span_tokens * 12 * 18 * 4 <= SHARES_BYTES
         launches |= {f"entering_{n}": x for n, x in entering_launches(1, 1 << 20, 12, 18, 64, 64, torch.bfloat16,
                                                                         capability).items()}  # fmt: skip
         for launch in launches.values():
@@ -342,7 +350,7 @@ def test_h100_spans_fill_whole_waves():
     and 12 heads (vort-125m) every walk then launches a multiple of 132 programs (11 spans, where the
     fewest that fill the GPU, 3, leave the value walks' second wave a tenth full), and the walking time
     (waves x chunks per span, summed over the walks) is below the fewest spans'. The A100's tiles keep
-    the fewest spans."""
+    the fewest spans, no longer than a phase of the chunk kernels."""
     from kernels.soe.gpu import launches
 
     walks = (4, 4, 8, 9)  # the backward's walks: state and value gradients, queries, keys
@@ -358,7 +366,10 @@ def test_h100_spans_fill_whole_waves():
         assert math.ceil(n_chunks / span) == 11
         assert all(12 * 11 * w % 132 == 0 for w in walks)
         assert walking(n_chunks, span) < walking(n_chunks, fewest)
-        assert launches.walk_span(1, seq_len, 12, 18, 64, 64, 16, 80) == launches.span_size(1, seq_len, 12, 16, 8)
+        # the A100 keeps the fewest spans, at most a phase of the chunk kernels long (whole 64-token chunks)
+        phase = launches.READS_BYTES // (12 * 18 * 64 * 65 * 2) * 4
+        assert launches.walk_span(1, seq_len, 12, 18, 64, 64, 16, 80) == min(launches.span_size(1, seq_len, 12, 16, 8),
+                                                                               phase) // 4 * 4  # fmt: skip
 
 
 def test_span_sizes_fill_the_gpu():

@@ -101,15 +101,21 @@ def feature_block(n_terms: int, feat: int, capability: int) -> int:
 def walk_span(batch: int, seq_len: int, heads: int, n_terms: int, feat: int, width: int, chunk: int,
               capability: int) -> int:  # fmt: skip
     """``span_size`` of a scan of these sizes on a GPU of compute capability ``capability``: its smallest
-    walks are the value-block ones or the feature-block ones, whichever have fewer blocks. On an H100
-    (sm_90) the span count is then chosen for whole waves (`wave_spans`)."""
+    walks are the value-block ones or the feature-block ones, whichever have fewer blocks; no longer than
+    a phase of the chunk kernels may be (READS_BYTES of per-chunk states), in whole 64-token chunks. On
+    an H100 (sm_90) the span count is then chosen for whole waves (`wave_spans`)."""
     values = triton.cdiv(width, TILES[capability >= 90].block)
     features = triton.cdiv(feat, feature_block(n_terms, feat, capability))
     n_chunks = triton.cdiv(seq_len, chunk)
-    span = whole_forward_chunks(span_size(batch, seq_len, heads, chunk, min(values, features)), chunk, n_chunks)
+    per = max(1, FORWARD_CHUNKS[0] // chunk)
+    # a span's per-chunk states within READS_BYTES in bf16 (the runs' operands; fp32 ones take twice that):
+    # the chunk kernels' phases are whole spans
+    most = max(1, READS_BYTES // (batch * heads * n_terms * feat * (width + 1) * 2)) * per
+    span = min(span_size(batch, seq_len, heads, chunk, min(values, features)), most)
+    span = whole_forward_chunks(span, chunk, n_chunks)
     if capability >= 90:
         walks = (values, values, features, features + 1)  # programs per span, batch and head
-        span = wave_spans(batch * heads, n_chunks, span, walks, max(1, FORWARD_CHUNKS[0] // chunk))
+        span = wave_spans(batch * heads, n_chunks, span, walks, per)
     return span
 
 
