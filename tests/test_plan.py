@@ -27,6 +27,7 @@ def per_token(cfg, checkpointing: bool, tokens: int) -> float:
     return (plan.measure(cfg, checkpointing, 2 * tokens, 1) - plan.measure(cfg, checkpointing, tokens, 1)) / tokens
 
 
+@pytest.mark.slow  # over a minute on two cores (several probe runs): make test-long
 def test_probe_is_reproducible_and_sees_checkpointing() -> None:
     cfg = load_config(SP_VORT, [])
     plain = [per_token(cfg, False, 1024) for _ in range(2)]
@@ -42,6 +43,7 @@ def test_a_probe_that_dies_is_reported() -> None:
         plan.measure(cfg, False, 0, 1)
 
 
+@pytest.mark.slow  # over a minute on two cores (several probe runs): make test-long
 def test_plan_command_shards_state_and_says_whether_it_fits(capsys: pytest.CaptureFixture[str]) -> None:
     overrides = ["engine.zero_stage=1", "data.seq_len=4096", "train.global_batch=2"]
     args = ["--config", SP_VORT, "--world", "4", "--probe-tokens", "256", *overrides]
