@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.soe.gpu.forward import _state_program
+from kernels.soe.gpu.forward import _state_block
 from kernels.soe.gpu.walk import (
     by_distance,
     chunk_masks,
@@ -47,19 +47,10 @@ def chunk_state_grads_kernel(
     lam^n (cut where a document starts inside). The gradient of the state entering the phase goes to
     slot 0 of ``d_edges``. A program owns a [BF, BD] block of the state, the
     normalisers' gradient riding with value block 0."""
-    row, fb, vb = _state_program(F, DV, BF, BD)
-    s = row % S
-    bh = row // S
-    b, h = bh // H, bh % H
-    offs_f = fb * BF + tl.arange(0, BF)
-    offs_d = vb * BD + tl.arange(0, BD)
-    g_offs = offs_f[:, None] * DV + offs_d[None, :]
-    g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
     rows = BH * S
-    ll = tl.load(log_lam + h * S + s)
     last = (rows + row).to(tl.int64) * W
     dg = tl.load(d_edges + last + g_offs, mask=g_mask, other=0.0)
-    b_mask = (offs_f < F) & (vb == 0)
     db = tl.load(d_edges + last + F * DV + offs_f, mask=b_mask, other=0.0)
     pos = tl.arange(0, BT).to(tl.float32) + 1.0
     n_here = tl.minimum(N, tl.cdiv(seq_len, BT) - C0)

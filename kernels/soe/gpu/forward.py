@@ -26,14 +26,24 @@ from kernels.soe.gpu.walk import chunk_masks, decay_table, kernel_matrix, load_t
 
 
 @triton.jit
-def _state_program(F, DV, BF: tl.constexpr, BD: tl.constexpr):
-    """(row, feature block, value block) of a state walk's program: row = (batch x head) * S + term; the
-    blocks of one row are launched side by side, so they read its k and v tiles from L2 after the first."""
+def _state_block(log_lam, H, S, F, DV, BF: tl.constexpr, BD: tl.constexpr):
+    """What a chunk state walk's program owns: (row, batch, head, feature offsets, value offsets, offsets
+    and mask of its [BF, BD] block of G_s, mask of its normalisers (value block 0 carries them), log lam_s),
+    row = (batch x head) * S + term. The blocks of one row are launched side by side, so they read its k
+    and v (or q and dO) tiles from L2 after the first."""
     n_values = tl.cdiv(DV, BD)
     n_blocks = tl.cdiv(F, BF) * n_values
     pid = tl.program_id(0)
     blk = pid % n_blocks
-    return pid // n_blocks, blk // n_values, blk % n_values
+    row, fb, vb = pid // n_blocks, blk // n_values, blk % n_values
+    bh = row // S
+    offs_f = fb * BF + tl.arange(0, BF)
+    offs_d = vb * BD + tl.arange(0, BD)
+    g_offs = offs_f[:, None] * DV + offs_d[None, :]
+    g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
+    b_mask = (offs_f < F) & (vb == 0)
+    ll = tl.load(log_lam + (bh % H) * S + row % S)
+    return row, bh // H, bh % H, offs_f, offs_d, g_offs, g_mask, b_mask, ll
 
 
 @triton.jit
@@ -49,18 +59,10 @@ def chunk_states_kernel(
     chunks, and after the last, to the next slot of ``states``. A chunk of n tokens decays the state by
     lam^n (cut to zero when a document starts inside it) and adds sum_j lam^(n-1-j) coef_j k_j v_j^T over
     the tokens whose writes reach its end; the normalisers b_s ride with value block 0. A program owns a
-    [BF, BD] block of the state (_state_program)."""
-    row, fb, vb = _state_program(F, DV, BF, BD)
+    [BF, BD] block of the state (_state_block)."""
+    row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
     s = row % S
-    bh = row // S
-    b, h = bh // H, bh % H
-    offs_f = fb * BF + tl.arange(0, BF)
-    offs_d = vb * BD + tl.arange(0, BD)
-    g_offs = offs_f[:, None] * DV + offs_d[None, :]
-    g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
-    b_mask = (offs_f < F) & (vb == 0)
     rows = BH * S
-    ll = tl.load(log_lam + h * S + s)
     first = ((C0 // STRIDE) * rows + row).to(tl.int64) * W
     g = tl.load(states + first + g_offs, mask=g_mask, other=0.0)
     bn = tl.load(states + first + F * DV + offs_f, mask=b_mask, other=0.0)
