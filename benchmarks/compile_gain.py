@@ -38,9 +38,6 @@ import torch._inductor.config as inductor_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels._common
-import kernels.parallel
-import kernels.phasor
-import kernels.soe
 from model import build_model
 from model.config import load_model_config
 
@@ -149,13 +146,6 @@ class _InductorBytes:
         torch._logging.set_logs()
 
 
-def _scans_as_ops(on: bool) -> None:
-    """Make the scans call their custom ops in eager mode too (what the compiled step calls), or stop."""
-    choose = (lambda: True) if on else kernels._common.compiling
-    for module in (kernels.soe, kernels.phasor, kernels.parallel):
-        module.compiling = choose
-
-
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[Callable[[], None], Callable[[], int]]:
     """The training step, and a measure of the bytes its optimizer update moves (eager in every mode)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
@@ -188,12 +178,9 @@ def measure(name: str, tokens: int, mode: str) -> dict:
     ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     _step(model, ids[:, :256])[0]()  # numba compiles the CPU scans at their first call
     step, update_bytes = _step(model, ids)
-    _scans_as_ops(True)  # eager through the scans' ops, as compiled: each scan call counts as one kernel
-    try:
-        with _ElementwiseBytes() as eager_bytes:
-            eager_s, eager_cpu, eager_kernels = _measured(step)
-    finally:
-        _scans_as_ops(False)
+    # eager through the scans' ops, as compiled: each scan call counts as one kernel
+    with kernels._common.scans_as_ops(), _ElementwiseBytes() as eager_bytes:
+        eager_s, eager_cpu, eager_kernels = _measured(step)
     optimizer_bytes = update_bytes()
 
     torch._dynamo.reset()

@@ -145,7 +145,8 @@ def count_instructions(ptx: str, target: int) -> tuple[int, int]:
 
 
 def compile_kernel(
-    kernel: Any, specialization: dict[str, tuple], constexprs: dict[str, Any], warps: int, stages: int, target: int
+    kernel: Any, specialization: dict[str, tuple], constexprs: dict[str, Any], warps: int, stages: int, target: int,
+    max_registers: int | None = None,
 ) -> Compiled:
     """Compile ``kernel`` for compute capability ``target`` as the runtime JIT would for arguments of
     ``specialization`` (Captured.specialization) and ``constexprs``. The ptxas log comes from triton's
@@ -173,7 +174,8 @@ def compile_kernel(
             compiled = triton.compile(
                 ASTSource(kernel, signature, constants, attrs),
                 target=GPUTarget("cuda", target, 32),
-                options={"num_warps": warps, "num_stages": stages},
+                options={"num_warps": warps, "num_stages": stages}
+                | ({} if max_registers is None else {"maxnreg": max_registers}),
             )
     finally:
         triton.knobs.nvidia.dump_ptxas_log = previous
@@ -213,7 +215,8 @@ def gate(captures: Iterable[Captured]) -> list[Row]:
     for c in captures:
         launch, spec = c.launch, c.specialization()
         const = tuple(sorted(launch.constexprs.items()))
-        key = (c.scan, c.name, c.target, c.run_dtype(), const, launch.num_warps, launch.num_stages)
+        key = (c.scan, c.name, c.target, c.run_dtype(), const, launch.num_warps, launch.num_stages,
+               launch.max_registers)
         if key not in rows:
             text = ",".join(f"{k}={v}" for k, v in launch.constexprs.items())
             rows[key] = Row(c.scan, c.name, c.target, c.run_dtype(), text, launch.num_warps, launch.num_stages)
@@ -221,11 +224,13 @@ def gate(captures: Iterable[Captured]) -> list[Row]:
         if c.config not in row.configs:
             row.configs.append(c.config)
         _check_launch(row, c)
-        ckey = (id(launch.kernel), c.target, const, launch.num_warps, launch.num_stages, tuple(sorted(spec.items())))
+        ckey = (id(launch.kernel), c.target, const, launch.num_warps, launch.num_stages, launch.max_registers,
+                tuple(sorted(spec.items())))
         if ckey not in compiled:
             try:
                 compiled[ckey] = compile_kernel(
-                    launch.kernel, spec, launch.constexprs, launch.num_warps, launch.num_stages, c.target
+                    launch.kernel, spec, launch.constexprs, launch.num_warps, launch.num_stages, c.target,
+                    launch.max_registers,
                 )
             except Exception as err:  # a compile error is a finding of the gate, reported in its row
                 compiled[ckey] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -107,8 +107,10 @@ ACCESS: dict[str, dict[str, dict[str, str]]] = {
                              "d_reads": ONCE, "d_edges": STATE},
         "bwd_chunk_queries": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS}
         | dict.fromkeys(("reads", "d_out", "d_z", "dq"), ONCE),
-        "bwd_chunk_keys": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS}
-        | dict.fromkeys(("d_reads", "d_out", "d_z", "dk", "dv", "dcoef"), ONCE),
+        **{f"bwd_chunk_{made}": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS}
+           | dict.fromkeys(("d_reads", "d_out", "d_z"), ONCE)
+           | {out: ONCE if out == grad else UNUSED for out in ("dk", "dv", "dcoef")}
+           for made, grad in (("keys", "dk"), ("values", "dv"), ("coefs", "dcoef"))},
         "bwd_pass": _PASS,
         "bwd_queries": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"states": STATE, "d_out": SHARED,
                                                                         "d_z": SHARED, "dq": ONCE, "dll": PARTIAL},
@@ -155,8 +157,15 @@ def _soe_flops(name: str, c: dict, named: dict) -> int:
         return 2 * bt * c["BF"] * c["BD"]
     if name == "bwd_chunk_queries":  # dO V^T, (dP * Wc) K, the kernel matrix, a read per term
         return 2 * bt * bt * (c["BF"] + c["BD"]) + mask + named["S"] * 2 * bt * c["BF"] * c["BD"]
-    if name == "bwd_chunk_keys":  # scores, dO V^T, dv and dk inside, kernel matrix, pairs spread, two per term
-        return (4 * bt * bt * (c["BF"] + c["BD"]) + 2 * mask + named["S"] * 4 * bt * c["BF"] * c["BD"])
+    if name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
+        # dO V^T and the kernel matrix; the scores for dv or dcoef; dk = (dP * Wc)^T Q and V dH_s^T per
+        # term; dv = (S * Wc)^T dO and K dH_s per term; dcoef: the pairs spread by the decay table, and
+        # K dH_s per term unless dv made it
+        keys, values, coefs = c["KEYS"], c["VALUES"], c["COEFS"]
+        per_term = named["S"] * 2 * bt * c["BF"] * c["BD"]
+        common = 2 * bt * bt * c["BD"] + mask + (values or coefs) * 2 * bt * bt * c["BF"]
+        return (common + keys * (2 * bt * bt * c["BF"] + per_term) + values * (2 * bt * bt * c["BD"] + per_term)
+                + coefs * (mask + (not values) * per_term))
     if name == "bwd_states":
         return n_blocks * 2 * bt * cols * (rows + gn)
     if name == "fwd":  # scores, kernel matrix, its product with the values, one read per term

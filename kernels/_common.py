@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,10 +25,27 @@ def resolve_backend(backend: str, x: torch.Tensor, backends: tuple[str, ...] = B
     return backend
 
 
-def compiling() -> bool:
-    """Whether the caller is being traced by torch.compile: the scans then call their custom ops
-    (kernels/library.py), which the compiler keeps in its graph, instead of their autograd Functions."""
-    return torch.compiler.is_compiling()
+_AS_OPS = threading.local()
+
+
+@contextlib.contextmanager
+def scans_as_ops() -> Iterator[None]:
+    """Inside the block (on this thread) the scans call their custom ops (kernels/library.py) instead of
+    their autograd Functions, so that a dispatch mode sees each scan as one op: selective activation
+    checkpointing (model/blocks.py) keeps a scan's outputs from the forward rather than scanning again
+    in the recompute. The numbers are the same either way: the ops run the same Functions."""
+    depth = getattr(_AS_OPS, "depth", 0)
+    _AS_OPS.depth = depth + 1
+    try:
+        yield
+    finally:
+        _AS_OPS.depth = depth
+
+
+def use_ops() -> bool:
+    """Whether the scans call their custom ops: when torch.compile traces the caller (the compiler keeps
+    the ops in its graph; it cannot trace the Functions) or inside `scans_as_ops`."""
+    return torch.compiler.is_compiling() or getattr(_AS_OPS, "depth", 0) > 0
 
 
 def wrap_angle(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -95,6 +113,7 @@ class Launch:
     num_warps: int
     num_stages: int
     wide: frozenset[str] = frozenset()
+    max_registers: int | None = None  # ptxas's cap on registers per thread (triton's maxnreg), if any
 
     @property
     def programs(self) -> int:
@@ -122,7 +141,12 @@ class Launch:
             _CAPTURE.launches.append((self, args))
             return
         check_offsets(self, args)
-        self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+        self.kernel[self.grid](*args, **self.constexprs, **self.options())
+
+    def options(self) -> dict[str, int]:
+        """The compile options: warps, stages and any register cap."""
+        capped = {} if self.max_registers is None else {"maxnreg": self.max_registers}
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages} | capped
 
 
 def check_offsets(launch: Launch, args: tuple) -> None:

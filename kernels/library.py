@@ -14,7 +14,9 @@ rebuilds its saved tensors without scanning, and ``kept``: the tensors only a sc
 backward reads (the Triton SOE scan's states at span borders), which the Function names with
 ``kept(ctx)`` and the forward op returns after the scan's outputs (not differentiable). The ops
 themselves are registered beside their scans (kernels/soe/op.py, kernels/phasor/op.py,
-kernels/parallel.py); this module knows none of them.
+kernels/parallel.py); this module knows none of them. The scans call their ops under torch.compile and
+inside ``kernels._common.scans_as_ops`` (selective activation checkpointing); on meta tensors an op runs
+its Function as a device does, so that the benchmarks can capture the launches a step makes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ import torch
 from torch import Tensor
 
 OpResult = tuple[Tensor, ...]
+
+SCAN_OPS: dict[Any, Callable[..., OpResult]] = {}
+"""Every scan op, forward and backward (OpOverloads), and the Python function it runs: selective
+activation checkpointing keeps these ops' outputs (model/blocks.py; only forwards run in a forward), and
+a dispatch mode that must see the aten ops inside a scan runs the function itself
+(benchmarks/predict/ops.py)."""
 
 
 class _Ctx:
@@ -45,9 +53,18 @@ class _Ctx:
         self.materialize_grads = value
 
 
+def _shares_storage(a: Tensor, b: Tensor) -> bool:
+    """Whether a and b are views of one storage, or of two storages over the same memory (meta and empty
+    storages have no memory: all their data pointers are 0)."""
+    first, second = a.untyped_storage(), b.untyped_storage()
+    if first._cdata == second._cdata:
+        return True
+    return a.device.type != "meta" and first.data_ptr() != 0 and first.data_ptr() == second.data_ptr()
+
+
 def _aliases(x: Tensor, others: Sequence[Tensor | None]) -> bool:
     """Whether x shares storage with one of ``others`` (an op's output may not alias its inputs)."""
-    return any(o is not None and x.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others)
+    return any(o is not None and _shares_storage(x, o) for o in others)
 
 
 def _fresh(outputs: Sequence[Tensor], inputs: Sequence[Any]) -> OpResult:
@@ -121,6 +138,8 @@ def scan_op(
     op = torch.library.custom_op(f"recurrent::{name}", forward, mutates_args=(),
                                  schema=f"({schema}, str backend) -> ({tensors(outputs + kept)})")
     op.register_fake(fake)
+    op.register_kernel("meta", forward)  # meta tensors run the Function as a device does (fake tensors: ``fake``)
+    SCAN_OPS[getattr(torch.ops.recurrent, name).default] = forward
     after = ", ".join([*(f"Tensor kept{i}" for i in range(kept)), *(f"Tensor? grad{i}" for i in range(outputs))])
     backward_op = torch.library.custom_op(
         f"recurrent::{name}_backward", backward, mutates_args=(),
@@ -128,6 +147,8 @@ def scan_op(
     )
     backward_op.register_fake(lambda *args: tuple(torch.empty_like(args[i], memory_format=torch.contiguous_format)
                                                   for i in differentiable))
+    backward_op.register_kernel("meta", backward)
+    SCAN_OPS[getattr(torch.ops.recurrent, f"{name}_backward").default] = backward
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         *inputs, ctx.backend = inputs

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from kernels._common import compiling, decay, decay_cutoff, resolve_backend, wrap_angle
+from kernels._common import decay, decay_cutoff, resolve_backend, use_ops, wrap_angle
 from kernels.library import scan_op
 from kernels.phasor import phasor_scan, slot_phases
 from kernels.soe import soe_scan
@@ -334,7 +334,7 @@ def soe_scan_sequence_parallel(
         g_in, b_in = g_in + g, b_in + b
     reads = q if reset is None else q * _before_first_reset(reset)[..., None, None]
     which = resolve_backend(backend, q)
-    if compiling():
+    if use_ops():
         o_in, z_in = soe_entering_op(reads, log_lam, g_in, b_in, chunk_size, which)
     elif which == "triton":
         from kernels.soe.triton import SoeEnteringTriton

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -10,9 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kernels import document_numbers
+from kernels._common import scans_as_ops
+from kernels.library import SCAN_OPS
 from kernels.parallel import exchange_with_neighbours
 from model.config import ModelConfig
 from model.interface import CausalLM, LMHead, LMOutput, SequenceParallel
@@ -197,6 +200,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
+def _keep_scan_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective activation checkpointing's policy: keep what each scan returns, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SCAN_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+SCAN_OUTPUTS_KEPT = functools.partial(create_selective_checkpoint_contexts, _keep_scan_outputs)
+"""The checkpointed blocks' ``context_fn``: the backward recomputes a block's forward except its scans,
+whose outputs the forward kept (the scans' kernels are the dearest part of a block to run again, and
+their outputs, about one activation per block, are small beside what the whole forward keeps)."""
+
+
+def _scans_through_ops(block: nn.Module) -> Callable[..., Any]:
+    """``block`` with its scans called as custom ops in eager mode (compiled code calls them so anyway),
+    so that selective checkpointing sees each scan as one op (kernels._common.scans_as_ops)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with scans_as_ops():
+            return block(*args, **kwargs)
+
+    return run
+
+
 class StackedLM(CausalLM):
     """Token embedding, a stack of residual blocks, final norm and LM head.
 
@@ -265,8 +290,9 @@ class StackedLM(CausalLM):
         new_states = []
         for block, block_state in zip(self.blocks, states, strict=True):
             if self.activation_checkpointing and self.training:
-                x, block_state = checkpoint(block, x, block_state, sequence_parallel, doc_start, use_reentrant=False,
-                                            **extra)
+                run = block if torch.compiler.is_compiling() else _scans_through_ops(block)
+                x, block_state = checkpoint(run, x, block_state, sequence_parallel, doc_start, use_reentrant=False,
+                                            context_fn=SCAN_OUTPUTS_KEPT, **extra)
             else:
                 x, block_state = block(x, block_state, sequence_parallel, doc_start, **extra)
             new_states.append(block_state)

@@ -125,7 +125,8 @@ def test_roofline_models_the_span_kernels_and_the_walks(capsys, tmp_path):
     # once per layer each (one phase at 65,536 tokens? no: 4, each a run), the chunk walk again in the backward
     runs = {k["kernel"]: k["runs"] for k in built.values() if not k["kernel"].endswith("torch_sums")}
     assert runs == dict.fromkeys(("soe_fwd_states", "soe_fwd", "soe_bwd_reads", "soe_bwd_chunk_states",
-                                  "soe_bwd_chunk_queries", "soe_bwd_chunk_keys"), runs["soe_fwd"])  # fmt: skip
+                                  "soe_bwd_chunk_queries", "soe_bwd_chunk_keys", "soe_bwd_chunk_values",
+                                  "soe_bwd_chunk_coefs"), runs["soe_fwd"])  # fmt: skip
     step = steps[("vort-125m", roofline.BUILT)]
     assert step["io_floor_ms"] < step["flop_floor_ms"] < step["scan_ms"]
     assert steps[("vort-125m", roofline.SPAN)]["io_floor_ms"] is None

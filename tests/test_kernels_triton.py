@@ -150,8 +150,8 @@ def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phas
     """Decays that are buffers (VORT's): the chunk-parallel backward returns None for log_lam, every other
     gradient matches the reference, and two runs are bitwise equal. 18 terms, resets, an initial state and
     the final state's gradient, at forward chunks of 16, 32 and 64 tokens (spans of 1, 2 and 4 chunks of
-    16; 70 tokens, so the last chunk is short), with an A100's launches (dk, dv and dcoef apart) and an
-    H100's (in one launch); ``phased``: the per-chunk states budget cut to one span's, so the forward and
+    16; 70 tokens, so the last chunk is short), with an A100's launches and an H100's (register caps,
+    stages); ``phased``: the per-chunk states budget cut to one span's, so the forward and
     the backward run the chunks in three phases of one span (one chunk of 32; the last of 6 tokens)."""
     import kernels.soe.gpu.function as function
     import kernels.soe.gpu.launches as launches
@@ -161,7 +161,7 @@ def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phas
     if phased:
         monkeypatch.setattr(launches, "READS_BYTES", 1)
     names = soe_launches(2, 70, 2, 18, 6, 9, 16, torch.float32, target, decay_grad=False)[1].keys()
-    assert ("bwd_chunk_values" in names) == (target == 80) and "bwd_chunk_keys" in names
+    assert {"bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"} <= names
 
     if per_span < 4:
         _spans_of(monkeypatch, 2, 70, 2, 16, per_span, 18, 6, 9)

@@ -162,7 +162,8 @@ class _Recorder:
         self.group += 1
         values = dict(zip(launch.argument_names(), args)) | dict(launch.constexprs)
         grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-        self.add(Launch(launch.kernel, values, grid, launch.num_warps, launch.num_stages, self.group))
+        extra = tuple((k, v) for k, v in launch.options().items() if k not in ("num_warps", "num_stages"))
+        self.add(Launch(launch.kernel, values, grid, launch.num_warps, launch.num_stages, self.group, extra))
 
     def autotune_run(self, tuner: Any, *args: Any, **kwargs: Any) -> None:
         tuner.nargs = dict(zip(tuner.arg_names, args))

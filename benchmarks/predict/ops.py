@@ -32,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from kernels.library import SCAN_OPS
+
 KINDS = ("gemm", "attention", "memory", "view")
 
 _GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "convolution_backward"}
@@ -243,6 +245,9 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in SCAN_OPS:  # a scan called as its op: record the aten ops and launches inside it instead
+            with self:
+                return SCAN_OPS[func](*args, **kwargs)
         out = func(*args, **kwargs)
         reads = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors((args, kwargs)))
         writes = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors(out))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import BACKENDS, compiling, resolve_backend
+from kernels._common import BACKENDS, resolve_backend, use_ops
 from kernels.phasor.compiled import PhasorScanCompiled, check_slots
 from kernels.phasor.naive import phasor_scan_reference
 from kernels.phasor.op import phasor_scan_op
@@ -51,13 +51,13 @@ def phasor_scan(
         raise ValueError(f"reset must be bool [B, T] = {(batch, seq_len)}, got {reset.dtype} {tuple(reset.shape)}")
     if initial_state is not None and initial_state.shape != (batch, n_slots, width):
         raise ValueError(f"initial_state must be [B, n_slots, M] = {(batch, n_slots, width)}")
-    if slots.device.type == "cpu" and not compiling():  # a host-side check would stall a GPU stream (and meta
+    if slots.device.type == "cpu" and not use_ops():  # a host-side check would stall a GPU stream (and meta
         check_slots(slots, n_slots)  # has no values); the custom op checks its CPU inputs itself
     which = resolve_backend(backend, delta, PHASOR_BACKENDS)
     if which == "reference":
         return phasor_scan_reference(delta, slots, n_slots, initial_state, output_final_state, reset)
     init = initial_state if initial_state is not None else delta.new_zeros(batch, n_slots, width, dtype=torch.float32)
-    if compiling() and (which == "triton" or (which == "torch" and delta.device.type == "cpu")):
+    if use_ops() and (which == "triton" or (which == "torch" and delta.device.type == "cpu")):
         read, final = phasor_scan_op(delta, slots, n_slots, init, reset, which)
         return read, (final if output_final_state else None)
     if which == "triton":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import compiling, resolve_backend, work_dtype
+from kernels._common import resolve_backend, use_ops, work_dtype
 from kernels.soe.chunk import SoeScanChunked
 from kernels.soe.naive import soe_scan_reference
 from kernels.soe.op import soe_scan_op
@@ -71,7 +71,7 @@ def soe_scan(
     else:
         g0, b0 = initial_state
     args = (q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
-    if compiling():  # the same Functions, as a custom op that torch.compile keeps in its graph
+    if use_ops():  # the same Functions as a custom op: torch.compile keeps it in its graph (and see scans_as_ops)
         o, z, g_t, b_t, _ = soe_scan_op(*args, which)
     elif which == "triton":
         from kernels.soe.triton import SoeScanTriton

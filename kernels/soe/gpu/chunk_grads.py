@@ -133,9 +133,9 @@ def chunk_key_value_grads_kernel(
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
     KEYS: tl.constexpr, VALUES: tl.constexpr, COEFS: tl.constexpr,
 ):  # fmt: skip
-    """dk (KEYS), dv (VALUES) and dcoef (COEFS) of one chunk c (C0 + program / BH, slot c - C0 of
-    ``d_reads``) of one batch x head: all in one launch where
-    the registers allow (sm_90), one launch each otherwise (the sm_80 compile spilled with two). Pairs inside
+    """dk (KEYS), dv (VALUES) or dcoef (COEFS) of one chunk c (C0 + program / BH, slot c - C0 of
+    ``d_reads``) of one batch x head, a launch each (together the sm_80 compile spilled, and on sm_90
+    they took 232 registers, one program an SM: kernels/soe/gpu/launches.py, Tiles). Pairs inside
     the chunk: dv = (QK^T * Wc)^T dO, dk = (dP * Wc)^T Q, dcoef[j, s] = sum_d lam_s^d (QK^T * dP)[j + d, j].
     Writes into the state leaving the chunk (slot c of ``d_reads`` holds its gradient dH_s, db_s), w_s(j) =
     lam_s^(n-1-j) coef[j, s]: dk_j += w_s(j) (dH_s v_j + db_s), dv_j += w_s(j) k_j dH_s, dcoef[j, s] +=

@@ -68,23 +68,25 @@ def chunk_states_kernel(
     bn = tl.load(states + first + F * DV + offs_f, mask=b_mask, other=0.0)
     pos = tl.arange(0, BT).to(tl.float32)
     n_chunks = tl.cdiv(seq_len, BT)
-    for c in range(C0, tl.minimum(C0 + N, n_chunks)):
-        here = ((c - C0) * rows + row).to(tl.int64) * W
-        tl.store(reads + here + g_offs, g.to(reads.dtype.element_ty), mask=g_mask)
-        tl.store(reads + here + F * DV + offs_f, bn.to(reads.dtype.element_ty), mask=b_mask)
-        start = c * BT
-        base = token_base(b, h, start, seq_len, H)
-        mask_t, n, _reads, writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
-        kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
-        vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
-        cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
-        steps = tl.maximum(n.to(tl.float32) - 1.0 - pos, 0.0)
-        kw = kc.to(tl.float32) * tl.where(writes, tl.exp(steps * ll) * cs, 0.0)[:, None]
-        decay = carry * tl.exp(n.to(tl.float32) * ll)
-        g = tl.dot(tl.trans(kw.to(kc.dtype)), vc, acc=g * decay, input_precision=PRECISION)
-        bn = bn * decay + tl.sum(kw, axis=0)
-        if BORDERS and (((c + 1) % STRIDE == 0) | (c + 1 == n_chunks)):
-            border = ((tl.cdiv(c + 1, STRIDE) * rows) + row).to(tl.int64) * W
+    end = tl.minimum(C0 + N, n_chunks)
+    for first_c in range(C0, end, STRIDE):  # one span of chunks, then (BORDERS) the state leaving it
+        for c in range(first_c, tl.minimum(first_c + STRIDE, end)):
+            here = ((c - C0) * rows + row).to(tl.int64) * W
+            tl.store(reads + here + g_offs, g.to(reads.dtype.element_ty), mask=g_mask)
+            tl.store(reads + here + F * DV + offs_f, bn.to(reads.dtype.element_ty), mask=b_mask)
+            start = c * BT
+            base = token_base(b, h, start, seq_len, H)
+            mask_t, n, _reads, writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
+            kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
+            vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
+            cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
+            steps = tl.maximum(n.to(tl.float32) - 1.0 - pos, 0.0)
+            kw = kc.to(tl.float32) * tl.where(writes, tl.exp(steps * ll) * cs, 0.0)[:, None]
+            decay = carry * tl.exp(n.to(tl.float32) * ll)
+            g = tl.dot(tl.trans(kw.to(kc.dtype)), vc, acc=g * decay, input_precision=PRECISION)
+            bn = bn * decay + tl.sum(kw, axis=0)
+        if BORDERS:
+            border = ((tl.cdiv(tl.minimum(first_c + STRIDE, end), STRIDE) * rows) + row).to(tl.int64) * W
             tl.store(states + border + g_offs, g, mask=g_mask)
             tl.store(states + border + F * DV + offs_f, bn, mask=b_mask)
 

@@ -42,15 +42,15 @@ def pass_sizes(states: torch.Tensor, terms_per_row: int) -> tuple[int, int, int,
 
 
 def _operands(q, k, v, coef, log_lam, chunk_size: int, reset) -> tuple[tuple[torch.Tensor, ...], tuple]:
-    """(q, k, v, coef, log_lam, document numbers, span carry) as the kernels read them, with the launches,
-    the span size and the chunk of this scan."""
+    """(q, k, v, coef, log_lam, document numbers) as the kernels read them, with the launches, the span size
+    and the chunk of this scan."""
     batch, seq_len = q.shape[:2]
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     coef = coef.to(q.dtype).contiguous()
     ll = log_lam.float().contiguous()
     launches, span, chunk = _geometry(q, v, log_lam, chunk_size)
     docs = document_numbers(reset, batch, seq_len, q.device)
-    return (q, k, v, coef, ll, docs, span_carry(docs, span * chunk)), (launches, span, chunk)
+    return (q, k, v, coef, ll, docs), (launches, span, chunk)
 
 
 def _geometry(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[dict, int, int]:
@@ -102,7 +102,7 @@ class SoeScanTriton(torch.autograd.Function):
         batch, seq_len, heads, _ = q.shape
         dtypes = [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)]
         operands, (launches, span, chunk) = _operands(q, k, v, coef, log_lam, chunk_size, reset)
-        q, k, v, coef, ll, docs, _carry = operands
+        q, k, v, coef, ll, docs = operands
         ints = _sizes(q, v, ll, span)[:-1]
         states = slots(triton.cdiv(seq_len, span * chunk), pack(g0, b0), at_end=False)
         out = torch.empty(batch, seq_len, heads, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -133,7 +133,7 @@ class SoeScanTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
-        q, k, v, coef, ll, docs, carry, states = ctx.saved_tensors
+        q, k, v, coef, ll, docs, states = ctx.saved_tensors
         chunk_size, dtypes, g_shape = ctx.meta
         batch, seq_len, heads, feat = q.shape
         n_terms, width = ll.shape[-1], v.shape[-1]
@@ -160,7 +160,7 @@ class SoeScanTriton(torch.autograd.Function):
         d_states = slots(n_spans, final, at_end=True)
         launches["bwd_states"].run(q, d_out, d_zz, ll, docs, d_states, *ints)
         pass_args = (n_spans, seq_len, span * chunk, *pass_sizes(d_states, heads * n_terms))
-        launches["bwd_pass"].run(d_states, ll, carry, *pass_args)
+        launches["bwd_pass"].run(d_states, ll, span_carry(docs, span * chunk), *pass_args)
         n_features = triton.cdiv(feat, launches["bwd_keys"].constexprs["BC"])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # the decay gradient's partials (left unwritten without decay_grad): reader sums per feature block and
@@ -231,10 +231,8 @@ def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, d_out: tor
         launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges, *ints, c0, n)
         phase.run(*inputs, reads, d_out, d_z, dq, *ints, c0)
         for name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
-            if name in launches:
-                grid = phase.grid
-                dataclasses.replace(launches[name], grid=grid).run(*inputs, d_reads, d_out, d_z, dk, dv, dcoef, *ints,
-                                                                   c0)  # fmt: skip
+            dataclasses.replace(launches[name], grid=phase.grid).run(*inputs, d_reads, d_out, d_z, dk, dv, dcoef,
+                                                                     *ints, c0)  # fmt: skip
         d_edges[1].copy_(d_edges[0])
     dg0, db0 = unpack(d_edges[0], g_shape)
     return dq, dk, dv, dcoef, None, dg0, db0

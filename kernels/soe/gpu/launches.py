@@ -37,11 +37,23 @@ def precision(dtype: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """One target's tiling: the largest chunk of the backward's walks, the state's column block (value
-    columns for the state- and value-gradient walks, feature columns for the query and key walks), warps
-    and stages of those walks and of the chunk-parallel coefficient kernel, warps and stages of the chunk
-    state walks and the chunk-parallel outputs, warps of the chunk-parallel gradients, and whether their
-    dk, dv and dcoef are a launch each (in one launch, or two, the sm_80 compile spilled 16-144 bytes)."""
+    """One target's tiling:
+    - the span walks (decays with a gradient): the largest chunk of the backward's walks, the state's
+      column block (value columns for the state- and value-gradient walks, feature columns for the query
+      and key walks), their warps and stages, and the warps of the chunk-parallel coefficient kernel;
+    - the chunk-parallel outputs: warps and stages, the stages also of the chunk walk that stores the
+      per-chunk states (1: with 2 the sm_90 output kernel takes 180 registers, two programs an SM
+      instead of three, 0.62 against 0.50 ms a vort-125m layer at 16k tokens by benchmarks.predict;
+      the chunk walk 1.03 against 0.95 ms);
+    - the chunk state walks (forward and gradient): warps and a register cap. 8 warps share out a walk's
+      per-chunk work (a quarter fewer instructions a warp than 4), and 128 registers, reached without
+      spilling on sm_80 and sm_90, keep two programs on an SM, so a 12-head model's B x H x S walks take
+      one wave;
+    - the chunk-parallel gradients: warps, stages (also of the state-gradient walk: on sm_90 with 1 its
+      loads wait, 1.07 against 0.96 ms) and a register cap. dk, dv and dcoef are a launch each: sm_80
+      spilled 16-144 bytes with them in one or two launches (and spills under a cap); on sm_90 the three
+      launches capped at 128 registers spill nothing and run two programs an SM, 1.3 ms a layer against
+      1.7 ms in one launch at 232 registers, one program an SM."""
 
     chunk: int
     block: int
@@ -50,16 +62,20 @@ class Tiles:
     stages: int
     coef_warps: int
     forward_warps: int = 4
-    forward_stages: int = 2
+    forward_stages: int = 1
+    walk_warps: int = 4
+    walk_registers: int | None = None
     grads_warps: int = 8
-    split_key_values: bool = False
+    grads_stages: int = 2
+    grads_registers: int | None = None
 
 
 # Per target (sm_90 or newer). The compile gate (benchmarks.kernel_compile) checks every shipped config
 # against these; docs/kernels.md has the sizes tried and why these.
-TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4, forward_stages=1,
-                      split_key_values=True),
-         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4)}  # fmt: skip
+TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4, grads_stages=1,
+                      walk_warps=8, walk_registers=128),
+         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4, walk_warps=8,
+                     walk_registers=128, grads_registers=128)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that divides the backward's span
 
@@ -250,7 +266,8 @@ def soe_launches(
             fwd_ints | {"STRIDE": "i32", "C0": "i32", "N": "i32"},
             forward | {"BF": sbf, "BD": sbd, "BORDERS": True},
             (batch * heads * n_terms * triton.cdiv(feat, sbf) * triton.cdiv(width, sbd), 1, 1),
-            tiles.forward_warps, tiles.forward_stages, wide=frozenset(("k", "v", "coef", "reads", "states")),
+            tiles.walk_warps, tiles.forward_stages, wide=frozenset(("k", "v", "coef", "reads", "states")),
+            max_registers=tiles.walk_registers,
         ),
         "fwd": Launch(
             chunk_output_kernel, qkv | base | {"reads": operand, "out": operand, "z": operand},
@@ -296,16 +313,15 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
     """The chunk-parallel backward (kernels/soe/gpu/chunk_grads.py), for decays that need no gradient:
     "bwd_reads" (the forward's chunk walk again, for the state entering every chunk), "bwd_chunk_states"
     (the reverse walk: the gradient of the state leaving every chunk), "bwd_chunk_queries" (dq) and
-    "bwd_chunk_keys" (dk and, unless the target splits them, dv and dcoef; else "bwd_chunk_values" and
-    "bwd_chunk_coefs" make those),
-    each one program per chunk x batch x head."""
+    "bwd_chunk_keys", "bwd_chunk_values" and "bwd_chunk_coefs" (dk, dv, dcoef), each one program per
+    chunk x batch x head."""
     chunks = forward["fwd"].grid
     reads = dict.fromkeys(("q", "k", "v", "coef"), operand) | {"log_lam": "fp32", "docs": "i32"}
     grads_in = {"d_out": operand, "d_z": "fp32"}
 
     def chunk_launch(kernel, pointers: dict[str, str]) -> Launch:
-        return Launch(kernel, pointers, ints, constexprs, chunks, tiles.grads_warps, tiles.forward_stages,
-                      wide=frozenset(pointers) - {"log_lam", "docs"})  # fmt: skip
+        return Launch(kernel, pointers, ints, constexprs, chunks, tiles.grads_warps, tiles.grads_stages,
+                      wide=frozenset(pointers) - {"log_lam", "docs"}, max_registers=tiles.grads_registers)  # fmt: skip
 
     state_in = {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32", "docs": "i32"}
     walk = forward["fwd_states"]
@@ -315,15 +331,15 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
                                    ints | {"N": "i32"},
                              {k: forward["fwd_states"].constexprs[k] for k in ("BT", "BF", "BD", "PRECISION")},
                              forward["fwd_states"].grid,
-                             tiles.forward_warps, tiles.forward_stages,
-                             wide=frozenset(("q", "d_out", "d_z", "d_reads"))),
+                             tiles.walk_warps, tiles.grads_stages,
+                             wide=frozenset(("q", "d_out", "d_z", "d_reads")), max_registers=tiles.walk_registers),
         "bwd_chunk_queries": chunk_launch(chunk_query_grads_kernel,
                                           reads | {"reads": operand} | grads_in | {"dq": operand}),
     }  # fmt: skip
     key_value = reads | {"d_reads": operand} | grads_in | {"dk": operand, "dv": operand, "dcoef": operand}
     launch = chunk_launch(chunk_key_value_grads_kernel, key_value)
     parts = ("KEYS", "VALUES", "COEFS")
-    split = {f"bwd_chunk_{p.lower()}": (p,) for p in parts} if tiles.split_key_values else {"bwd_chunk_keys": parts}
-    for name, made in split.items():
-        out[name] = dataclasses.replace(launch, constexprs=launch.constexprs | {p: p in made for p in parts})
+    for made in parts:
+        out[f"bwd_chunk_{made.lower()}"] = dataclasses.replace(launch, constexprs=launch.constexprs
+                                                              | {p: p == made for p in parts})
     return out
