@@ -9,7 +9,9 @@ same thing on local disk in the same run. Results and commands: docs/data.md, "O
     them to a bucket, and streams rank 0's share (of ``--ranks``) from each, ``--runs`` times in
     alternation: whole shards with sha256 and prefetch, and byte ranges (on the store in blocks of each
     ``--block-mib``, and with ``--latency-ms`` once more through a proxy that adds that round trip to
-    each request, as a remote store would). tokens/s per rank, from a cold start.
+    each request, as a remote store would); all of them for each ``--interleave`` (the stream's
+    shuffle windows read side by side, which lays a rank's samples together in the shards).
+    tokens/s per rank, from a cold start to the last sample (the stream ends there).
 
 ``python -m benchmarks.object_store checkpoint --model configs/model/vort-125m.yaml --workdir <dir>``
     saves and restores the state of that model with AdamW moments (engine.kind=single's payload)
@@ -68,12 +70,14 @@ def bucket(endpoint: str | None, workdir: Path) -> Iterator[str]:
 
 
 def stream_rate(source: str, seq_len: int, samples: int, ranks: int, read: str,
-                block_size: int | None = None) -> dict[str, Any]:
+                block_size: int | None = None, interleave: int = 1) -> dict[str, Any]:
     """tokens/s of rank 0's stream of `ranks` over `samples` samples, from a cold start (the stream
-    made, its first sample read and all the rest)."""
+    made, its first sample read and all the rest). The stream ends there (`max_samples`, as a run's
+    data would), so that its read-ahead fetches nothing past the last sample."""
     t0 = time.perf_counter()
     stream = PackedStream([(source, 1.0)], seq_len=seq_len, seed=0, rank=0, world_size=ranks, shuffle_buffer=256,
-                          verify=read == "shard", read=read, block_size=block_size)
+                          verify=read == "shard", read=read, block_size=block_size, interleave=interleave,
+                          max_samples=samples * ranks)
     it = iter(stream)
     next(it)
     first = time.perf_counter() - t0
@@ -82,7 +86,8 @@ def stream_rate(source: str, seq_len: int, samples: int, ranks: int, read: str,
     elapsed = time.perf_counter() - t0
     stats = stream.stats()
     stream.close()  # no read ahead of this stream goes on into the next row's time
-    return {"read": read, "seq_len": seq_len, "samples": samples, "tokens_per_s": samples * seq_len / elapsed,
+    return {"read": read, "interleave": interleave, "seq_len": seq_len, "samples": samples,
+            "tokens_per_s": samples * seq_len / elapsed,
             "first_sample_s": first, "mb_read": stats["shard_bytes_read"] / 1e6, "read_retries": stats["read_retries"],
             "load_avg_1m": os.getloadavg()[0]}
 
@@ -106,13 +111,15 @@ def loader(args: argparse.Namespace) -> list[dict[str, Any]]:
     with bucket(args.endpoint, work) as root:
         remote = f"{root}/shards"
         fsspec.filesystem("s3").put(local + "/", remote + "/", recursive=True)
-        runs = [("shard", "local disk", local, None), ("shard", "s3 (loopback)", remote, None),
-                ("range", "local disk", local, None)]
-        runs += [("range", "s3 (loopback)", remote, mib) for mib in args.block_mib]
-        if args.latency_ms:
-            runs += [("range", f"s3 (+{args.latency_ms:g} ms)", remote, mib) for mib in args.block_mib]
+        runs = []
+        for c in args.interleave:
+            runs += [("shard", "local disk", local, None, c), ("shard", "s3 (loopback)", remote, None, c),
+                     ("range", "local disk", local, None, c)]
+            runs += [("range", "s3 (loopback)", remote, mib, c) for mib in args.block_mib]
+            if args.latency_ms:
+                runs += [("range", f"s3 (+{args.latency_ms:g} ms)", remote, mib, c) for mib in args.block_mib]
         for run in range(args.runs):
-            for read, where, source, mib in runs:
+            for read, where, source, mib, c in runs:
                 if "ms)" in where and proxy is None:
                     proxy = delayed(args.latency_ms / 1000)
                     warm(remote)
@@ -123,7 +130,7 @@ def loader(args: argparse.Namespace) -> list[dict[str, Any]]:
                     warm(remote)
                 block = None if mib is None else int(mib * (1 << 20))
                 row = {"run": run, "where": where, "ranks": args.ranks, "shards": len(m.shards), "block_mib": mib,
-                       **stream_rate(source, args.seq_len, args.samples, args.ranks, read, block)}
+                       **stream_rate(source, args.seq_len, args.samples, args.ranks, read, block, c)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if proxy is not None:
@@ -221,21 +228,28 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def loader_summary(rows: list[dict[str, Any]]) -> str:
-    """One line per row kind: the median tokens/s per rank over the runs, their range, and the median
-    of each run's ratio to local disk with the same read mode in the same run."""
-    local = {(r["run"], r["read"]): r["tokens_per_s"] for r in rows if r["where"] == "local disk"}
-    kinds: dict[tuple[str, str, Any], list[dict[str, Any]]] = {}
+    """One line per row kind: the median tokens/s per rank over the runs, their range, the median of
+    each run's ratio to local disk with the same read mode and interleave in the same run, and the
+    same against local whole shards of the plain order (interleave 1)."""
+    local = {(r["run"], r["read"], r["interleave"]): r["tokens_per_s"] for r in rows if r["where"] == "local disk"}
+    kinds: dict[tuple[str, str, Any, int], list[dict[str, Any]]] = {}
     for r in rows:
-        kinds.setdefault((r["where"], r["read"], r["block_mib"]), []).append(r)
-    lines = ["| where | read | block MiB | tokens/s per rank (median, min-max) | vs local disk (median, min-max) "
-             "| first sample s | MB read |", "|---|---|---|---|---|---|---|"]
-    for (where, read, mib), group in kinds.items():
+        kinds.setdefault((r["where"], r["read"], r["block_mib"], r["interleave"]), []).append(r)
+    lines = ["| where | read | block MiB | interleave | tokens/s per rank (median, min-max) | vs local disk, same read "
+             "and interleave (median, min-max) | vs local whole shards, interleave 1 | first sample s | MB read |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def spread(values: list[float]) -> str:
+        values = sorted(values)
+        return f"{median(values):.2f}x ({values[0]:.2f}-{values[-1]:.2f})"
+
+    for (where, read, mib, c), group in kinds.items():
         rates = sorted(r["tokens_per_s"] for r in group)
-        ratios = sorted(r["tokens_per_s"] / local[(r["run"], read)] for r in group)
+        same = [r["tokens_per_s"] / local[(r["run"], read, c)] for r in group]
+        plain = [r["tokens_per_s"] / local[(r["run"], "shard", 1)] for r in group if (r["run"], "shard", 1) in local]
         lines.append(
-            f"| {where} | {read} | {mib if mib is not None else '-'} | {median(rates) / 1e6:.2f}M "
-            f"({rates[0] / 1e6:.2f}-{rates[-1] / 1e6:.2f}) | {median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) "
-            "| "
+            f"| {where} | {read} | {mib if mib is not None else '-'} | {c} | {median(rates) / 1e6:.2f}M "
+            f"({rates[0] / 1e6:.2f}-{rates[-1] / 1e6:.2f}) | {spread(same)} | {spread(plain) if plain else '-'} | "
             f"{median(r['first_sample_s'] for r in group):.3f} | {median(r['mb_read'] for r in group):.1f} |"
         )
     return "\n".join(lines)
@@ -253,6 +267,8 @@ def add_loader_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-ms", type=float, default=0,
                         help="also read ranges through a proxy adding this round trip to each request")
     parser.add_argument("--runs", type=int, default=1, help="times every row is measured, in alternation")
+    parser.add_argument("--interleave", type=int, nargs="+", default=[1],
+                        help="the stream's interleave (shuffle windows read side by side); every row for each")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

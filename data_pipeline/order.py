@@ -23,6 +23,19 @@ def _kept(size: int, most: int) -> int:
     return max(2, min(most, _KEPT_ITEMS // max(1, size)))
 
 
+def check_interleave(interleave: int) -> int:
+    """``interleave`` as an int, if it is a power of two from 1 to 2^16 (``ValueError`` otherwise)."""
+    if isinstance(interleave, bool) or int(interleave) != interleave or not 1 <= interleave <= 1 << 16 \
+            or interleave & (interleave - 1):
+        raise ValueError(f"interleave must be a power of two from 1 to 65536, not {interleave!r}")
+    return int(interleave)
+
+
+def bit_reversal(bits: int) -> list[int]:
+    """``x`` with its ``bits`` low bits in reverse order, for every ``x < 2**bits``."""
+    return [int(format(x, f"0{bits}b")[::-1], 2) if bits else 0 for x in range(1 << bits)]
+
+
 def seeded_rng(*keys: int) -> np.random.Generator:
     """A generator seeded from non-negative integer keys (order-sensitive, platform-independent)."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) for k in keys])))
@@ -33,10 +46,20 @@ class SourceOrder:
 
     ``lengths[i]`` is shard ``i``'s stream length (tokens plus one EOS per document); ``salt`` comes
     from the source fingerprint, so the order does not depend on where the data is stored.
+
+    ``interleave`` (a power of two, C) reads C shuffle windows side by side: the epoch's samples are
+    cut into spans of C consecutive windows, and position ``u`` of a span takes sample ``u // C`` of
+    its window permutation from the window in slot ``bit_reversal(u % C)`` of the span. Positions
+    that are equal modulo any power of two W dividing C so lie in C / W consecutive windows of each
+    span: a data-parallel rank of W, whose positions are equal modulo W, reads one contiguous stretch
+    of the stream per span instead of every W-th sample of it. The epoch's tail, shorter than a span,
+    is one more span of C smaller windows (its length // C samples each), then one window of the
+    fewer than C samples left. C = 1 is the plain order: window after window, the last one partial.
     """
 
     def __init__(
-        self, lengths: np.ndarray, seq_len: int, seed: int, salt: int, window: int, shuffle: bool, name: str
+        self, lengths: np.ndarray, seq_len: int, seed: int, salt: int, window: int, shuffle: bool, name: str,
+        interleave: int = 1,
     ) -> None:
         total = int(lengths.sum())
         self.samples_per_epoch = (total - 1) // seq_len
@@ -48,12 +71,17 @@ class SourceOrder:
         self.salt = salt
         self.window = window
         self.shuffle = shuffle
+        self.interleave = check_interleave(interleave)
+        self._bits = self.interleave.bit_length() - 1
+        self._reversed = bit_reversal(self._bits)
+        self._spans = self.samples_per_epoch // (self.interleave * window)  # full spans
+        self._tail_window = (self.samples_per_epoch - self._spans * self.interleave * window) // self.interleave
         self._epoch = -1
         self._order = np.empty(0, dtype=np.int64)
         self._ends = np.empty(0, dtype=np.int64)
         self._layouts: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._windows_kept = _kept(window, 64)
+        self._windows_kept = max(2 * self.interleave, _kept(window, 64))  # spans read side by side
 
     def _layout(self, epoch: int) -> None:
         """Shard order and cumulative stream ends for ``epoch`` (the last two epochs' are kept: a
@@ -73,20 +101,37 @@ class SourceOrder:
         self._order, self._ends = layout
         self._epoch = epoch
 
+    def _slot(self, q: int) -> tuple[int, int, int, int]:
+        """``(window, first, size, k)``: shuffled position ``q`` of the epoch reads sample ``k`` of the
+        permutation of window number ``window``, which holds the ``size`` samples from ``first``."""
+        lanes, window = self.interleave, self.window
+        t, u = divmod(q, lanes * window)
+        if t < self._spans:  # a full span
+            lane, k = u % lanes, u // lanes
+            w = t * lanes + self._reversed[lane]
+            return w, w * window, window, k
+        first, w, size = self._spans * lanes * window, self._spans * lanes, self._tail_window
+        if u < lanes * size:  # the tail's span of smaller windows
+            lane, k = u % lanes, u // lanes
+            return w + self._reversed[lane], first + self._reversed[lane] * size, size, k
+        first += lanes * size  # the last samples, fewer than C: one window
+        return w + lanes, first, self.samples_per_epoch - first, q - first
+
     def sample_in_epoch(self, epoch: int, q: int) -> int:
         """Packed-sample number within the epoch for shuffled position ``q``."""
-        if self.window == 1:
+        if self.window == 1 and self.interleave == 1:
             return q
-        w, k = divmod(q, self.window)
+        w, first, size, k = self._slot(q)
+        if self.window == 1:
+            return first + k
         perm = self._windows.get((epoch, w))
         if perm is None:  # a few windows are kept: a read-ahead runs into the next while this one is read
-            size = min(self.window, self.samples_per_epoch - w * self.window)
             perm = self._windows[(epoch, w)] = seeded_rng(self.seed, self.salt, _WINDOW_TAG, epoch, w).permutation(size)
             while len(self._windows) > self._windows_kept:
                 self._windows.popitem(last=False)
         else:
             self._windows.move_to_end((epoch, w))
-        return w * self.window + int(perm[k])
+        return first + int(perm[k])
 
     def sample_span(self, position: int, with_prev: bool) -> tuple[int, int, int, bool]:
         """``(epoch, start, stop, has_prev)``: stream positions of the source's ``position``-th sample
@@ -116,9 +161,13 @@ class SourceOrder:
 
 class Mixture:
     """Deterministic assignment of global sample numbers to sources: blocks of ``block`` samples, each
-    holding every source's exact quota (largest-remainder rounding of the weights) in a seeded order."""
+    holding every source's exact quota (largest-remainder rounding of the weights) in a seeded order.
 
-    def __init__(self, weights: Sequence[float], block: int, seed: int) -> None:
+    With ``lanes`` > 1 each lane (the global samples equal modulo ``lanes``, see ``PackedStream``) has
+    blocks of its own, in an order seeded by the lane too: ``locate`` and ``counts`` then take the
+    lane and count its samples."""
+
+    def __init__(self, weights: Sequence[float], block: int, seed: int, lanes: int = 1) -> None:
         if block < 1:
             raise ValueError(f"mix_block must be >= 1, not {block}")
         w = np.asarray(weights, dtype=np.float64)
@@ -134,35 +183,44 @@ class Mixture:
         self.block = block
         self.seed = seed
         self.quota = quota
+        self.lanes = check_interleave(lanes)
         self._base = np.repeat(np.arange(len(w)), quota)
-        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._blocks_kept = _kept(2 * block, 16)
+        self._blocks: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._blocks_kept = max(2 * self.lanes, _kept(2 * block, 16))
 
-    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Source of each slot in block ``b`` and its rank among that source's slots (a few blocks are
-        kept: a read-ahead runs into the next ones while this one is read)."""
-        cached = self._blocks.get(b)
+    def _block(self, b: int, lane: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source of each slot in block ``b`` of ``lane`` and its rank among that source's slots (a few
+        blocks are kept: a read-ahead runs into the next ones while this one is read)."""
+        cached = self._blocks.get((b, lane))
         if cached is not None:
-            self._blocks.move_to_end(b)
+            self._blocks.move_to_end((b, lane))
             return cached
-        perm = seeded_rng(self.seed, _MIX_TAG, b).permutation(self._base) if len(self.quota) > 1 else self._base
+        if len(self.quota) == 1:
+            perm = self._base
+        else:
+            keys = (self.seed, _MIX_TAG, b) if self.lanes == 1 else (self.seed, _MIX_TAG, b, lane)
+            perm = seeded_rng(*keys).permutation(self._base)
         order = np.argsort(perm, kind="stable")
         rank = np.empty(self.block, dtype=np.int64)
         rank[order] = np.arange(self.block) - np.repeat(np.cumsum(self.quota) - self.quota, self.quota)
-        self._blocks[b] = perm, rank
+        # in the smallest integers that hold them: with lanes, two blocks of every lane may be kept
+        perm = perm.astype(np.min_scalar_type(len(self.quota) - 1))
+        rank = rank.astype(np.min_scalar_type(self.block - 1))
+        self._blocks[(b, lane)] = perm, rank
         while len(self._blocks) > self._blocks_kept:
             self._blocks.popitem(last=False)
         return perm, rank
 
-    def locate(self, n: int) -> tuple[int, int]:
-        """``(source, k)``: the ``n``-th sample of this mixture is source's ``k``-th sample."""
+    def locate(self, n: int, lane: int = 0) -> tuple[int, int]:
+        """``(source, k)``: the ``n``-th sample of this mixture (of ``lane``) is source's ``k``-th sample
+        (of that lane)."""
         b, i = divmod(n, self.block)
-        perm, rank = self._block(b)
+        perm, rank = self._block(b, lane)
         s = int(perm[i])
         return s, b * int(self.quota[s]) + int(rank[i])
 
-    def counts(self, n: int) -> np.ndarray:
-        """How many of the first ``n`` samples of this mixture each source received."""
+    def counts(self, n: int, lane: int = 0) -> np.ndarray:
+        """How many of the first ``n`` samples of this mixture (of ``lane``) each source received."""
         b, i = divmod(n, self.block)
-        perm, _ = self._block(b)
+        perm, _ = self._block(b, lane)
         return b * self.quota + np.bincount(perm[:i], minlength=len(self.quota))

@@ -165,26 +165,32 @@ class ShardReader:
         """Whether positions are read as blocks of an object store (range mode, remote shards)."""
         return self._remote_ranges
 
-    def prefetch(self, idx: int, start: int, stop: int) -> None:
+    def prefetch(self, idx: int, start: int, stop: int) -> tuple[int, int] | None:
         """Start reading the blocks that positions ``[start, stop)`` of shard ``idx`` need, in the
         background (range mode on an object store; elsewhere nothing). A shard whose index is not
         here yet has it read by an index thread first; the blocks are asked for once it has come.
-        The caches and counts are kept in the caller's thread; the threads only read."""
+        The caches and counts are kept in the caller's thread; the threads only read. Returns how
+        many EOS of the shard lie before ``start`` and before ``stop`` where it worked them out
+        (``span`` can take them), else None."""
         if not self.remote_ranges():
-            return
+            return None
         self._pool_for_blocks()
-        self._settle_indexes()
+        if self._index_reads:
+            self._settle_indexes()
         if idx not in self._indexes:  # its blocks are asked for when the index has come
             if idx not in self._index_reads:
                 self._index_reads[idx] = self._index_pool.submit(self._read_index, idx)
             self._waiting.setdefault(idx, []).append((start, stop))
-            return
-        self._want(idx, start, stop)
+            return None
+        return self._want(idx, start, stop)
 
-    def _want(self, idx: int, start: int, stop: int) -> None:
-        lo, hi = self._byte_span(idx, start, stop)
-        for b in self._block_numbers(idx, lo, hi):
+    def _want(self, idx: int, start: int, stop: int) -> tuple[int, int]:
+        index = self._index(idx)
+        eos = self._eos_before(idx, index, start), self._eos_before(idx, index, stop)
+        lo, hi = self._bytes_of(index, start, stop, eos)
+        for b in self._block_numbers(index, lo, hi):
             self._block(idx, b).wanted += 1
+        return eos
 
     def _settle_indexes(self) -> None:
         """Take in the shard indexes read in the background, and ask for the blocks of the samples
@@ -199,11 +205,12 @@ class ShardReader:
             for start, stop in waiting:
                 self._want(idx, start, stop)
 
-    def span(self, idx: int, start: int, stop: int, following: list[int]) -> np.ndarray:
+    def span(self, idx: int, start: int, stop: int, following: list[int],
+             eos: tuple[int, int] | None = None) -> np.ndarray:
         """Positions ``[start, stop)`` of shard ``idx``'s stream; ``following`` are the shards read next
-        in the epoch's order (prefetched in shard mode)."""
+        in the epoch's order (prefetched in shard mode); ``eos`` what ``prefetch`` returned for them."""
         if self.policy.mode == "range":
-            return self._range(idx, start, stop)
+            return self._range(idx, start, stop, eos)
         return self._shard(idx, following)[start:stop]
 
     def _handle(self, idx: int) -> Any:
@@ -355,23 +362,25 @@ class ShardReader:
             return int(index.eos_positions.searchsorted(position))
         return bisect.bisect_left(positions, position)
 
-    def _byte_span(self, idx: int, start: int, stop: int) -> tuple[int, int]:
-        """The bytes of shard ``idx`` holding the tokens of stream positions ``[start, stop)``."""
-        index = self._index(idx)
-        first, last = self._eos_before(idx, index, start), self._eos_before(idx, index, stop)
+    @staticmethod
+    def _bytes_of(index: ShardIndex, start: int, stop: int, eos: tuple[int, int]) -> tuple[int, int]:
+        """The bytes holding the tokens of stream positions ``[start, stop)``, ``eos`` EOS before each."""
         item = index.dtype.itemsize
-        return index.data_offset + (start - first) * item, index.data_offset + (stop - last) * item
+        return index.data_offset + (start - eos[0]) * item, index.data_offset + (stop - eos[1]) * item
 
-    def _range(self, idx: int, start: int, stop: int) -> np.ndarray:
+    def _range(self, idx: int, start: int, stop: int, counts: tuple[int, int] | None = None) -> np.ndarray:
         """Stream positions ``[start, stop)`` of shard ``idx``, from their token bytes: read as one byte
-        range (no whole-shard read), or cut from the blocks that hold them on an object store."""
+        range (no whole-shard read), or cut from the blocks that hold them on an object store.
+        ``counts``: the EOS before ``start`` and before ``stop``, where the caller has them."""
         index = self._index(idx)
         eos = index.eos_positions
-        first, last = self._eos_before(idx, index, start), self._eos_before(idx, index, stop)
+        if counts is None:
+            counts = self._eos_before(idx, index, start), self._eos_before(idx, index, stop)
+        first, last = counts
         lo, hi = start - first, stop - last
         item = index.dtype.itemsize
         if self.remote_ranges():
-            raw = self._from_blocks(idx, index.data_offset + lo * item, index.data_offset + hi * item)
+            raw = self._from_blocks(idx, index, index.data_offset + lo * item, index.data_offset + hi * item)
         else:
             raw, used = self._read_range(idx, index.data_offset + lo * item, index.data_offset + hi * item)
             self.stats.read_retries += used
@@ -382,19 +391,19 @@ class ShardReader:
 
     # -- blocks (range mode on an object store)
 
-    def _block_numbers(self, idx: int, lo: int, hi: int) -> range:
-        """Blocks of shard ``idx`` that bytes ``[lo, hi)`` of its file lie in (block 0 starts at the
-        first token byte)."""
+    def _block_numbers(self, index: ShardIndex, lo: int, hi: int) -> range:
+        """Blocks of a shard (``index``) that bytes ``[lo, hi)`` of its file lie in (block 0 starts at
+        the first token byte)."""
         if hi <= lo:
             return range(0)
-        origin = self._index(idx).data_offset
+        origin = index.data_offset
         return range((lo - origin) // self.block_size, (hi - 1 - origin) // self.block_size + 1)
 
     def _block(self, idx: int, b: int) -> _Block:
-        """Block ``b`` of shard ``idx``, requested now unless it is cached or on its way. Past
-        ``block_budget`` bytes the cache drops blocks that no sample asked for by ``prefetch`` still
-        needs first, then the least recently asked for (never the one asked for now)."""
-        self._pool_for_blocks()
+        """Block ``b`` of shard ``idx``, requested now unless it is cached or on its way (the caller
+        has made this process's threads: ``_pool_for_blocks``). Past ``block_budget`` bytes the cache
+        drops blocks that no sample asked for by ``prefetch`` still needs first, then the least
+        recently asked for (never the one asked for now)."""
         key = (idx, b)
         block = self._blocks.get(key)
         if block is not None:
@@ -432,11 +441,12 @@ class ShardReader:
             self.stats.shard_bytes_read += len(data)
         return data
 
-    def _from_blocks(self, idx: int, lo: int, hi: int) -> bytes:
-        """Bytes ``[lo, hi)`` of shard ``idx``'s file, cut from its blocks (waiting for those on their
-        way; a failed read raises its ShardError here, naming the shard)."""
+    def _from_blocks(self, idx: int, index: ShardIndex, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)`` of shard ``idx``'s file (``index``), cut from its blocks (waiting for those
+        on their way; a failed read raises its ShardError here, naming the shard)."""
+        self._pool_for_blocks()
         parts = []
-        for b in self._block_numbers(idx, lo, hi):
+        for b in self._block_numbers(index, lo, hi):
             block = self._block(idx, b)
             try:
                 data = block.future.result()

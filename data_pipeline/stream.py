@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import shard_reader
-from data_pipeline.order import Mixture, SourceOrder
+from data_pipeline.order import Mixture, SourceOrder, check_interleave
 from data_pipeline.shard_reader import ReadPolicy, ReadStats, ShardReader
 from data_pipeline.shards import Manifest, ShardError, load_manifest
 from data_pipeline.skips import SkipRanges
@@ -35,6 +35,11 @@ def tokenizer_info(manifest: str | Manifest) -> dict[str, Any]:
     return {**m.tokenizer, "dtype": m.dtype}
 
 
+_Planned = tuple[list[tuple[tuple[int, int, int, list[int]], Any]], bool]
+"""Where a sample lies: its pieces (shard, first and end position, following shards) with what the
+reader worked out for each when it asked for their blocks, and whether a token precedes it."""
+
+
 class _Source:
     """One manifest of a mixture: its sample order and its shard reader."""
 
@@ -47,30 +52,38 @@ class _Source:
         shuffle: bool,
         policy: ReadPolicy,
         stats: ReadStats,
+        interleave: int = 1,
+        region: int = 1,
     ) -> None:
         m = load_manifest(url)
         self.manifest = m
         self.url = m.url
         self.fingerprint = m.fingerprint
         window = max(1, shuffle_buffer) if shuffle else 1
-        self.reader = ShardReader(m, policy, stats, window * (seq_len + 1))
+        # the reader's caches hold the windows a rank reads side by side (``region`` of them)
+        self.reader = ShardReader(m, policy, stats, region * window * (seq_len + 1))
         self.eos = self.reader.eos
         salt = int(self.fingerprint[:15], 16)
-        self.order = SourceOrder(self.reader.lengths, seq_len, seed, salt, window, shuffle, self.url)
+        self.order = SourceOrder(self.reader.lengths, seq_len, seed, salt, window, shuffle, self.url, interleave)
         self.samples_per_epoch = self.order.samples_per_epoch
 
-    def prefetch(self, position: int, with_prev: bool) -> None:
-        """Let the reader start fetching the ``position``-th sample (range mode on an object store)."""
-        epoch, start, stop, _ = self.order.sample_span(position, with_prev)
-        for idx, first, end, _ in self.order.pieces(epoch, start, stop, 0):
-            self.reader.prefetch(idx, first, end)
-
-    def sample(self, position: int, with_prev: bool) -> tuple[np.ndarray, bool]:
-        """Tokens of the source's ``position``-th sample (``seq_len + 1`` of them, or one more in front
-        when ``with_prev`` and the sample does not start the epoch); returns ``(tokens, has_prev)``."""
+    def prefetch(self, position: int, with_prev: bool) -> _Planned:
+        """Let the reader start fetching the ``position``-th sample (range mode on an object store);
+        returns where the sample lies, which ``sample`` takes instead of working it out again."""
         epoch, start, stop, has_prev = self.order.sample_span(position, with_prev)
-        pieces = [self.reader.span(*piece)
-                  for piece in self.order.pieces(epoch, start, stop, shard_reader.SHARDS_AHEAD)]
+        pieces = [(piece, self.reader.prefetch(*piece[:3])) for piece in self.order.pieces(epoch, start, stop, 0)]
+        return pieces, has_prev
+
+    def sample(self, position: int, with_prev: bool, planned: _Planned | None = None) -> tuple[np.ndarray, bool]:
+        """Tokens of the source's ``position``-th sample (``seq_len + 1`` of them, or one more in front
+        when ``with_prev`` and the sample does not start the epoch); returns ``(tokens, has_prev)``.
+        ``planned``: what ``prefetch`` returned for it."""
+        if planned is None:
+            epoch, start, stop, has_prev = self.order.sample_span(position, with_prev)
+            pieces = self.order.pieces(epoch, start, stop, shard_reader.SHARDS_AHEAD)
+            planned = [(piece, None) for piece in pieces], has_prev
+        located, has_prev = planned
+        pieces = [self.reader.span(*piece, eos) for piece, eos in located]
         return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)), has_prev
 
 
@@ -115,6 +128,13 @@ class PackedStream(IterableDataset):
         block_size: bytes per request of range reads on an object store (None: ``storage.block_size``).
         skip_samples: ``[[first, end), ...]`` global sample numbers never read (data_pipeline/skips.py);
             the ranges are part of the state, so a resumed stream skips them too.
+        interleave: shuffle windows read side by side (a power of two, C; 1 = window after window).
+            Global samples equal modulo C form a lane: the mixture gives each lane its own blocks, and
+            a source's lane-``c`` samples are its positions equal to ``c`` modulo C, which the order
+            lays out so that the lanes of a rank (of a world size W dividing C) read C / W
+            consecutive windows of each span of C windows (``order.SourceOrder``): a rank's samples
+            lie together in the shards, so range reads on an object store fetch blocks of mostly its
+            own samples (docs/data.md, "Interleaved windows"). Part of the order: a resume keeps it.
 
     Each sample is a dict: ``input_ids`` (int64 ``[seq_len]``), ``labels`` (int64 ``[seq_len]``,
     ``labels[t] = input_ids[t + 1]`` within the packed stream), ``index`` (global sample number),
@@ -141,6 +161,7 @@ class PackedStream(IterableDataset):
         read: str = "shard",
         skip_samples: Sequence[Sequence[int]] = (),
         block_size: int | None = None,
+        interleave: int = 1,
     ) -> None:
         super().__init__()
         if seq_len < 1:
@@ -151,6 +172,9 @@ class PackedStream(IterableDataset):
             raise ValueError("batch_size must be >= 1")
         if not sources:
             raise ValueError("at least one source is needed")
+        interleave = check_interleave(interleave)
+        if interleave > 1 and not shuffle:
+            raise ValueError("interleave > 1 lays out shuffle windows; with shuffle=False it must be 1")
         policy = ReadPolicy(mode=read, verify=verify, retries=read_retries, prefetch=prefetch and read == "shard",
                             block_size=block_size)
         self.seq_len = seq_len
@@ -162,12 +186,15 @@ class PackedStream(IterableDataset):
         self.batch_size = batch_size
         self.max_samples = max_samples
         self.shuffle = shuffle
+        self.interleave = interleave
         self._read_stats = ReadStats()
         self._read_ahead = 0  # samples whose blocks are requested ahead (range reads on an object store)
         self._samples = 0
         self._skips = SkipRanges(skip_samples)
+        region = interleave // math.gcd(world_size, interleave)  # windows a rank reads side by side
         self._sources = [
-            _Source(url, seq_len, seed, shuffle_buffer, shuffle, policy, self._read_stats) for url, _ in sources
+            _Source(url, seq_len, seed, shuffle_buffer, shuffle, policy, self._read_stats, interleave, region)
+            for url, _ in sources
         ]
         self._prefetch = prefetch
         self._plan_read_ahead()
@@ -183,9 +210,9 @@ class PackedStream(IterableDataset):
         if expected_tokenizer is not None:
             check_tokenizer(first.manifest.tokenizer, expected_tokenizer, where=f"shards of {first.url!r}")
         self.weights = [float(w) for _, w in sources]
-        self._mixture = Mixture(self.weights, mix_block, seed)
+        self._mixture = Mixture(self.weights, mix_block, seed, interleave)
         self._origin = 0
-        self._offsets = np.zeros(len(self._sources), dtype=np.int64)
+        self._offsets = np.zeros((len(self._sources), interleave), dtype=np.int64)  # per source and lane
         self._start = self._skips.nth(0, 0)
         self._yielded = 0
 
@@ -202,9 +229,12 @@ class PackedStream(IterableDataset):
             reader.set_read_ahead(self._read_ahead, (self.seq_len + 2) * item, self._read_ahead * self._stride(item))
 
     def _stride(self, itemsize: int) -> int:
-        """Bytes of a source's stream between two samples of this rank (and data-loader worker)."""
+        """Bytes of a source's stream between two samples of this rank (and data-loader worker), within
+        the windows the rank reads side by side (its ``world_size / gcd(world_size, interleave)``-th
+        samples of them)."""
         info = get_worker_info()
-        return self.world_size * (1 if info is None else info.num_workers) * self.seq_len * itemsize
+        ranks = self.world_size // math.gcd(self.world_size, self.interleave)
+        return ranks * (1 if info is None else info.num_workers) * self.seq_len * itemsize
 
     def _samples_ahead(self, reader: ShardReader) -> int:
         """This rank's samples to look ahead so that the read-ahead spans ``BLOCKS_AHEAD`` blocks of
@@ -246,13 +276,32 @@ class PackedStream(IterableDataset):
         """``(source, position within that source's infinite sample sequence)`` of global sample ``g``."""
         if g < self._origin:
             raise ValueError(f"sample {g} precedes the mixture change at sample {self._origin}; it has no source")
-        s, k = self._mixture.locate(g - self._origin)
-        return s, int(self._offsets[s]) + k
+        lanes = self.interleave
+        lane, i = g % lanes, g // lanes
+        s, k = self._mixture.locate(i - self._lane_start(self._origin, lane), lane)
+        return s, (int(self._offsets[s, lane]) + k) * lanes + lane
+
+    def _lane_start(self, g: int, lane: int) -> int:
+        """How many samples of ``lane`` (global numbers equal to it modulo ``interleave``) precede ``g``."""
+        return -((lane - g) // self.interleave)
+
+    def _positions(self, mixture: Mixture, origin: int, offsets: np.ndarray, consumed: int) -> np.ndarray:
+        """Each source's position in each lane (int64 ``[sources, lanes]``) after the global samples
+        before ``consumed``, for a mixture that took effect at ``origin`` with ``offsets``."""
+        positions = np.array(offsets, dtype=np.int64, copy=True)
+        for lane in range(self.interleave):
+            n = self._lane_start(consumed, lane) - self._lane_start(origin, lane)
+            positions[:, lane] += mixture.counts(n, lane)
+        return positions
 
     def get(self, g: int) -> dict[str, Any]:
         """The sample with global number ``g`` (random access; the iterator uses the same path)."""
-        s, position = self.locate(g)
-        tokens, has_prev = self._sources[s].sample(position, self.doc_boundaries)
+        return self._get(g, *self.locate(g))
+
+    def _get(self, g: int, s: int, position: int, planned: _Planned | None = None) -> dict[str, Any]:
+        """``get(g)`` for a sample already located: source ``s``'s ``position``-th (and where it lies,
+        from its read-ahead)."""
+        tokens, has_prev = self._sources[s].sample(position, self.doc_boundaries, planned)
         seq = tokens[1:] if has_prev else tokens
         out: dict[str, Any] = {
             "input_ids": torch.from_numpy(seq[:-1].astype(np.int64)),
@@ -286,19 +335,20 @@ class PackedStream(IterableDataset):
         else:
             self._plan_read_ahead()
         self._yielded = 0
-        ahead: deque[int] = deque()
+        ahead: deque[tuple[int, Any]] = deque()  # global number, and where the read-ahead located it
         upcoming = self._local_indices()
         while True:
             while len(ahead) <= self._read_ahead:  # range reads of the next samples start now
                 g = self._skips.nth(self._start, self.rank + next(upcoming) * self.world_size)
+                located = None
                 if self._read_ahead and (self.max_samples is None or g < self.max_samples):
                     s, position = self.locate(g)
-                    self._sources[s].prefetch(position, self.doc_boundaries)
-                ahead.append(g)
-            g = ahead.popleft()
+                    located = s, position, self._sources[s].prefetch(position, self.doc_boundaries)
+                ahead.append((g, located))
+            g, located = ahead.popleft()
             if self.max_samples is not None and g >= self.max_samples:
                 return
-            sample = self.get(g)
+            sample = self.get(g) if located is None else self._get(g, *located)
             self._samples += 1
             self._yielded += 1
             yield sample
@@ -306,7 +356,7 @@ class PackedStream(IterableDataset):
     def epochs(self, local_consumed: int | None = None) -> list[float]:
         """Fractional epochs of each source consumed so far (see ``state_dict`` for the argument)."""
         consumed = self.state_dict(local_consumed)["consumed"]
-        positions = self._offsets + self._mixture.counts(consumed - self._origin)
+        positions = self._positions(self._mixture, self._origin, self._offsets, consumed).sum(axis=1)
         return [float(p) / s.samples_per_epoch for p, s in zip(positions.tolist(), self._sources)]
 
     def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
@@ -318,10 +368,12 @@ class PackedStream(IterableDataset):
             {"version": 1, "consumed": <global number of the next sample to read (samples before it
                                         were consumed or skipped)>,
              "skip": [[first, end], ...] (skipped ranges, data_pipeline/skips.py), "seq_len", "seed",
-             "shuffle_buffer", "shuffle", "mix_block",
+             "shuffle_buffer", "shuffle", "interleave", "mix_block",
              "mixture": {"origin": <global sample where the current weights took effect>,
                          "sources": [fingerprint, ...], "urls": [...], "weights": [...],
                          "offsets": [per-source position at origin, ...]}}
+
+        With ``interleave`` > 1 each source's offset is a list, its position in each lane.
         """
         n = self._yielded if local_consumed is None else local_consumed
         return {
@@ -332,20 +384,21 @@ class PackedStream(IterableDataset):
             "seed": self.seed,
             "shuffle_buffer": self.shuffle_buffer,
             "shuffle": self.shuffle,
+            "interleave": self.interleave,
             "mix_block": self._mixture.block,
             "mixture": {
                 "origin": self._origin,
                 "sources": [s.fingerprint for s in self._sources],
                 "urls": [s.url for s in self._sources],
                 "weights": self.weights,
-                "offsets": [int(x) for x in self._offsets],
+                "offsets": [int(x) for x in self._offsets[:, 0]] if self.interleave == 1 else self._offsets.tolist(),
             },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the samples ``state`` says were consumed, at this object's world size.
 
-        Seq len, seed and shuffle settings must match (they define the order). If the mixture
+        Seq len, seed, shuffle settings and ``interleave`` must match (they define the order). If the mixture
         changed (per-block quotas, or sources added/removed), the new weights apply from the saved
         point on and each source that was in the old mixture continues where it stopped; new
         sources start at 0. Weights that normalize to the same quotas are no change. The saved
@@ -353,30 +406,33 @@ class PackedStream(IterableDataset):
         """
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported stream state version {state.get('version')!r}")
-        for key in ("seq_len", "seed", "shuffle_buffer", "shuffle"):
+        for key in ("seq_len", "seed", "shuffle_buffer", "shuffle", "interleave"):
             mine = getattr(self, key)
-            if state[key] != mine:
+            saved = state.get(key, 1) if key == "interleave" else state[key]  # older states: the plain order
+            if saved != mine:
                 raise ValueError(
-                    f"cannot resume exactly: the saved stream had {key}={state[key]!r}, this one has {mine!r}"
+                    f"cannot resume exactly: the saved stream had {key}={saved!r}, this one has {mine!r}"
                 )
         for first, end in state.get("skip", []):
             self._skips.add(first, end)
         consumed = int(state["consumed"])
         mix = state["mixture"]
         fingerprints = [s.fingerprint for s in self._sources]
-        old = Mixture(mix["weights"], int(state["mix_block"]), self.seed)
+        lanes = self.interleave
+        old = Mixture(mix["weights"], int(state["mix_block"]), self.seed, lanes)
+        offsets = np.asarray(mix["offsets"], dtype=np.int64).reshape(len(mix["sources"]), lanes)
         if (
             mix["sources"] == fingerprints
             and old.block == self._mixture.block
             and np.array_equal(old.quota, self._mixture.quota)
         ):
             self._origin = int(mix["origin"])
-            self._offsets = np.asarray(mix["offsets"], dtype=np.int64)
+            self._offsets = offsets
         else:
-            old_positions = np.asarray(mix["offsets"], dtype=np.int64) + old.counts(consumed - int(mix["origin"]))
-            by_fingerprint = dict(zip(mix["sources"], old_positions.tolist()))
+            old_positions = self._positions(old, int(mix["origin"]), offsets, consumed)
+            by_fingerprint = dict(zip(mix["sources"], old_positions))
             self._origin = consumed
-            self._offsets = np.array([by_fingerprint.get(f, 0) for f in fingerprints], dtype=np.int64)
+            self._offsets = np.stack([by_fingerprint.get(f, np.zeros(lanes, dtype=np.int64)) for f in fingerprints])
         self._start = self._skips.nth(consumed, 0)
         self._yielded = 0
 

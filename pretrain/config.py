@@ -83,6 +83,10 @@ class DataSection:
     tokenizer: str = "bytes"
     seq_len: int = 256
     shuffle_buffer: int = 1024
+    # shuffle windows read side by side (a power of two; 1: window after window); world size x windows a rank
+    # reads together lays each rank's samples together in the shards, so that its range reads on an object
+    # store fetch blocks of its own samples (docs/data.md, "Interleaved windows"); part of the sample order
+    interleave: int = 1
     doc_boundaries: bool = False
     num_workers: int = 0
     # "shard": whole shards, sha256-checked; "range": each sample's bytes (on an object store the blocks of
@@ -98,6 +102,8 @@ class DataSection:
             raise ValueError("task: set either data.train (shards) or data.task (a synthetic task), not both")
         check_range("seq_len", self.seq_len, low=2)
         check_range("shuffle_buffer", self.shuffle_buffer, low=1)
+        if not 1 <= self.interleave <= 1 << 16 or self.interleave & (self.interleave - 1):
+            raise ValueError(f"interleave: must be a power of two from 1 to 65536, got {self.interleave}")
         check_range("num_workers", self.num_workers, low=0)
         for i, pair in enumerate(self.skip_samples):
             if len(pair) != 2 or not 0 <= pair[0] < pair[1]:

@@ -43,6 +43,7 @@ def make_loader(cfg: RunConfig, rank: int, world: int) -> StreamLoader | TaskBat
         rank=rank,
         world_size=world,
         shuffle_buffer=cfg.data.shuffle_buffer,
+        interleave=cfg.data.interleave,
         doc_boundaries=cfg.data.doc_boundaries,
         batch_size=cfg.train.micro_batch,
         expected_tokenizer=cfg.data.tokenizer,

@@ -92,6 +92,7 @@ def test_resolved_config_round_trips(tmp_path: Path, base: Path) -> None:
                                             "below engine.dist_timeout_s"]),
         ("train:\n  max_no_progress_requeues: -1\n", [], ["train.max_no_progress_requeues", "must be >= 0"]),
         ("data:\n  skip_samples: [[4, 2]]\n", [], ["data.skip_samples", "0 <= first < end", "[4, 2]"]),
+        ("data:\n  interleave: 12\n", [], ["data.interleave", "power of two", "12"]),
         ("data:\n  task: {name: mqar, params: {num_pairs: [8, 16]}}\n", [],
          ["data.task.params.num_pairs", "expected an integer or a number or a boolean or a string", "[8, 16]"]),
         ("", ["train.lr=abc"], ["<command line>", "train.lr", "expected a number"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -365,3 +366,197 @@ def test_workers_after_parent_read_reopen_files_and_threads(data: dict, read: st
     assert parent == reference[:4]
     batch = next(iter(loader))
     assert [tuple(r) for r in batch["input_ids"].tolist()] == [x for _, x in reference[12:14]]
+
+
+# -- interleaved windows (interleave > 1): a rank's samples lie together in the shards
+
+
+@pytest.mark.parametrize("interleave", [2, 4, 16])
+def test_interleaved_epoch_is_a_permutation_whatever_its_tail(interleave: int) -> None:
+    """Every epoch length (full spans, a tail span of smaller windows, the last samples) and window."""
+    from data_pipeline.order import SourceOrder
+
+    for n in (1, 3, 17, 64, 100, 257, 1031):
+        for window in (1, 2, 3, 8):
+            order = SourceOrder(np.array([n * 4 + 1]), 4, 7, 5, window, True, "x", interleave)
+            assert order.samples_per_epoch == n
+            for epoch in (0, 1):
+                assert sorted(order.sample_in_epoch(epoch, q) for q in range(n)) == list(range(n)), (n, window)
+
+
+def test_interleave_gives_each_rank_consecutive_windows() -> None:
+    """Positions equal modulo W (W dividing C) lie in C / W consecutive windows of each span, and in
+    C / W consecutive (smaller) windows of the epoch's tail span; for other W the order is the same."""
+    from data_pipeline.order import SourceOrder
+
+    window, lanes, n = 8, 16, 16 * 8 * 5 + 16 * 3 + 5  # 5 full spans, a tail span of windows of 3, 5 more
+    order = SourceOrder(np.array([n * 4 + 1]), 4, 7, 5, window, True, "x", lanes)
+    spans = [(t * lanes * window, (t + 1) * lanes * window, window) for t in range(5)]
+    spans.append((5 * lanes * window, 5 * lanes * window + lanes * 3, 3))
+    for world in (1, 2, 4, 8, 16):
+        for rank in range(world):
+            for first, end, size in spans:
+                samples = sorted(order.sample_in_epoch(0, q) for q in range(first + rank, end, world))
+                windows = sorted({(j - first) // size for j in samples})
+                assert windows == list(range(windows[0], windows[0] + lanes // world)), (world, rank, windows)
+                # and every sample of those windows is this rank's
+                assert samples == list(range(first + windows[0] * size, first + (windows[-1] + 1) * size))
+
+
+def test_interleaved_stream_reads_a_rank_share_in_few_places(data: dict) -> None:
+    """Range reads at 4 ranks: the same samples as whole shards; with interleave 4 each rank's samples
+    are one stretch of each span of 4 windows, without it every 4th sample of the stream."""
+    world, per_rank = 4, 40
+    for rank in range(world):
+        plain = _stream(data, rank, world, read="range", verify=False)
+        laid = _stream(data, rank, world, read="range", verify=False, interleave=4)
+        whole = _stream(data, rank, world, interleave=4)
+        a, b = _take(laid, per_rank), _take(whole, per_rank)
+        assert _ids(a) == _ids(b)
+        assert _ids(_take(plain, per_rank)) != _ids(a)
+        def runs(stream: PackedStream, samples: list[dict]) -> int:
+            """Stretches of consecutive samples of the stream that ``samples`` make."""
+            order = stream._sources[0].order
+            starts = sorted(order.sample_span(stream.locate(int(x["index"]))[1], False)[1] for x in samples)
+            return sum(1 for x, y in itertools.pairwise(starts) if y - x != SEQ) + 1
+
+        assert runs(laid, a) <= per_rank // 8  # one window of 8 samples of each span of 4 windows
+        assert runs(plain, _take(_stream(data, rank, world, read="range", verify=False), per_rank)) > per_rank // 2
+
+
+@pytest.mark.parametrize("interleave", [2, 8])
+def test_interleaved_order_is_the_same_at_any_world_size_and_resumes_exactly(data: dict, interleave: int) -> None:
+    reference = _ids(_take(_stream(data, interleave=interleave), 48))
+    assert reference != _ids(_take(_stream(data), 48))
+    for world in (2, 3, 4, 8):
+        per_rank = [_ids(_take(_stream(data, r, world, interleave=interleave), 48 // world)) for r in range(world)]
+        assert [per_rank[r][j] for j in range(48 // world) for r in range(world)] == reference
+    ranks = [_stream(data, r, 2, interleave=interleave) for r in range(2)]
+    for s in ranks:
+        _take(s, 5)
+    state = ranks[0].state_dict()
+    assert state["interleave"] == interleave and state["consumed"] == 10
+    for world in (1, 3, 4):
+        for r in range(world):
+            s = _stream(data, r, world, interleave=interleave)
+            s.load_state_dict(state)
+            assert _ids(_take(s, 6)) == reference[10 + r : 10 + 6 * world : world]
+
+
+def test_interleave_is_part_of_the_saved_order(data: dict) -> None:
+    state = _stream(data, interleave=4).state_dict()
+    with pytest.raises(ValueError, match="interleave=4"):
+        _stream(data).load_state_dict(state)
+    old = _stream(data).state_dict()
+    del old["interleave"]  # a state saved before interleave existed: the plain order
+    plain = _stream(data)
+    plain.load_state_dict(old)
+    with pytest.raises(ValueError, match="interleave=1"):
+        _stream(data, interleave=2).load_state_dict(old)
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match="power of two"):
+            _stream(data, interleave=bad)
+    with pytest.raises(ValueError, match="shuffle=False"):
+        _stream(data, interleave=2, shuffle=False)
+
+
+def _source_positions(stream: PackedStream, samples: list[dict]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for x in samples:
+        s, position = stream.locate(int(x["index"]))
+        out.setdefault(s, []).append(position)
+    return out
+
+
+def test_interleaved_mixture_uses_each_source_sample_once_and_keeps_quotas(data: dict) -> None:
+    """With lanes each lane has its own mixture blocks (exact quotas per lane block); a source's
+    positions in a lane are its lane's positions in order, none twice, none skipped."""
+    lanes, block = 4, 8
+    sources = [(data["a"], 3.0), (data["b"], 1.0)]
+    s = _stream(data, sources=sources, mix_block=block, interleave=lanes)
+    samples = _take(s, lanes * block * 3)
+    src = [int(x["source"]) for x in samples]
+    for lane in range(lanes):
+        mine = src[lane::lanes]
+        for b in range(3):
+            assert mine[block * b : block * (b + 1)].count(0) == 6
+    assert len({tuple(src[lane::lanes]) for lane in range(lanes)}) > 1  # lanes are mixed apart
+    for positions in _source_positions(s, samples).values():
+        for lane in range(lanes):
+            assert [p for p in positions if p % lanes == lane] == list(range(lane, lanes * (sum(
+                1 for p in positions if p % lanes == lane)), lanes))
+    # a source's samples are those of its own stream at the same positions
+    only_a = _stream(data, sources=[(data["a"], 1.0)], interleave=lanes)
+    for x in samples:
+        s_, position = s.locate(int(x["index"]))
+        if s_ == 0:
+            assert torch.equal(x["input_ids"], only_a.get(position)["input_ids"])
+    assert s.epochs()[0] == pytest.approx(src.count(0) / s.samples_per_epoch()[0])
+
+
+def test_interleaved_mixture_change_on_resume_continues_each_source_lane(data: dict) -> None:
+    lanes = 4
+    old = _stream(data, sources=[(data["a"], 1.0), (data["b"], 1.0)], mix_block=8, interleave=lanes)
+    before = _take(old, 22)
+    state = old.state_dict()
+    assert len(state["mixture"]["offsets"][0]) == lanes
+    new = _stream(data, sources=[(data["a"], 9.0), (data["b"], 1.0)], mix_block=10, interleave=lanes)
+    new.load_state_dict(state)
+    after = _take(new, 50)
+    assert [int(x["index"]) for x in after] == list(range(22, 72))
+    seen: dict[int, list[int]] = {}
+    for stream, chunk in ((old, before), (new, after)):
+        for k, positions in _source_positions(stream, chunk).items():
+            seen.setdefault(k, []).extend(positions)
+    for positions in seen.values():
+        assert len(set(positions)) == len(positions)
+        for lane in range(lanes):
+            mine = [p for p in positions if p % lanes == lane]
+            assert mine == list(range(lane, lanes * len(mine), lanes))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world_a=st.integers(1, 4),
+    steps_a=st.integers(0, 6),
+    world_b=st.integers(1, 5),
+    interleave=st.sampled_from([2, 4, 8]),
+    mixed=st.booleans(),
+)
+def test_interleaved_resume_property(data: dict, world_a: int, steps_a: int, world_b: int, interleave: int,
+                                     mixed: bool) -> None:
+    """Any save point at any world size, resumed at any other, with interleaved windows (and a
+    mixture): the union is the global prefix."""
+    sources = [(data["a"], 2.0), (data["b"], 1.0)] if mixed else [(data["a"], 1.0)]
+    kw = dict(sources=sources, interleave=interleave, mix_block=6)
+    ref = _stream(data, **kw)
+    total = world_a * steps_a + world_b * 4
+    reference = [tuple(ref.get(g)["input_ids"].tolist()) for g in range(total)]
+    got = {}
+    streams = [_stream(data, r, world_a, **kw) for r in range(world_a)]
+    for s in streams:
+        for x in _take(s, steps_a):
+            got[int(x["index"])] = tuple(x["input_ids"].tolist())
+    state = streams[0].state_dict()
+    for r in range(world_b):
+        s = _stream(data, r, world_b, **kw)
+        s.load_state_dict(state)
+        for x in _take(s, 4):
+            assert int(x["index"]) not in got
+            got[int(x["index"])] = tuple(x["input_ids"].tolist())
+    assert [got[g] for g in range(total)] == reference
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_interleaved_stream_through_workers_gives_the_rank_order(data: dict) -> None:
+    kw = dict(interleave=4, batch_size=3)
+    loader = StreamLoader(_stream(data, 1, 2, **kw), num_workers=2)
+    got = _loader_ids(loader, 4)
+    assert got == list(range(1, 24, 2))
+    reference = _ids(_take(_stream(data, 1, 2, **kw), 12))
+    batch_rows = []
+    for i, batch in enumerate(StreamLoader(_stream(data, 1, 2, **kw), num_workers=2)):
+        batch_rows.extend(tuple(r) for r in batch["input_ids"].tolist())
+        if i == 3:
+            break
+    assert batch_rows == [x for _, x in reference]

@@ -139,6 +139,36 @@ def test_block_reads_from_s3_give_the_local_samples_within_their_memory_bound(s3
             assert remote._read_ahead >= 16 and stats["prefetched"] > 0
 
 
+def test_interleaved_windows_let_a_rank_fetch_blocks_of_its_own_samples(s3, tmp_path: Path) -> None:
+    """At 4 ranks a rank's samples lie every 4th in the stream, so each block of the store holds all
+    ranks' samples and a rank fetches about 4 times the bytes it uses. With interleave 16 a rank reads
+    4 consecutive windows of each span of 16: its blocks hold mostly its own samples. The samples are
+    those of local range reads with the same interleave, on every rank, and the block cache stays
+    within its bound (sized to the 4 windows a rank reads side by side)."""
+    local = str(tmp_path / "shards")
+    _paragraph_shards(tmp_path, local)
+    fs, _ = fsspec.core.url_to_fs(s3.url())
+    fs.put(local + "/", s3.url("laid") + "/", recursive=True)
+    samples, seq_len = 120, 100
+    for rank in (0, 3):
+        fetched = {}
+        for interleave in (1, 16):
+            args = dict(seq_len=seq_len, seed=4, shuffle_buffer=8, read="range", verify=False, rank=rank, world_size=4,
+                        interleave=interleave)
+            remote = PackedStream([(s3.url("laid"), 1.0)], block_size=800, **args)
+            reader, most, got = remote._sources[0].reader, 0, []
+            for _, x in zip(range(samples), remote):
+                got.append(x["input_ids"].tolist())
+                most = max(most, reader._block_bytes)
+            assert most <= reader.block_budget
+            want = [x["input_ids"].tolist() for _, x in zip(range(samples), PackedStream([(local, 1.0)], **args))]
+            assert got == want
+            fetched[interleave] = remote.stats()["shard_bytes_read"]
+            remote.close()
+        used = samples * (seq_len + 1)  # at most (byte-level: a byte a token, EOS not stored)
+        assert fetched[1] > 2.5 * used and fetched[16] < 1.6 * used, fetched
+
+
 def test_block_reads_from_s3_in_data_loader_workers_and_a_mixture_give_the_local_batches(s3, tmp_path: Path) -> None:
     """Two sources read in blocks by two data-loader workers (each plans its own read-ahead, its threads
     made after the fork): the batches of local range reads, in order."""

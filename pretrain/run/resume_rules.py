@@ -67,6 +67,7 @@ RULES: dict[str, Rule] = {
     "data.seq_len": Rule(_never, NEVER, "the saved data position and the length trained at; init.from starts a "
                                         "longer run"),
     "data.shuffle_buffer": Rule(_never, NEVER, "it defines the sample order"),
+    "data.interleave": Rule(_never, NEVER, "it defines the sample order"),
     "data.doc_boundaries": Rule(_never, NEVER, "it changes what the model computes (resets at document starts)"),
     "data.num_workers": Rule(_always, ALWAYS, "how the same samples are read"),
     "data.read": Rule(_always, ALWAYS, "how the same samples are read"),
