@@ -153,8 +153,8 @@ def _soe_flops(name: str, c: dict, named: dict) -> int:
     n_blocks = _column_programs(name, c, named) - (name in ("fwd", "bwd_keys")) if block else 0
     mask = 2 * 2 * bt * gn * bt  # R = E^T @ coef^T in tf32
     walk = 2 * bt * bt * cols + mask + 2 * bt * bt * block + 2 * 2 * rows * cols * bt  # intra part, read, write
-    if name in ("fwd_states", "bwd_reads", "bwd_chunk_states"):  # one term's write (or its gradient's)
-        return 2 * bt * c["BF"] * c["BD"]
+    if name in ("fwd_states", "bwd_reads", "bwd_chunk_states"):  # one term's write (or its gradient's),
+        return 2 * bt * c["BF"] * (c["BD"] + 16 * c.get("NORMS_BY_PRODUCT", False))  # the normalisers' product
     if name == "bwd_chunk_queries":  # dO V^T, (dP * Wc) K, the kernel matrix, a read per term
         return 2 * bt * bt * (c["BF"] + c["BD"]) + mask + named["S"] * 2 * bt * c["BF"] * c["BD"]
     if name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):

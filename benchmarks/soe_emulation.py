@@ -142,7 +142,8 @@ def _chunk_states(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam:
     """The fp32 states entering each chunk of ``chunk`` tokens and after the last, G [n + 1, S, F, D] and
     b [n + 1, S, F], as chunk_states_kernel walks them from zero over k, v, coef [T, X] (exact in
     ``dtype``): per chunk the decay lam^chunk, then the write rows k_j lam^(chunk-1-j) coef_j made in fp32
-    and rounded to ``dtype`` times v, and the normalisers' fp32 sum of the unrounded rows."""
+    and rounded to ``dtype``, times v, and summed for the normalisers (a product with ones in the
+    kernel on an H100, accumulated in fp32)."""
     n_chunks = -(-k.shape[0] // chunk)
     ks, vs, cs = (_spans(x, 1, n_chunks, chunk)[0] for x in (k, v, coef))
     dec = _Decays(log_lam, chunk)
@@ -151,7 +152,7 @@ def _chunk_states(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam:
     for c in range(n_chunks):
         kw = ks[c].T[None] * (dec.writes * cs[c]).T[:, None, :]  # [S, F, C]
         g[c + 1] = g[c] * dec.chunk[:, None, None] + _to(kw, dtype) @ vs[c]
-        bn[c + 1] = bn[c] * dec.chunk[:, None] + kw.sum(-1)
+        bn[c + 1] = bn[c] * dec.chunk[:, None] + _to(kw, dtype).sum(-1)
     return g, bn
 
 

@@ -51,6 +51,7 @@ def chunk_states_kernel(
     k, v, coef, log_lam, docs, reads, states,
     seq_len, BH, H, S, F, DV, W, STRIDE, C0, N,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, BORDERS: tl.constexpr,
+    NORMS_BY_PRODUCT: tl.constexpr,
 ):  # fmt: skip
     """Term s's state block, value columns vb * BD.., walked over chunks C0 .. C0 + N - 1 (a phase; C0 a
     multiple of STRIDE) from the state entering chunk C0, slot C0 / STRIDE of ``states`` ([spans + 1,
@@ -58,14 +59,25 @@ def chunk_states_kernel(
     c - C0 of ``reads`` ([phase chunks, B*H*S, W], the operands' dtype); with BORDERS, after every STRIDE
     chunks, and after the last, to the next slot of ``states``. A chunk of n tokens decays the state by
     lam^n (cut to zero when a document starts inside it) and adds sum_j lam^(n-1-j) coef_j k_j v_j^T over
-    the tokens whose writes reach its end; the normalisers b_s ride with value block 0. A program owns a
+    the tokens whose writes reach its end; the normalisers b_s ride with value block 0. NORMS_BY_PRODUCT
+    adds their rows by a product with ones on the tensor cores, rounded to the operands' dtype as G_s's
+    are (the sum across the threads it replaces was a fifth of the walk's instructions on sm_90); else
+    an fp32 sum of the unrounded rows. A program owns a
     [BF, BD] block of the state (_state_block)."""
     row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
     s = row % S
     rows = BH * S
     first = ((C0 // STRIDE) * rows + row).to(tl.int64) * W
     g = tl.load(states + first + g_offs, mask=g_mask, other=0.0)
-    bn = tl.load(states + first + F * DV + offs_f, mask=b_mask, other=0.0)
+    if NORMS_BY_PRODUCT:  # b_s in all 16 columns of a [BF, 16] tile; a product with ones adds a chunk's rows
+        ones = tl.full([BT, 16], 1.0, dtype=k.dtype.element_ty)
+        b_offs = F * DV + offs_f[:, None] + tl.zeros([1, 16], dtype=tl.int32)
+        b_store = b_mask[:, None] & (tl.arange(0, 16) == 0)[None, :]  # column 0 is stored
+        bn = tl.load(states + first + b_offs, mask=b_mask[:, None], other=0.0)
+    else:
+        b_offs = F * DV + offs_f
+        b_store = b_mask
+        bn = tl.load(states + first + b_offs, mask=b_mask, other=0.0)
     pos = tl.arange(0, BT).to(tl.float32)
     n_chunks = tl.cdiv(seq_len, BT)
     end = tl.minimum(C0 + N, n_chunks)
@@ -73,7 +85,7 @@ def chunk_states_kernel(
         for c in range(first_c, tl.minimum(first_c + STRIDE, end)):
             here = ((c - C0) * rows + row).to(tl.int64) * W
             tl.store(reads + here + g_offs, g.to(reads.dtype.element_ty), mask=g_mask)
-            tl.store(reads + here + F * DV + offs_f, bn.to(reads.dtype.element_ty), mask=b_mask)
+            tl.store(reads + here + b_offs, bn.to(reads.dtype.element_ty), mask=b_store)
             start = c * BT
             base = token_base(b, h, start, seq_len, H)
             mask_t, n, _reads, writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
@@ -83,12 +95,16 @@ def chunk_states_kernel(
             steps = tl.maximum(n.to(tl.float32) - 1.0 - pos, 0.0)
             kw = kc.to(tl.float32) * tl.where(writes, tl.exp(steps * ll) * cs, 0.0)[:, None]
             decay = carry * tl.exp(n.to(tl.float32) * ll)
-            g = tl.dot(tl.trans(kw.to(kc.dtype)), vc, acc=g * decay, input_precision=PRECISION)
-            bn = bn * decay + tl.sum(kw, axis=0)
+            rows_t = tl.trans(kw.to(kc.dtype))
+            g = tl.dot(rows_t, vc, acc=g * decay, input_precision=PRECISION)
+            if NORMS_BY_PRODUCT:
+                bn = tl.dot(rows_t, ones, acc=bn * decay, input_precision=PRECISION)
+            else:
+                bn = bn * decay + tl.sum(kw, axis=0)
         if BORDERS:
             border = ((tl.cdiv(tl.minimum(first_c + STRIDE, end), STRIDE) * rows) + row).to(tl.int64) * W
             tl.store(states + border + g_offs, g, mask=g_mask)
-            tl.store(states + border + F * DV + offs_f, bn, mask=b_mask)
+            tl.store(states + border + b_offs, bn, mask=b_store)
 
 
 @triton.jit
