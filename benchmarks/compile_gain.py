@@ -5,7 +5,10 @@
 
 For each model (configs/model/<name>.yaml, fp32, one sequence of --tokens tokens, activation
 checkpointing on) it runs a training step (forward, loss, backward, AdamW) eagerly and compiled as
-`train.compile: <mode>` compiles it (pretrain/distributed/compiling.py), in one process, and prints per step:
+`train.compile: <mode>` compiles it (pretrain/distributed/compiling.py, its inductor settings included),
+each in a fresh process of its own, one after the other (nothing of the eager step, of another model or
+of an earlier compile is left in the process that compiles; the parent gathers each row), and prints per
+step:
 
 - kernels: the ATen kernels the step dispatches (views and allocations, which launch none, left out),
   and, compiled, the kernels inductor generated, as the profiler sees them run. Each scan
@@ -20,17 +23,23 @@ checkpointing on) it runs a training step (forward, loss, backward, AdamW) eager
   OMP_NUM_THREADS=1, the step's own work, which other jobs on the cores do not inflate).
 - the first compiled step's time, compiling included.
 
-Counts and times come from the same step: eager, the first at --tokens (after a short step that has
-numba compile the CPU scans); compiled, the second. The optimizer's foreach kernels are counted in both
-columns alike; its bytes, eager in both modes, are added to the compiled column.
+Counts and times come from the same step: eager, the first at --tokens; compiled, the second (each
+process first runs a short eager step, which has numba compile the CPU scans). The optimizer's foreach
+kernels are counted in both columns alike; its bytes, eager in both modes, are added to the compiled
+column. --json also keeps each process's peak resident memory (its kernel high-water mark; inductor's
+compile workers are processes of their own and not in it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import resource
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
@@ -167,27 +176,45 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[Callable[[], None]
     return step, update_bytes
 
 
-def measure(name: str, tokens: int, mode: str) -> dict:
-    """One model's row: eager, then compiled as ``mode``."""
-    from pretrain.distributed.compiling import DYNAMO_SETTINGS, compile_blocks
-
+def _model(name: str, tokens: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model (training mode, activation checkpointing on) and its --tokens ids, after a short step
+    (numba compiles the CPU scans at their first call)."""
     config = load_model_config(CONFIGS / f"{name}.yaml")
     torch.manual_seed(0)
     model = build_model(config).train()
     model.activation_checkpointing = True  # as the configs train: without it 16k tokens take over 20 GB here
     ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
-    _step(model, ids[:, :256])[0]()  # numba compiles the CPU scans at their first call
+    _step(model, ids[:, :256])[0]()
+    return model, ids
+
+
+def _peak_rss_gb() -> float:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def measure_eager(name: str, tokens: int) -> dict:
+    """The eager half of a row: one profiled step, each scan called through its op (one kernel)."""
+    model, ids = _model(name, tokens)
     step, update_bytes = _step(model, ids)
     # eager through the scans' ops, as compiled: each scan call counts as one kernel
     with kernels._common.scans_as_ops(), _ElementwiseBytes() as eager_bytes:
-        eager_s, eager_cpu, eager_kernels = _measured(step)
-    optimizer_bytes = update_bytes()
+        seconds, cpu, count = _measured(step)
+    return {"kernels_eager": count, "elementwise_gb_eager": eager_bytes.total / 1e9,
+            "optimizer_gb": update_bytes() / 1e9, "steps_per_s_eager": 1 / seconds, "cpu_s_eager": cpu,
+            "peak_rss_gb_eager": _peak_rss_gb()}
 
-    torch._dynamo.reset()
+
+def measure_compiled(name: str, tokens: int, mode: str) -> dict:
+    """The compiled half of a row: the first step compiles, the second is profiled."""
+    from pretrain.distributed.compiling import DYNAMO_SETTINGS, INDUCTOR_SETTINGS, compile_blocks
+
+    model, ids = _model(name, tokens)
+    step, _ = _step(model, ids)
     inductor_config.cpp.enable_kernel_profile = True  # generated kernels show in the profile
     # no graph from the on-disk caches: a cached graph is not lowered again, so its bytes would not be counted
-    caches = {"fx_graph_cache": False, "autotune_local_cache": False}
-    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(caches), \
+    settings = {"fx_graph_cache": False, "autotune_local_cache": False, **INDUCTOR_SETTINGS}
+    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(settings), \
             torch._functorch.config.patch(enable_autograd_cache=False), _InductorBytes() as compiled_bytes:
         if mode == "blocks":
             compile_blocks(model)
@@ -196,19 +223,30 @@ def measure(name: str, tokens: int, mode: str) -> dict:
         start = time.perf_counter()
         step()
         first_s = time.perf_counter() - start
-        compiled_s, compiled_cpu, compiled_kernels = _measured(step)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        seconds, cpu, kernels = _measured(step)
+    return {"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "kernels_compiled": kernels,
+            "graph_gb": compiled_bytes.total / 1e9, "steps_per_s_compiled": 1 / seconds,
+            "first_compiled_step_s": first_s, "cpu_s_compiled": cpu, "peak_rss_gb_compiled": _peak_rss_gb()}
+
+
+def _in_child(measure_half: Callable[..., dict], *args: object) -> dict:
+    """``measure_half(*args)`` in a fresh process (spawned: it shares nothing with this one)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(measure_half, *args).result()
+        except BrokenProcessPool as e:  # the kernel's out-of-memory killer, for one
+            raise SystemExit(f"{measure_half.__name__}{args} died before it returned: {e}") from e
+
+
+def measure(name: str, tokens: int, mode: str) -> dict:
+    """One model's row: eager, then compiled as ``mode``, each in its own process."""
+    eager = _in_child(measure_eager, name, tokens)
+    compiled = _in_child(measure_compiled, name, tokens, mode)
     # the compiled graphs' bytes, each forward and backward graph run once per step (whole model) or once
     # per block; blocks mode leaves the embedding and loss outside, whose bytes this does not separate
-    compiled_gb = (compiled_bytes.total + optimizer_bytes) / 1e9 if mode == "model" else None
-    return {
-        "model": name, "tokens": tokens, "mode": mode, "graphs": graphs,
-        "kernels_eager": eager_kernels, "kernels_compiled": compiled_kernels,
-        "elementwise_gb_eager": eager_bytes.total / 1e9,
-        "elementwise_gb_compiled": compiled_gb,
-        "steps_per_s_eager": 1 / eager_s, "steps_per_s_compiled": 1 / compiled_s, "first_compiled_step_s": first_s,
-        "cpu_s_eager": eager_cpu, "cpu_s_compiled": compiled_cpu,
-    }
+    graph_gb, optimizer_gb = compiled.pop("graph_gb"), eager.pop("optimizer_gb")
+    compiled_gb = graph_gb + optimizer_gb if mode == "model" else None
+    return {"model": name, "tokens": tokens, "mode": mode, **eager, **compiled, "elementwise_gb_compiled": compiled_gb}
 
 
 def _gb(value: float | None) -> str:

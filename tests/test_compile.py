@@ -10,6 +10,7 @@ inductor would take, without its code generation, which is what the trainer test
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable
@@ -26,7 +27,13 @@ from kernels.testing import phasor_inputs, resets, soe_inputs
 from model import build_model
 from model.config import ModelConfig
 from pretrain.config import load_config
-from pretrain.distributed.compiling import DEFAULT_MODE, DYNAMO_SETTINGS, compile_mode
+from pretrain.distributed.compiling import (
+    DEFAULT_MODE,
+    DYNAMO_SETTINGS,
+    INDUCTOR_SETTINGS,
+    LastMemberOrder,
+    compile_mode,
+)
 from tests.launchers import REPO, losses, run_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -292,6 +299,68 @@ def test_a_compiled_block_recomputes_with_the_graph_of_its_forward(distinct: boo
     got = torch.autograd.grad(loss, [x, block.weight])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+# ----------------------------------------------------------------------------- the kernels' order
+
+
+_Dep = collections.namedtuple("_Dep", "name")
+
+
+@dataclasses.dataclass(eq=False)
+class _Kernel:
+    """What LastMemberOrder reads of an inductor scheduler node."""
+
+    name: str
+    max_order: int
+    needs: tuple[str, ...] = ()
+
+    def get_buffer_names(self) -> set[str]:
+        return {self.name}
+
+    @property
+    def unmet_dependencies(self) -> set:
+        return {_Dep(n) for n in self.needs}
+
+
+def test_a_fused_kernel_runs_where_its_last_part_was() -> None:
+    """Fused from parts at 1 and 10, the kernel needs c (at 9); b (at 5) does not lead to it. Inductor's
+    order (by first part, each after what it needs) ran a, c, fused, b: b, a weight gradient in PMNet's
+    backward, waited for the whole chain to c. By last part: a, b, c, fused."""
+    a, b, c = _Kernel("a", 0), _Kernel("b", 5, ("a",)), _Kernel("c", 9, ("a",))
+    fused = _Kernel("fused", 10, ("c",))
+    assert [k.name for k in LastMemberOrder()([a, fused, b, c])] == ["a", "b", "c", "fused"]
+
+
+def test_the_kernels_order_follows_a_chain_deeper_than_the_recursion_limit() -> None:
+    chain = [_Kernel("k0", 0)] + [_Kernel(f"k{i}", i, (f"k{i - 1}",)) for i in range(1, 5000)]
+    chain[0].max_order = 5000  # placed last by its order, first as what every other kernel needs
+    assert [k.name for k in LastMemberOrder()(chain)] == [f"k{i}" for i in range(5000)]
+
+
+@pytest.mark.slow  # inductor compiles C++ kernels: 3 minutes on this shared VM
+def test_a_compiled_step_takes_the_kernels_order_and_equals_eager() -> None:
+    """Through inductor (not the aot_eager backend): the pass runs on the graphs and the gradients of a
+    checkpointed tiny PMNet's loss equal eager's."""
+    model = _model("pmnet", checkpointing=True)
+    ids, _ = _batch(model, False)
+    params = list(model.parameters())
+    want = torch.autograd.grad(model.loss(ids, ids)[0], params, allow_unused=True, materialize_grads=True)
+    calls = []
+
+    class Counted(LastMemberOrder):
+        def __call__(self, nodes: list) -> list:
+            calls.append(len(nodes))
+            return super().__call__(nodes)
+
+    settings = {**INDUCTOR_SETTINGS, "_post_fusion_custom_pass": Counted(), "fx_graph_cache": False}
+    dynamo.reset()
+    with dynamo.config.patch(**DYNAMO_SETTINGS), torch._inductor.config.patch(settings):
+        got = torch.autograd.grad(torch.compile(model.loss)(ids, ids)[0], params, allow_unused=True,
+                                  materialize_grads=True)
+    assert len(calls) == 2  # the forward graph and the backward graph
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- the setting
