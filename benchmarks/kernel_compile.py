@@ -145,11 +145,11 @@ def count_instructions(ptx: str, target: int) -> tuple[int, int]:
 
 
 def compile_kernel(
-    kernel: Any, specialization: dict[str, tuple], constexprs: dict[str, Any], warps: int, stages: int, target: int,
-    max_registers: int | None = None,
+    kernel: Any, specialization: dict[str, tuple], constexprs: dict[str, Any], options: dict[str, int], target: int
 ) -> Compiled:
     """Compile ``kernel`` for compute capability ``target`` as the runtime JIT would for arguments of
-    ``specialization`` (Captured.specialization) and ``constexprs``. The ptxas log comes from triton's
+    ``specialization`` (Captured.specialization), ``constexprs`` and ``options`` (Launch.options: warps,
+    stages, a register cap). The ptxas log comes from triton's
     own ptxas run when it compiles, and from a second ptxas run on a cache hit."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -174,8 +174,7 @@ def compile_kernel(
             compiled = triton.compile(
                 ASTSource(kernel, signature, constants, attrs),
                 target=GPUTarget("cuda", target, 32),
-                options={"num_warps": warps, "num_stages": stages}
-                | ({} if max_registers is None else {"maxnreg": max_registers}),
+                options=options,
             )
     finally:
         triton.knobs.nvidia.dump_ptxas_log = previous
@@ -215,8 +214,8 @@ def gate(captures: Iterable[Captured]) -> list[Row]:
     for c in captures:
         launch, spec = c.launch, c.specialization()
         const = tuple(sorted(launch.constexprs.items()))
-        key = (c.scan, c.name, c.target, c.run_dtype(), const, launch.num_warps, launch.num_stages,
-               launch.max_registers)
+        options = launch.options()
+        key = (c.scan, c.name, c.target, c.run_dtype(), const, tuple(options.items()))
         if key not in rows:
             text = ",".join(f"{k}={v}" for k, v in launch.constexprs.items())
             rows[key] = Row(c.scan, c.name, c.target, c.run_dtype(), text, launch.num_warps, launch.num_stages)
@@ -224,13 +223,11 @@ def gate(captures: Iterable[Captured]) -> list[Row]:
         if c.config not in row.configs:
             row.configs.append(c.config)
         _check_launch(row, c)
-        ckey = (id(launch.kernel), c.target, const, launch.num_warps, launch.num_stages, launch.max_registers,
-                tuple(sorted(spec.items())))
+        ckey = (id(launch.kernel), c.target, const, tuple(options.items()), tuple(sorted(spec.items())))
         if ckey not in compiled:
             try:
                 compiled[ckey] = compile_kernel(
-                    launch.kernel, spec, launch.constexprs, launch.num_warps, launch.num_stages, c.target,
-                    launch.max_registers,
+                    launch.kernel, spec, launch.constexprs, options, c.target
                 )
             except Exception as err:  # a compile error is a finding of the gate, reported in its row
                 compiled[ckey] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
