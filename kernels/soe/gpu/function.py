@@ -107,7 +107,7 @@ class SoeScanTriton(torch.autograd.Function):
         states = slots(triton.cdiv(seq_len, span * chunk), pack(g0, b0), at_end=False)
         out = torch.empty(batch, seq_len, heads, v.shape[-1], dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
-        stride = triton.cdiv(span * chunk, launches["fwd"].constexprs["BT"])
+        stride = _border_stride(launches, span, chunk)
         reads = None
         for c0, n, phase in _phases(launches["fwd"], batch * heads, seq_len):
             reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
@@ -149,12 +149,11 @@ class SoeScanTriton(torch.autograd.Function):
             batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad
         )
         final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
-        if not decay_grad:
-            stride = triton.cdiv(walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability) * chunk,
-                                 launches["fwd"].constexprs["BT"])
-            grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, d_out, d_zz, final, g_shape, stride)
-            return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
         span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
+        if not decay_grad:
+            grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, d_out, d_zz, final, g_shape,
+                                 _border_stride(launches, span, chunk))
+            return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
         n_spans = states.shape[0] - 1
         ints = _sizes(q, v, ll, span)
         d_states = slots(n_spans, final, at_end=True)
@@ -199,6 +198,11 @@ class SoeScanTriton(torch.autograd.Function):
         dg0, db0 = unpack(d_states[0], g_shape)
         grads = (dq, dk, dv, dcoef, d_log_lam, dg0, db0)
         return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
+
+
+def _border_stride(launches: dict, span: int, chunk: int) -> int:
+    """Forward chunks between two span-border states (a span of ``span`` chunks of ``chunk`` tokens)."""
+    return triton.cdiv(span * chunk, launches["fwd"].constexprs["BT"])
 
 
 def _phases(launch, rows: int, seq_len: int):
