@@ -21,6 +21,7 @@ its Function as a device does, so that the benchmarks can capture the launches a
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,13 @@ import torch
 from torch import Tensor
 
 OpResult = tuple[Tensor, ...]
+
+NAMESPACE = "recurrent" if __name__ == "kernels.library" else \
+    "recurrent_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+"""The ops' namespace. A copy of this module under another name (an export's flattened code, loaded by
+transformers into a process that also imports the project) registers its own ops: with one namespace,
+the copy's registration would replace the project's kernels, and the project's scans would run the
+copy's code."""
 
 SCAN_OPS: dict[Any, Callable[..., OpResult]] = {}
 """Every scan op, forward and backward (OpOverloads), and the Python function it runs: selective
@@ -135,20 +143,20 @@ def scan_op(
         results = scan.backward(ctx, *grads)
         return _filled([results[i] for i in differentiable], [inputs[i] for i in differentiable], inputs)
 
-    op = torch.library.custom_op(f"recurrent::{name}", forward, mutates_args=(),
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", forward, mutates_args=(),
                                  schema=f"({schema}, str backend) -> ({tensors(outputs + kept)})")
     op.register_fake(fake)
     op.register_kernel("meta", forward)  # meta tensors run the Function as a device does (fake tensors: ``fake``)
-    SCAN_OPS[getattr(torch.ops.recurrent, name).default] = forward
+    SCAN_OPS[getattr(getattr(torch.ops, NAMESPACE), name).default] = forward
     after = ", ".join([*(f"Tensor kept{i}" for i in range(kept)), *(f"Tensor? grad{i}" for i in range(outputs))])
     backward_op = torch.library.custom_op(
-        f"recurrent::{name}_backward", backward, mutates_args=(),
+        f"{NAMESPACE}::{name}_backward", backward, mutates_args=(),
         schema=f"({schema}, str backend, {after}, bool[] needs) -> ({tensors(len(differentiable))})",
     )
     backward_op.register_fake(lambda *args: tuple(torch.empty_like(args[i], memory_format=torch.contiguous_format)
                                                   for i in differentiable))
     backward_op.register_kernel("meta", backward)
-    SCAN_OPS[getattr(torch.ops.recurrent, f"{name}_backward").default] = backward
+    SCAN_OPS[getattr(getattr(torch.ops, NAMESPACE), f"{name}_backward").default] = backward
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         *inputs, ctx.backend = inputs

@@ -233,3 +233,24 @@ def test_sharded_exports_give_training_logits(
             assert torch.equal(own, _logits(trained.eval(), ids))
     torch.testing.assert_close(logits["zero3"], logits["zero2"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits["fsdp"], logits["zero2"], rtol=1e-4, atol=1e-4)
+
+
+def test_an_export_loaded_beside_the_project_leaves_the_projects_scans_alone(tmp_path: Path) -> None:
+    """transformers loads an export's copy of the kernels into a process that also runs the project (an
+    evaluation harness beside training, or this test suite): the copy registers its scan ops under its
+    own namespace, so the project's ops still run the project's code (here: the meta-device capture of
+    the GPU step model, which the copy's kernels would have launched on meta tensors)."""
+    from benchmarks.predict.step import capture_step_ops
+    from kernels import library
+
+    cfg = config_from_dict(yaml.safe_load((REPO / "configs" / "model" / "vort-tiny.yaml").read_text()))
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    hf = _hf_model(ex.write_export(model, cfg, tmp_path / "vort"))
+    assert torch.equal(_logits(hf, ids), _logits(model, ids))
+    copies = [m for name, m in sys.modules.items() if name.endswith("rlm_kernels_library")]
+    assert copies and all(copy.NAMESPACE not in ("recurrent", library.NAMESPACE) for copy in copies)
+    assert library.NAMESPACE == "recurrent"
+    capture = capture_step_ops(cfg.model, 1, 64, activation_checkpointing=True)
+    assert capture.launches
