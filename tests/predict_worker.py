@@ -36,21 +36,22 @@ def triangle(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, acc)
 
 
-def work(kernel, grid, args, warps, target):
+def work(kernel, grid, args, warps, target, options=()):
     from benchmarks.predict.capture import Launch
     from benchmarks.predict.gpu import H100
     from benchmarks.predict.launch_model import launch_cost, occupancy
     from benchmarks.predict.sass import compile_launch, loop_trips, program_work
 
     values = dict(zip(kernel.arg_names, args))
-    launch = Launch(kernel, values, grid, warps, 2, 1)
+    launch = Launch(kernel, values, grid, warps, 2, 1, options)
     binary = compile_launch(launch, target)
     trips = loop_trips(binary, launch)
     prog = program_work(binary, trips)
     out = {"flops": prog.tensor_flops, "trips": trips, "nest": binary.nest.mean_trips(values, grid, 16),
            "loops": binary.loops, "registers": binary.registers, "shared": binary.shared,
            "occupancy": occupancy(binary, H100), "wgmma": any(i.opcode == "HGMMA" for i in binary.instructions),
-           "hmma": any(i.opcode == "HMMA" for i in binary.instructions), "loads": prog.per_warp.get("global", 0)}
+           "hmma": any(i.opcode == "HMMA" for i in binary.instructions), "loads": prog.per_warp.get("global", 0),
+           "spills": binary.spills, "local": prog.per_warp.get("local", 0)}
     if target == 90:
         cost = launch_cost(launch, H100)
         out["hbm_bytes"] = cost.hbm_bytes
@@ -66,6 +67,8 @@ def main() -> None:
             b = torch.empty(32 * 64, dtype=torch.bfloat16, **meta)
             c = torch.empty(8 * bm * 64, dtype=torch.float32, **meta)
             facts[f"dot sm{target} BM{bm} n{n}"] = work(chunk_loop, (8, 1, 1), (a, b, c, n, bm, 64, 32), warps, target)
+    # capped at 32 registers a thread, the [64, 64] fp32 accumulator alone (32 a thread at 4 warps) spills
+    facts["dot sm80 capped"] = work(chunk_loop, (8, 1, 1), (a, b, c, n, 64, 64, 32), 4, 80, (("maxnreg", 32),))
     x = torch.empty(64 * 128, dtype=torch.float32, **meta)
     for n in (20, 40):
         facts[f"triangle n{n}"] = work(triangle, (4, 1, 1), (x, n, 128), 4, 90)

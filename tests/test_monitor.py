@@ -112,8 +112,10 @@ def test_the_monitor_never_outlives_its_rank() -> None:
 
 def test_a_stopped_monitor_leaves_the_ranks_signal_handlers_as_they_were() -> None:
     """After `stop`, SIGQUIT is back to its default (the rank's process dumps core and dies by it, rather
-    than exiting 3) and SIGUSR2 is no longer faulthandler's."""
-    script = textwrap.dedent(BESIDE.format(marker=None, after=600)) + textwrap.dedent("""
+    than exiting 3) and SIGUSR2 is no longer faulthandler's. The rank starts with SIGQUIT at its default
+    (a shell's background job inherits it ignored, which `stop` would rightly restore)."""
+    start = "import signal\nsignal.signal(signal.SIGQUIT, signal.SIG_DFL)\n"
+    script = start + textwrap.dedent(BESIDE.format(marker=None, after=600)) + textwrap.dedent("""
         beside.stop()
         import faulthandler, resource
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file

@@ -31,7 +31,7 @@ from benchmarks.predict.sass import Binary, Program, compile_launch, loop_trips,
 L2_BYTES_PER_CLOCK_PER_SM = 64  # H100 L2 read bandwidth, ~5.5 TB/s measured by Chips and Cheese (2023)
 SHARED_BYTES_PER_CLOCK = 128  # per SM: 32 banks x 4 bytes
 ISSUE_SLOTS = 4  # warp schedulers per SM, one instruction per clock each
-_RATE = {"fp32": "fp32", "sfu": "sfu", "cvt": "cvt", "int": "int", "global": "lsu", "shared": "lsu"}
+_RATE = {"fp32": "fp32", "sfu": "sfu", "cvt": "cvt", "int": "int", "global": "lsu", "shared": "lsu", "local": "lsu"}
 
 
 @dataclasses.dataclass(frozen=True)

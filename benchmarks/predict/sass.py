@@ -41,6 +41,7 @@ UNITS = {
             "IDP", "VABSDIFF", "BMSK", "IADD32I", "LOP32I", "IMAD32I"),
     "global": ("LDG", "STG", "LDGSTS", "RED", "ATOM", "ATOMG", "UTMALDG", "UTMASTG", "UBLKCP", "LD", "ST", "REDG"),
     "shared": ("LDS", "STS", "LDSM", "STSM", "ATOMS", "SHFL", "MATCH"),
+    "local": ("LDL", "STL"),  # spilled registers, through L1
     "sync": ("BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "SYNCS", "MEMBAR", "ARRIVES", "WARPGROUP", "BSSY", "BSYNC",
              "FENCE", "ERRBAR", "CCTL"),
 }
@@ -131,7 +132,8 @@ def _tool(name: str) -> str:
 
 
 def _ptxas_counts(cubin: bytes, name: str) -> tuple[int, int]:
-    """(registers per thread, spilled bytes) from cuobjdump's resource usage of the cubin."""
+    """(registers per thread, spilled bytes) from cuobjdump's resource usage of the cubin: the spills are
+    the stack frame (where ptxas puts them; a Triton kernel makes no calls) and any local arrays."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
@@ -141,7 +143,7 @@ def _ptxas_counts(cubin: bytes, name: str) -> tuple[int, int]:
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
     if m is None:
         raise ValueError(f"{name}: no resource usage in cuobjdump's output:\n{res}")
-    return (int(m.group(1)), int(m.group(3))), sass
+    return (int(m.group(1)), int(m.group(2)) + int(m.group(3))), sass
 
 
 def _key(launch: Launch, target: int) -> tuple:
@@ -153,6 +155,7 @@ def _key(launch: Launch, target: int) -> tuple:
             launch.num_stages, launch.options)
 
 
+RECORD_VERSION = 2  # what a cached record holds; 2: spills include the stack frame
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recurrent-pretrain" / "predict"
 _MEMORY: dict[str, Binary] = {}
 
@@ -163,7 +166,7 @@ def compile_launch(launch: Launch, target: int) -> Binary:
     specialisation, the options, the target and triton's version), so a second run compiles nothing."""
     import triton
 
-    digest = hashlib.sha256(repr((_key(launch, target), triton.__version__)).encode()).hexdigest()[:32]
+    digest = hashlib.sha256(repr((_key(launch, target), triton.__version__, RECORD_VERSION)).encode()).hexdigest()[:32]
     if digest not in _MEMORY:
         path = CACHE_DIR / f"{digest}.json"
         try:
@@ -275,7 +278,9 @@ def _waits_on_loads(binary: Binary, head: int, end: int) -> bool:
 def loop_trips(binary: Binary, launch: Launch, samples: int = 16) -> list[float]:
     """Mean iterations per program of each SASS loop (its total over the loops around it), from the
     TTGIR's loop bounds over a sample of program ids. The TTGIR loops map to the SASS loops in order,
-    with two compiler rewrites undone:
+    with three compiler rewrites undone:
+    - loops that run at most once each time they are reached (an argument the JIT specialised to 1, as a
+      span of one chunk) that the SASS has fewer of became straight code (these first);
     - loops of constant trip count that the SASS has fewer of were unrolled, and their bodies are
       counted as the unrolled code (innermost and shortest first);
     - a SASS loop right after a longer one at the same depth, when the SASS has more loops, is the
@@ -285,8 +290,13 @@ def loop_trips(binary: Binary, launch: Launch, samples: int = 16) -> list[float]
     """
     loops = binary.nest.order()
     means = binary.nest.mean_trips(launch.args, launch.grid, samples)
+    parent = {id(child): i for i, loop in enumerate(loops) for child in loop.children}
+    single = [i for i, loop in enumerate(loops)
+              if means[i] <= (means[parent[id(loop)]] if id(loop) in parent else 1.0)]  # fmt: skip
     unrollable = sorted((i for i, loop in enumerate(loops) if binary.nest.constant_trips(loop) is not None
-                         and not loop.children), key=lambda i: (binary.nest.constant_trips(loops[i]), -i))
+                         and not loop.children and i not in single),
+                        key=lambda i: (binary.nest.constant_trips(loops[i]), -i))  # fmt: skip
+    unrollable = single + unrollable
     keep = set(range(len(loops)))
     while len(keep) > len(binary.loops) and unrollable:
         keep.discard(unrollable.pop(0))
