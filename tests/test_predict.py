@@ -142,3 +142,19 @@ def test_step_prediction_and_measure_refusal_on_cpu() -> None:
         done = _run("-m", "benchmarks.predict", "step", "--config", "vort-tiny", "--tokens", "1024", "--measure")
         assert done.returncode != 0
         assert "by the model's own estimate" in done.stderr and "needs a CUDA device" in done.stderr
+
+
+@pytest.mark.slow
+def test_launch_shapes_are_searched_and_the_best_spills_nothing(tmp_path: Path) -> None:
+    """`python -m benchmarks.predict.shapes` compiles every chunk launch of a step under each candidate
+    shape and names, per launch, the fastest one that spills nothing, and the shipped one among them.
+    Slow: each launch is compiled some thirty times."""
+    out = tmp_path / "shapes.json"
+    done = _run("-m", "benchmarks.predict.shapes", "--config", "vort-tiny", "--tokens", "1024", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    launches = json.loads(out.read_text())["launches"]
+    assert {x["launch"] for x in launches} >= {"chunk_states_kernel", "chunk_output_kernel", "chunk_state_grads_kernel"}
+    for x in launches:
+        assert x["best"]["spills"] == 0 and len(x["rows"]) > 10
+        assert x["best"]["ms"] == min(r["ms"] for r in x["rows"] if r["spills"] == 0)
+        assert x["shipped"] in x["rows"]

@@ -38,7 +38,7 @@ from kernels.soe.gpu.walk import (
 def chunk_state_grads_kernel(
     q, d_out, d_z, log_lam, docs, d_reads, d_edges,
     seq_len, BH, H, S, F, DV, W, C0, N,
-    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
+    BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, NORMS_BY_PRODUCT: tl.constexpr,
 ):  # fmt: skip
     """Term s's state gradient walked over chunks C0 .. C0 + N - 1 (a phase) in reverse, from the gradient
     of the state leaving the phase (slot 1 of ``d_edges``, [2, B*H*S, W] fp32): slot c - C0 of ``d_reads``
@@ -46,19 +46,29 @@ def chunk_state_grads_kernel(
     the chunk's reads add sum_i lam^(i+1) q_i (dO_i, dz_i) and the carry through the chunk decays it by
     lam^n (cut where a document starts inside). The gradient of the state entering the phase goes to
     slot 0 of ``d_edges``. A program owns a [BF, BD] block of the state, the
-    normalisers' gradient riding with value block 0."""
+    normalisers' gradient riding with value block 0. NORMS_BY_PRODUCT: the reads' share of that gradient
+    is a product with dz in all 16 columns on the tensor cores (dz rounded to the operands' dtype, which
+    it had as z's gradient; the weighted queries rounded as for the state's), as the forward's walk adds
+    the normalisers; else an fp32 sum across the threads."""
     row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
     rows = BH * S
     last = (rows + row).to(tl.int64) * W
     dg = tl.load(d_edges + last + g_offs, mask=g_mask, other=0.0)
-    db = tl.load(d_edges + last + F * DV + offs_f, mask=b_mask, other=0.0)
+    if NORMS_BY_PRODUCT:  # db in all 16 columns of a [BF, 16] tile; column 0 is stored
+        b_offs = F * DV + offs_f[:, None] + tl.zeros([1, 16], dtype=tl.int32)
+        b_store = b_mask[:, None] & (tl.arange(0, 16) == 0)[None, :]
+        db = tl.load(d_edges + last + b_offs, mask=b_mask[:, None], other=0.0)
+    else:
+        b_offs = F * DV + offs_f
+        b_store = b_mask
+        db = tl.load(d_edges + last + b_offs, mask=b_mask, other=0.0)
     pos = tl.arange(0, BT).to(tl.float32) + 1.0
     n_here = tl.minimum(N, tl.cdiv(seq_len, BT) - C0)
     for i in range(0, n_here):
         c = C0 + n_here - 1 - i
         here = ((c - C0) * rows + row).to(tl.int64) * W
         tl.store(d_reads + here + g_offs, dg.to(d_reads.dtype.element_ty), mask=g_mask)
-        tl.store(d_reads + here + F * DV + offs_f, db.to(d_reads.dtype.element_ty), mask=b_mask)
+        tl.store(d_reads + here + b_offs, db.to(d_reads.dtype.element_ty), mask=b_store)
         start = c * BT
         base = token_base(b, h, start, seq_len, H)
         mask_t, n, reads, _writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
@@ -67,11 +77,16 @@ def chunk_state_grads_kernel(
         dz = tl.load(d_z + base + tl.arange(0, BT) * H, mask=mask_t, other=0.0).to(tl.float32)
         qa = qc.to(tl.float32) * tl.where(reads, tl.exp(pos * ll), 0.0)[:, None]
         decay = carry * tl.exp(n.to(tl.float32) * ll)
-        dg = tl.dot(tl.trans(qa.to(qc.dtype)), dc, acc=dg * decay, input_precision=PRECISION)
-        db = db * decay + tl.sum(qa * dz[:, None], axis=0)
+        qa_t = tl.trans(qa.to(qc.dtype))
+        dg = tl.dot(qa_t, dc, acc=dg * decay, input_precision=PRECISION)
+        if NORMS_BY_PRODUCT:
+            dz_cols = tl.broadcast_to(dz[:, None], (BT, 16)).to(qc.dtype)
+            db = tl.dot(qa_t, dz_cols, acc=db * decay, input_precision=PRECISION)
+        else:
+            db = db * decay + tl.sum(qa * dz[:, None], axis=0)
     first = row.to(tl.int64) * W
     tl.store(d_edges + first + g_offs, dg, mask=g_mask)
-    tl.store(d_edges + first + F * DV + offs_f, db, mask=b_mask)
+    tl.store(d_edges + first + b_offs, db, mask=b_store)
 
 
 @triton.jit

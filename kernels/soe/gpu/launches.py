@@ -36,25 +36,36 @@ def precision(dtype: torch.dtype) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shape:
+    """How one chunk kernel launches: warps, software-pipelining stages and ptxas's register cap per
+    thread (None: no cap)."""
+
+    warps: int
+    stages: int = 1
+    registers: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Tiles:
-    """One target's tiling:
-    - the span walks (decays with a gradient): the largest chunk of the backward's walks, the state's
-      column block (value columns for the state- and value-gradient walks, feature columns for the query
-      and key walks), their warps and stages, and the warps of the chunk-parallel coefficient kernel;
-    - the chunk-parallel outputs: warps and stages, the stages also of the chunk walk that stores the
-      per-chunk states (1: with 2 the sm_90 output kernel takes 180 registers, two programs an SM
-      instead of three, 0.62 against 0.50 ms a vort-125m layer at 16k tokens by benchmarks.predict;
-      the chunk walk 1.03 against 0.95 ms);
-    - the chunk state walks (forward and gradient): warps and a register cap. 8 warps share out a walk's
-      per-chunk work (a quarter fewer instructions a warp than 4), and 128 registers, reached without
-      spilling on sm_80 and sm_90, keep two programs on an SM, so a 12-head model's B x H x S walks take
-      one wave; and whether the forward's walk adds the normalisers by a product (sm_90: 0.95 -> 0.73 ms
-      a vort-125m layer at 16k tokens by benchmarks.predict; on sm_80 it spilled 120 bytes at 128);
-    - the chunk-parallel gradients: warps, stages (also of the state-gradient walk: on sm_90 with 1 its
-      loads wait, 1.07 against 0.96 ms) and a register cap. dk, dv and dcoef are a launch each: sm_80
-      spilled 16-144 bytes with them in one or two launches (and spills under a cap); on sm_90 the three
-      launches capped at 128 registers spill nothing and run two programs an SM, 1.3 ms a layer against
-      1.7 ms in one launch at 232 registers, one program an SM."""
+    """One target's tiling.
+
+    The span walks (decays with a gradient): the largest chunk of the backward's walks, the state's column
+    block (value columns for the state- and value-gradient walks, feature columns for the query and key
+    walks), their warps and stages, and the warps of the chunk-parallel coefficient kernel.
+
+    The chunk kernels (VORT's decays, which need no gradient), each its own Shape: the forward's state
+    walk (``states_walk``) and its rerun in the backward without the span borders (``rewalk``), the
+    state-gradient walk (``grads_walk``), the outputs, and the chunk-parallel dq, dk, dv and dcoef (a launch
+    each: sm_80 spilled 16-144 bytes with them in one or two). ``norms_by_product``: whether the two
+    walks add the normalisers (and their gradient) by a product with ones (with dz) on the tensor cores
+    rather than a sum across the threads (on sm_80 the forward walk spilled 120 bytes at 128 registers).
+
+    On sm_90 each Shape is the fastest that spills nothing on the compile gate, as the launch model of
+    benchmarks.predict prices them at vort-125m x 16,384 tokens (`python -m benchmarks.predict.shapes`,
+    docs/kernels.md): the walks are latency-bound, so 8 warps share a chunk's work, capped at 128
+    registers (two programs an SM, B x H x S walks in one wave); the rerun, with no borders to store,
+    fits 16 warps in 64 registers; the chunk-parallel kernels run 4 warps, capped where that keeps three
+    or four programs an SM."""
 
     chunk: int
     block: int
@@ -62,22 +73,28 @@ class Tiles:
     warps: int
     stages: int
     coef_warps: int
-    forward_warps: int = 4
-    forward_stages: int = 1
-    walk_warps: int = 4
-    walk_registers: int | None = None
+    states_walk: Shape
+    rewalk: Shape
+    grads_walk: Shape
+    outputs: Shape
+    query_grads: Shape
+    key_grads: Shape
+    value_grads: Shape
+    coef_grads: Shape
     norms_by_product: bool = False
-    grads_warps: int = 8
-    grads_stages: int = 2
-    grads_registers: int | None = None
 
 
 # Per target (sm_90 or newer). The compile gate (benchmarks.kernel_compile) checks every shipped config
 # against these; docs/kernels.md has the sizes tried and why these.
-TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4, grads_stages=1,
-                      walk_warps=8, walk_registers=128),
-         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4, walk_warps=8,
-                     walk_registers=128, grads_registers=128, norms_by_product=True)}  # fmt: skip
+_SM80_GRADS = Shape(8, 1)
+TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4,
+                      states_walk=Shape(8, 1, 128), rewalk=Shape(8, 1, 128), grads_walk=Shape(8, 1, 128),
+                      outputs=Shape(4, 1), query_grads=_SM80_GRADS, key_grads=_SM80_GRADS,
+                      value_grads=_SM80_GRADS, coef_grads=_SM80_GRADS),
+         True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4,
+                     states_walk=Shape(8, 1, 128), rewalk=Shape(16, 1, 64), grads_walk=Shape(8, 2, 128),
+                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 1, 128), key_grads=Shape(4, 2, 128),
+                     value_grads=Shape(4, 2, 128), coef_grads=Shape(4, 2), norms_by_product=True)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that divides the backward's span
 
@@ -268,14 +285,13 @@ def soe_launches(
             fwd_ints | {"STRIDE": "i32", "C0": "i32", "N": "i32"},
             forward | {"BF": sbf, "BD": sbd, "BORDERS": True, "NORMS_BY_PRODUCT": tiles.norms_by_product},
             (batch * heads * n_terms * triton.cdiv(feat, sbf) * triton.cdiv(width, sbd), 1, 1),
-            tiles.walk_warps, tiles.forward_stages, wide=frozenset(("k", "v", "coef", "reads", "states")),
-            max_registers=tiles.walk_registers,
+            **_shaped(tiles.states_walk), wide=frozenset(("k", "v", "coef", "reads", "states")),
         ),
         "fwd": Launch(
             chunk_output_kernel, qkv | base | {"reads": operand, "out": operand, "z": operand},
             fwd_ints | {"C0": "i32"},
-            forward | {"BD": bv, "GN": gn}, (per_phase * batch * heads, 1, 1), tiles.forward_warps,
-            tiles.forward_stages, wide=frozenset(("q", "k", "v", "coef", "reads", "out", "z")),
+            forward | {"BD": bv, "GN": gn}, (per_phase * batch * heads, 1, 1), **_shaped(tiles.outputs),
+            wide=frozenset(("q", "k", "v", "coef", "reads", "out", "z")),
         ),
     }  # fmt: skip
     if not decay_grad:
@@ -310,6 +326,11 @@ def soe_launches(
     return bt, {name: launches[name] for name in order}
 
 
+def _shaped(shape: Shape) -> dict[str, int | None]:
+    """A Launch's fields for ``shape``: warps, stages and register cap."""
+    return {"num_warps": shape.warps, "num_stages": shape.stages, "max_registers": shape.registers}
+
+
 def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, str], constexprs: dict,
                     tiles: Tiles) -> dict[str, Launch]:  # fmt: skip
     """The chunk-parallel backward (kernels/soe/gpu/chunk_grads.py), for decays that need no gradient:
@@ -321,27 +342,26 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
     reads = dict.fromkeys(("q", "k", "v", "coef"), operand) | {"log_lam": "fp32", "docs": "i32"}
     grads_in = {"d_out": operand, "d_z": "fp32"}
 
-    def chunk_launch(kernel, pointers: dict[str, str]) -> Launch:
-        return Launch(kernel, pointers, ints, constexprs, chunks, tiles.grads_warps, tiles.grads_stages,
-                      wide=frozenset(pointers) - {"log_lam", "docs"}, max_registers=tiles.grads_registers)  # fmt: skip
+    def chunk_launch(kernel, pointers: dict[str, str], shape: Shape, extra: dict | None = None) -> Launch:
+        return Launch(kernel, pointers, ints, constexprs | (extra or {}), chunks, **_shaped(shape),
+                      wide=frozenset(pointers) - {"log_lam", "docs"})  # fmt: skip
 
     state_in = {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32", "docs": "i32"}
     walk = forward["fwd_states"]
     out = {
-        "bwd_reads": dataclasses.replace(walk, constexprs=walk.constexprs | {"BORDERS": False}),
+        "bwd_reads": dataclasses.replace(walk, constexprs=walk.constexprs | {"BORDERS": False},
+                                         **_shaped(tiles.rewalk)),
         "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"},
                                    ints | {"N": "i32"},
-                             {k: forward["fwd_states"].constexprs[k] for k in ("BT", "BF", "BD", "PRECISION")},
-                             forward["fwd_states"].grid,
-                             tiles.walk_warps, tiles.grads_stages,
-                             wide=frozenset(("q", "d_out", "d_z", "d_reads")), max_registers=tiles.walk_registers),
+                                   {k: walk.constexprs[k] for k in ("BT", "BF", "BD", "PRECISION", "NORMS_BY_PRODUCT")},
+                                   walk.grid, **_shaped(tiles.grads_walk),
+                                   wide=frozenset(("q", "d_out", "d_z", "d_reads"))),
         "bwd_chunk_queries": chunk_launch(chunk_query_grads_kernel,
-                                          reads | {"reads": operand} | grads_in | {"dq": operand}),
+                                          reads | {"reads": operand} | grads_in | {"dq": operand}, tiles.query_grads),
     }  # fmt: skip
     key_value = reads | {"d_reads": operand} | grads_in | {"dk": operand, "dv": operand, "dcoef": operand}
-    launch = chunk_launch(chunk_key_value_grads_kernel, key_value)
-    parts = ("KEYS", "VALUES", "COEFS")
-    for made in parts:
-        out[f"bwd_chunk_{made.lower()}"] = dataclasses.replace(launch, constexprs=launch.constexprs
-                                                              | {p: p == made for p in parts})
+    parts = {"KEYS": tiles.key_grads, "VALUES": tiles.value_grads, "COEFS": tiles.coef_grads}
+    for made, shape in parts.items():
+        out[f"bwd_chunk_{made.lower()}"] = chunk_launch(chunk_key_value_grads_kernel, key_value, shape,
+                                                        {p: p == made for p in parts})
     return out
