@@ -331,9 +331,10 @@ class VortLM(StackedLM):
         return c.n_layers * per_layer, buffers
 
     def scan_buffer_bytes(self, batch: int, tokens: int) -> float:
-        """The Triton SOE scan's buffers, counted on the meta device (kernels/soe/gpu/footprint.py): the span
-        states every layer keeps for its backward, plus one layer's call at once, its outputs and input
-        gradients included."""
+        """The Triton SOE scan's buffers, counted on the meta device (kernels/soe/gpu/footprint.py): what every
+        layer's forward keeps for its backward (the span states, and the per-chunk states where one phase
+        covers the sequence; where several do, the forward frees those, and counting them is an overcount),
+        plus one layer's call at once, its outputs and input gradients included."""
         from kernels.soe.gpu.footprint import scan_allocations
 
         c, mixer = self.config, self.blocks[0].mixer

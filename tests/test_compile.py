@@ -98,8 +98,8 @@ def test_backward_ops_pass_opcheck() -> None:
                                                     for a in _soe_args(torch.float32, True))  # fmt: skip
     d_o, d_z = torch.randn(B, T, H, D), torch.randn(B, T, H)
     recurrent = torch.ops.recurrent
-    _opcheck(recurrent.soe_scan_backward, (q, k, v, coef, log_lam, g0, b0, chunk, reset, "torch", q.new_empty(0), d_o,
-                                           d_z, None, None, [True] * 9))  # fmt: skip
+    _opcheck(recurrent.soe_scan_backward, (q, k, v, coef, log_lam, g0, b0, chunk, reset, "torch", q.new_empty(0),
+                                           q.new_empty(0), d_o, d_z, None, None, [True] * 9))  # fmt: skip
     _opcheck(recurrent.soe_entering_backward, (q, log_lam, g0, b0, chunk, "torch", d_o, None,
                                                [True, False, True, True, False]))  # fmt: skip
     x, n_slots = phasor_inputs(B, T, 3, 4, 2, with_state=True, seed=2)

@@ -201,7 +201,9 @@ def test_roofline_built_design_counts_every_launch_the_step_makes(config):
         assert roofline.ACCESS[scan.kernel][name].keys() == launch.pointers.keys(), name
     rows, layers = roofline.kernel_rows(cfg, roofline.BUILT, 4096)
     kernels = [r["kernel"] for r in rows if not r["kernel"].endswith("_torch_sums")]
-    assert kernels == [f"{scan.kernel}_{n}" for n in step] and layers > 0  # VORT's decays are buffers
+    # VORT's decays are buffers; at 4,096 tokens one phase covers the sequence, so the forward keeps its
+    # per-chunk states and the backward walks no chunks again ("bwd_reads" is made but not launched)
+    assert kernels == [f"{scan.kernel}_{n}" for n in step if n != "bwd_reads"] and layers > 0
     # an argument the accounting does not know is an error, not a silent zero
     launch = made["fwd"]
     with pytest.raises(ValueError, match="ACCESS names"):

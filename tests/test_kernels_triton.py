@@ -188,6 +188,34 @@ def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phas
         assert torch.equal(got[name], again[name]), name
 
 
+@pytest.mark.parametrize("phased", [False, True])
+def test_soe_forward_keeps_its_chunk_states_for_the_backward_when_one_phase_covers_the_sequence(monkeypatch, phased):
+    """With one phase (the per-chunk states within launches.READS_BYTES) the forward keeps the state
+    entering every chunk and the chunk-parallel backward reads it: no second walk of the chunks. With
+    several phases it keeps none and walks each phase again (the launches captured on meta tensors, as
+    an H100 would get them; the values are checked against the reference by the test above)."""
+    import kernels.soe.gpu.launches as launches
+    from kernels._common import capture_launches
+    from kernels.soe.gpu.function import SoeScanTriton
+
+    if phased:
+        monkeypatch.setattr(launches, "READS_BYTES", 1)
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    q, k = (torch.zeros(1, 4096, 2, 64, **meta, requires_grad=True) for _ in range(2))
+    v = torch.zeros(1, 4096, 2, 64, **meta, requires_grad=True)
+    coef = torch.zeros(1, 4096, 2, 18, **meta, requires_grad=True)
+    log_lam = torch.zeros(2, 18, device="meta")  # a buffer, as VORT's: the chunk-parallel backward
+    g0, b0 = torch.zeros(1, 2, 18, 64, 64, device="meta"), torch.zeros(1, 2, 18, 64, device="meta")
+    with capture_launches(90) as made:
+        o, z, _g, _b = SoeScanTriton.apply(q, k, v, coef, log_lam, g0, b0, 16, None)
+        forward = len(made)
+        torch.autograd.backward((o, z), (torch.zeros_like(o), torch.zeros_like(z)))
+    walks = [launch.constexprs["BORDERS"] for launch, _args in made if launch.kernel.__name__ == "chunk_states_kernel"]
+    phases = sum(walks)  # the forward's walks, one a phase, store the span borders; the backward's do not
+    assert phases == (1 if not phased else forward // 2) and phases > (1 if phased else 0)
+    assert walks.count(False) == (phases if phased else 0)
+
+
 @pytest.mark.parametrize(("target", "spans"), [(1, 1), (4, 5)])
 def test_phasor_triton_spans_match_reference(monkeypatch, target, spans):
     """The phasor scan in one span and in five (two chunks each, the last one 6 tokens), with an initial

@@ -72,7 +72,7 @@ def soe_scan(
         g0, b0 = initial_state
     args = (q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
     if use_ops():  # the same Functions as a custom op: torch.compile keeps it in its graph (and see scans_as_ops)
-        o, z, g_t, b_t, _ = soe_scan_op(*args, which)
+        o, z, g_t, b_t, _states, _reads = soe_scan_op(*args, which)
     elif which == "triton":
         from kernels.soe.triton import SoeScanTriton
 

@@ -85,11 +85,24 @@ def _save(ctx, saved: tuple[torch.Tensor, ...], chunk_size: int, dtypes: list, g
     ctx.meta = (chunk_size, dtypes, g_shape)
 
 
+def kept_reads_shape(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[int, ...]:
+    """The shape of the per-chunk states (the state entering every chunk, in the operands' dtype) that the
+    forward keeps for the backward: [chunks, B*H*S, F*D + F] when one phase of the chunk kernels covers
+    the sequence (their states within launches.READS_BYTES), so that the chunk-parallel backward reads
+    them instead of walking the chunks again; (0,) otherwise, when the backward walks each phase again."""
+    batch, seq_len, heads, feat = q.shape
+    launches, _span, _chunk = _geometry(q, v, log_lam, chunk_size)
+    per_phase = launches["fwd"].grid[0] // (batch * heads)
+    n_chunks = triton.cdiv(seq_len, launches["fwd"].constexprs["BT"])
+    return (per_phase, batch * heads * log_lam.shape[-1], feat * (v.shape[-1] + 1)) if per_phase >= n_chunks else (0,)
+
+
 class SoeScanTriton(torch.autograd.Function):
     """Triton forward in chunk-parallel form and backward over spans of chunks (kernels/soe/gpu/launches.py lists
     the launches). The forward's walk stores the state entering every chunk in the operands' dtype for the
-    outputs ([chunks, B*H*S, F*D + F], freed when the forward returns) and the fp32 states at the backward's
-    span borders, [n_spans + 1, B*H*S, F*D + F], which it saves for the backward's query walk; the backward's
+    outputs ([chunks, B*H*S, F*D + F]; kept for the chunk-parallel backward when one phase covers the
+    sequence, :func:`kept_reads_shape`, else freed when the forward returns) and the fp32 states at the
+    backward's span borders, [n_spans + 1, B*H*S, F*D + F], which it saves for the backward; the backward's
     walks keep their block of every term's state on chip. ``reset`` (bool [B, T] or None) zeroes the state
     before each document's first token: the kernels get the document numbers, the span pass a per-span carry
     (kernels/span.py). No atomics: every output element is stored by one program, in its dtype; the coefficient
@@ -113,27 +126,30 @@ class SoeScanTriton(torch.autograd.Function):
             reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
             launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, stride, c0, n)
             phase.run(q, k, v, coef, ll, docs, reads, out, z, *ints, c0)
+        kept_reads = reads if reads.shape == kept_reads_shape(q, v, ll, chunk_size) else q.new_empty(0)
         del reads
-        _save(ctx, (*operands, states), chunk_size, dtypes, g0.shape)
+        _save(ctx, (*operands, states, kept_reads), chunk_size, dtypes, g0.shape)
         g_t, b_t = unpack(states[-1], g0.shape)
         return out, z, g_t, b_t
 
     @staticmethod
-    def kept(ctx) -> tuple[torch.Tensor]:
-        """What the backward reads that only the forward's scan makes: the states at span borders."""
-        return (ctx.saved_tensors[-1],)
+    def kept(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the backward reads that only the forward's scan makes: the states at span borders and the
+        per-chunk states it keeps (:func:`kept_reads_shape`; empty when it keeps none)."""
+        return ctx.saved_tensors[-2:]
 
     @staticmethod
-    def prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset, states) -> None:
-        """Save what the backward reads, as the forward does, from the inputs and the span states
-        ``states`` that a forward returned (:func:`span_states_shape`) without scanning again: the
-        torch.library op's backward (kernels/library.py)."""
+    def prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset, states, reads) -> None:
+        """Save what the backward reads, as the forward does, from the inputs and the span and per-chunk
+        states that a forward returned (:func:`span_states_shape`, :func:`kept_reads_shape`) without
+        scanning again: the torch.library op's backward (kernels/library.py)."""
         operands, _ = _operands(q, k, v, coef, log_lam, chunk_size, reset)
-        _save(ctx, (*operands, states), chunk_size, [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)], g0.shape)
+        dtypes = [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)]
+        _save(ctx, (*operands, states, reads), chunk_size, dtypes, g0.shape)
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
-        q, k, v, coef, ll, docs, states = ctx.saved_tensors
+        q, k, v, coef, ll, docs, states, reads = ctx.saved_tensors
         chunk_size, dtypes, g_shape = ctx.meta
         batch, seq_len, heads, feat = q.shape
         n_terms, width = ll.shape[-1], v.shape[-1]
@@ -151,7 +167,7 @@ class SoeScanTriton(torch.autograd.Function):
         final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
         span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
         if not decay_grad:
-            grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, d_out, d_zz, final, g_shape,
+            grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, reads, d_out, d_zz, final, g_shape,
                                  _border_stride(launches, span, chunk))
             return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
         n_spans = states.shape[0] - 1
@@ -215,13 +231,14 @@ def _phases(launch, rows: int, seq_len: int):
         yield c0, per_phase, dataclasses.replace(launch, grid=(n * rows, 1, 1))
 
 
-def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, d_out: torch.Tensor, d_z: torch.Tensor,
-                 final: torch.Tensor, g_shape: torch.Size, stride: int) -> tuple:  # fmt: skip
+def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, kept_reads: torch.Tensor, d_out: torch.Tensor,
+                 d_z: torch.Tensor, final: torch.Tensor, g_shape: torch.Size, stride: int) -> tuple:  # fmt: skip
     """(dq, dk, dv, dcoef, None, dG0, db0) by the chunk-parallel backward (kernels/soe/gpu/chunk_grads.py)
     for decays that need no gradient, phase by phase from the last: the states entering the phase's chunks
-    walked again from the fp32 state at its start (``states``: the forward's span borders, ``stride``
-    chunks apart), the gradients of the states leaving them walked back from the one leaving the phase
-    (``final`` for the last), then dq and (dk, dv, dcoef), each one program per chunk x batch x head."""
+    (``kept_reads``, the forward's, when it kept them: one phase; else walked again from the fp32 state at
+    its start, ``states``: the forward's span borders, ``stride`` chunks apart), the gradients of the
+    states leaving them walked back from the one leaving the phase (``final`` for the last), then dq and
+    (dk, dv, dcoef), each one program per chunk x batch x head."""
     q, k, v, coef, ll, docs = inputs
     batch, seq_len, heads, feat = q.shape
     ints = (seq_len, batch * heads, heads, ll.shape[-1], feat, v.shape[-1], states.shape[-1])
@@ -229,9 +246,12 @@ def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, d_out: tor
     d_edges = torch.stack((torch.empty_like(final), final))
     reads = d_reads = None
     for c0, n, phase in reversed(list(_phases(launches["bwd_chunk_queries"], batch * heads, seq_len))):
-        reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
+        if kept_reads.numel():
+            reads = kept_reads
+        else:
+            reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
+            launches["bwd_reads"].run(k, v, coef, ll, docs, reads, states, *ints, stride, c0, n)
         d_reads = torch.empty_like(reads) if d_reads is None else d_reads
-        launches["bwd_reads"].run(k, v, coef, ll, docs, reads, states, *ints, stride, c0, n)
         launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges, *ints, c0, n)
         phase.run(*inputs, reads, d_out, d_z, dq, *ints, c0)
         for name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
