@@ -160,6 +160,7 @@ def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phas
     monkeypatch.setattr(function, "device_capability", lambda _x: target)
     if phased:
         monkeypatch.setattr(launches, "READS_BYTES", 1)
+        monkeypatch.setattr(launches, "KEPT_BYTES", 0)
     names = soe_launches(2, 70, 2, 18, 6, 9, 16, torch.float32, target, decay_grad=False)[1].keys()
     assert {"bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"} <= names
 
@@ -190,7 +191,7 @@ def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phas
 
 @pytest.mark.parametrize("phased", [False, True])
 def test_soe_forward_keeps_its_chunk_states_for_the_backward_when_one_phase_covers_the_sequence(monkeypatch, phased):
-    """With one phase (the per-chunk states within launches.READS_BYTES) the forward keeps the state
+    """With one phase (the sequence's per-chunk states within launches.KEPT_BYTES) the forward keeps the state
     entering every chunk and the chunk-parallel backward reads it: no second walk of the chunks. With
     several phases it keeps none and walks each phase again (the launches captured on meta tensors, as
     an H100 would get them; the values are checked against the reference by the test above)."""
@@ -200,6 +201,7 @@ def test_soe_forward_keeps_its_chunk_states_for_the_backward_when_one_phase_cove
 
     if phased:
         monkeypatch.setattr(launches, "READS_BYTES", 1)
+        monkeypatch.setattr(launches, "KEPT_BYTES", 0)
     meta = {"device": "meta", "dtype": torch.bfloat16}
     q, k = (torch.zeros(1, 4096, 2, 64, **meta, requires_grad=True) for _ in range(2))
     v = torch.zeros(1, 4096, 2, 64, **meta, requires_grad=True)

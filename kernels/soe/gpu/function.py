@@ -88,8 +88,9 @@ def _save(ctx, saved: tuple[torch.Tensor, ...], chunk_size: int, dtypes: list, g
 def kept_reads_shape(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[int, ...]:
     """The shape of the per-chunk states (the state entering every chunk, in the operands' dtype) that the
     forward keeps for the backward: [chunks, B*H*S, F*D + F] when one phase of the chunk kernels covers
-    the sequence (their states within launches.READS_BYTES), so that the chunk-parallel backward reads
-    them instead of walking the chunks again; (0,) otherwise, when the backward walks each phase again."""
+    the sequence (its states within launches.KEPT_BYTES, 1 GiB), so that the chunk-parallel backward
+    reads them instead of walking the chunks again; (0,) otherwise, when the backward walks each phase
+    again."""
     batch, seq_len, heads, feat = q.shape
     launches, _span, _chunk = _geometry(q, v, log_lam, chunk_size)
     per_phase = launches["fwd"].grid[0] // (batch * heads)

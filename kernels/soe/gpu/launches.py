@@ -100,6 +100,7 @@ FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that 
 
 SHARES_BYTES = 2**30  # the most the coefficient gradient's fp32 shares of one phase of the backward take
 READS_BYTES = 2**29  # the most one phase's per-chunk states (or state gradients) take
+KEPT_BYTES = 2**30  # the most per-chunk states a forward keeps for its backward: one phase, the whole sequence
 
 
 def chunk_block(chunk_size: int, capability: int) -> int:
@@ -177,10 +178,13 @@ def state_blocks(rows: int, feat: int, width: int) -> tuple[int, int]:
 
 
 def chunk_phase(rows: int, width: int, itemsize: int, stride: int, n_chunks: int) -> int:
-    """Chunks per phase of the chunk-parallel kernels: whole spans (``stride`` chunks each) whose states,
-    one [rows, width] slot of ``itemsize`` bytes per chunk, stay within READS_BYTES (at least one span),
-    the spans shared out evenly over the fewest phases (so that no last phase of a chunk or two leaves
-    the GPU idle): the whole sequence, 256 chunks, at vort-125m x 16,384 tokens; 4 phases at 65,536."""
+    """Chunks per phase of the chunk-parallel kernels: the whole sequence when its states, one [rows, width]
+    slot of ``itemsize`` bytes per chunk, stay within KEPT_BYTES (the forward then keeps them for the
+    backward); else whole spans (``stride`` chunks each) whose states stay within READS_BYTES (at least
+    one span), the spans shared out evenly over the fewest phases (so that no last phase of a chunk or
+    two leaves the GPU idle). At vort-125m: one phase up to 32,768 tokens, 4 at 65,536."""
+    if n_chunks * rows * width * itemsize <= KEPT_BYTES:
+        return n_chunks
     most = max(1, READS_BYTES // (stride * rows * width * itemsize))  # spans per phase at most
     n_spans = triton.cdiv(n_chunks, stride)
     return min(triton.cdiv(n_spans, triton.cdiv(n_spans, most)) * stride, n_chunks)
