@@ -201,7 +201,7 @@ class ShardReader:
             if future.exception() is not None:
                 continue
             del self._index_reads[idx]
-            self._keep_index(idx, *future.result())
+            self._keep_index(idx, future.result())
             for start, stop in waiting:
                 self._want(idx, start, stop)
 
@@ -321,22 +321,25 @@ class ShardReader:
             return hit
         pending = self._index_reads.pop(idx, None) if self._block_pid == os.getpid() else None
         if pending is None:
-            return self._keep_index(idx, *self._read_index(idx))
-        index = self._keep_index(idx, *pending.result())
+            return self._keep_index(idx, self._read_index(idx))
+        index = self._keep_index(idx, pending.result())
         for start, stop in self._waiting.pop(idx, []):  # prefetches that came before the index
             self._want(idx, start, stop)
         return index
 
-    def _read_index(self, idx: int) -> tuple[ShardIndex, int]:
-        """Read shard ``idx``'s index (in the caller's thread or an index thread)."""
+    def _read_index(self, idx: int) -> ShardIndex:
+        """Read shard ``idx``'s index (in the caller's thread or an index thread); its retries are counted
+        as they happen, as a block's are, also for an index read ahead that the stream never reaches."""
         used = [0]
-        return read_index(self.shard_urls[idx], self.policy.retries, used), used[0]
+        index = read_index(self.shard_urls[idx], self.policy.retries, used)
+        with _stats_lock:
+            self.stats.read_retries += used[0]
+        return index
 
-    def _keep_index(self, idx: int, index: ShardIndex, used: int) -> ShardIndex:
+    def _keep_index(self, idx: int, index: ShardIndex) -> ShardIndex:
         """Check a shard's index against the manifest and cache it (the caller's thread)."""
         url = self.shard_urls[idx]
         self.stats.shards_opened += 1
-        self.stats.read_retries += used
         if (
             index.tokens != self.tokens[idx]
             or index.eos_positions.size != self.documents[idx]
