@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.soe.gpu.forward import _state_block
+from kernels.soe.gpu.forward import _normaliser_slot, _state_block
 from kernels.soe.gpu.walk import (
     by_distance,
     chunk_masks,
@@ -54,14 +54,7 @@ def chunk_state_grads_kernel(
     rows = BH * S
     last = (rows + row).to(tl.int64) * W
     dg = tl.load(d_edges + last + g_offs, mask=g_mask, other=0.0)
-    if NORMS_BY_PRODUCT:  # db in all 16 columns of a [BF, 16] tile; column 0 is stored
-        b_offs = F * DV + offs_f[:, None] + tl.zeros([1, 16], dtype=tl.int32)
-        b_store = b_mask[:, None] & (tl.arange(0, 16) == 0)[None, :]
-        db = tl.load(d_edges + last + b_offs, mask=b_mask[:, None], other=0.0)
-    else:
-        b_offs = F * DV + offs_f
-        b_store = b_mask
-        db = tl.load(d_edges + last + b_offs, mask=b_mask, other=0.0)
+    b_offs, b_store, db = _normaliser_slot(d_edges + last, F, DV, offs_f, b_mask, NORMS_BY_PRODUCT)
     pos = tl.arange(0, BT).to(tl.float32) + 1.0
     n_here = tl.minimum(N, tl.cdiv(seq_len, BT) - C0)
     for i in range(0, n_here):

@@ -47,6 +47,22 @@ def _state_block(log_lam, H, S, F, DV, BF: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
+def _normaliser_slot(slot, F, DV, offs_f, b_mask, NORMS_BY_PRODUCT: tl.constexpr):
+    """(offsets, store mask, fp32 values) of a walk's normalisers (or their gradient) in the packed state
+    row at ``slot``: with NORMS_BY_PRODUCT a [BF, 16] tile holding them in all 16 columns, for a product on
+    the tensor cores, of which column 0 is stored; else a [BF] vector."""
+    if NORMS_BY_PRODUCT:
+        offs = F * DV + offs_f[:, None] + tl.zeros([1, 16], dtype=tl.int32)
+        store = b_mask[:, None] & (tl.arange(0, 16) == 0)[None, :]
+        values = tl.load(slot + offs, mask=b_mask[:, None], other=0.0)
+    else:
+        offs = F * DV + offs_f
+        store = b_mask
+        values = tl.load(slot + offs, mask=b_mask, other=0.0)
+    return offs, store, values
+
+
+@triton.jit
 def chunk_states_kernel(
     k, v, coef, log_lam, docs, reads, states,
     seq_len, BH, H, S, F, DV, W, STRIDE, C0, N,
@@ -69,15 +85,8 @@ def chunk_states_kernel(
     rows = BH * S
     first = ((C0 // STRIDE) * rows + row).to(tl.int64) * W
     g = tl.load(states + first + g_offs, mask=g_mask, other=0.0)
-    if NORMS_BY_PRODUCT:  # b_s in all 16 columns of a [BF, 16] tile; a product with ones adds a chunk's rows
-        ones = tl.full([BT, 16], 1.0, dtype=k.dtype.element_ty)
-        b_offs = F * DV + offs_f[:, None] + tl.zeros([1, 16], dtype=tl.int32)
-        b_store = b_mask[:, None] & (tl.arange(0, 16) == 0)[None, :]  # column 0 is stored
-        bn = tl.load(states + first + b_offs, mask=b_mask[:, None], other=0.0)
-    else:
-        b_offs = F * DV + offs_f
-        b_store = b_mask
-        bn = tl.load(states + first + b_offs, mask=b_mask, other=0.0)
+    b_offs, b_store, bn = _normaliser_slot(states + first, F, DV, offs_f, b_mask, NORMS_BY_PRODUCT)
+    ones = tl.full([BT, 16], 1.0, dtype=k.dtype.element_ty)  # a product with ones adds a chunk's rows
     pos = tl.arange(0, BT).to(tl.float32)
     n_chunks = tl.cdiv(seq_len, BT)
     end = tl.minimum(C0 + N, n_chunks)
