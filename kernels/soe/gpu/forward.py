@@ -86,7 +86,8 @@ def chunk_states_kernel(
     first = ((C0 // STRIDE) * rows + row).to(tl.int64) * W
     g = tl.load(states + first + g_offs, mask=g_mask, other=0.0)
     b_offs, b_store, bn = _normaliser_slot(states + first, F, DV, offs_f, b_mask, NORMS_BY_PRODUCT)
-    ones = tl.full([BT, 16], 1.0, dtype=k.dtype.element_ty)  # a product with ones adds a chunk's rows
+    if NORMS_BY_PRODUCT:  # a product with ones adds a chunk's rows
+        ones = tl.full([BT, 16], 1.0, dtype=k.dtype.element_ty)
     pos = tl.arange(0, BT).to(tl.float32)
     n_chunks = tl.cdiv(seq_len, BT)
     end = tl.minimum(C0 + N, n_chunks)

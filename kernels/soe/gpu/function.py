@@ -93,9 +93,15 @@ def kept_reads_shape(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, ch
     again."""
     batch, seq_len, heads, feat = q.shape
     launches, _span, _chunk = _geometry(q, v, log_lam, chunk_size)
-    per_phase = launches["fwd"].grid[0] // (batch * heads)
-    n_chunks = triton.cdiv(seq_len, launches["fwd"].constexprs["BT"])
-    return (per_phase, batch * heads * log_lam.shape[-1], feat * (v.shape[-1] + 1)) if per_phase >= n_chunks else (0,)
+    n_chunks = _one_phase(launches["fwd"], batch * heads, seq_len)
+    return (n_chunks, batch * heads * log_lam.shape[-1], feat * (v.shape[-1] + 1)) if n_chunks else (0,)
+
+
+def _one_phase(outputs, rows: int, seq_len: int) -> int:
+    """The chunks of the sequence if the output launch ``outputs`` (``rows`` = batch x heads programs a
+    chunk) covers them in one phase, else 0."""
+    n_chunks = triton.cdiv(seq_len, outputs.constexprs["BT"])
+    return n_chunks if outputs.grid[0] // rows >= n_chunks else 0
 
 
 class SoeScanTriton(torch.autograd.Function):
@@ -127,7 +133,7 @@ class SoeScanTriton(torch.autograd.Function):
             reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
             launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, stride, c0, n)
             phase.run(q, k, v, coef, ll, docs, reads, out, z, *ints, c0)
-        kept_reads = reads if reads.shape == kept_reads_shape(q, v, ll, chunk_size) else q.new_empty(0)
+        kept_reads = reads if _one_phase(launches["fwd"], batch * heads, seq_len) else q.new_empty(0)
         del reads
         _save(ctx, (*operands, states, kept_reads), chunk_size, dtypes, g0.shape)
         g_t, b_t = unpack(states[-1], g0.shape)
