@@ -55,19 +55,10 @@ def _opcheck(op: Callable, args: tuple) -> None:
     assert set(results.values()) == {"SUCCESS"}, results
 
 
-# The interpreted Triton kernels take ~20 s per opcheck here: they run with resets only (a superset of
-# the code without), the CPU path both ways.
-# The bf16 Triton cases are slow-marked (make test-long) to keep the fast suite within CI's budget; the
-# fp32 Triton cases and every CPU case stay in make test.
+# Every dtype the models pass, on both backends, in make test. The interpreted Triton kernels (2-10 s an
+# opcheck here) run with resets only (a superset of the code without), the CPU path both ways.
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _case(backend: str, *rest: object) -> object:
-    slow = backend == "triton" and torch.bfloat16 in rest
-    return pytest.param(backend, *rest, marks=pytest.mark.slow) if slow else (backend, *rest)
-
-
-SOE_CASES = [_case(backend, dtype, with_reset) for backend in ("torch", "triton") for dtype in DTYPES
+SOE_CASES = [(backend, dtype, with_reset) for backend in ("torch", "triton") for dtype in DTYPES
              for with_reset in (False, True) if backend == "torch" or with_reset]
 
 
@@ -76,7 +67,7 @@ def test_soe_scan_op_passes_opcheck(backend: str, dtype: torch.dtype, with_reset
     _opcheck(soe_scan_op, (*_soe_args(dtype, with_reset), backend))
 
 
-@pytest.mark.parametrize(("backend", "dtype"), [_case(b, d) for b in ("torch", "triton") for d in DTYPES])
+@pytest.mark.parametrize(("backend", "dtype"), [(b, d) for b in ("torch", "triton") for d in DTYPES])
 def test_entering_state_op_passes_opcheck(backend: str, dtype: torch.dtype) -> None:
     q, _, _, _, log_lam, g0, b0, _, _ = _soe_args(dtype, False)
     _opcheck(soe_entering_op, (q, log_lam.detach(), g0, b0, 8, backend))
@@ -108,7 +99,7 @@ def test_backward_ops_pass_opcheck() -> None:
                                               torch.randn_like(delta), None, [True, False, False, True, False]))
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])  # interpreted: ~30 s
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_soe_op_equals_the_eager_function_forward_and_backward(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The op runs the eager path's Function: outputs and every input gradient are bitwise equal, and its
     backward scans nothing forward again (the Triton scan's span states come from the forward op)."""
@@ -201,7 +192,6 @@ def test_a_block_compiles_to_one_graph_forward_and_backward(kind: str, with_docs
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # 4-19 s a kind on this shared VM; the whole model's checkpointed case stays in make test
 @pytest.mark.parametrize("kind", list(TINY))
 def test_a_checkpointed_block_compiles_to_one_graph(kind: str) -> None:
     """A block under activation checkpointing, as a compiled run with `activation_checkpointing: true`
