@@ -222,7 +222,7 @@ def launch_names(scan: str, captured: Sequence[tuple[Launch, tuple]]) -> list[st
 
     names, made = [], {}
     for launch, args in captured:
-        named = dict(zip(launch.argument_names(), args))
+        named = launch.arguments(args)
         if scan == "soe" and "S" in named:
             x = next(named[n] for n in ("q", "x", "k") if n in named)
             b, t, h, f = x.shape
@@ -283,7 +283,7 @@ def launch_cost(scan: str, name: str, launch: Launch, args: tuple, sharers: Coun
     if access is None or access.keys() != launch.pointers.keys():
         known = "nothing" if access is None else sorted(access)
         raise ValueError(f"{scan} {name}: ACCESS names {known}, the launch takes {sorted(launch.pointers)}")
-    named, c = dict(zip(launch.argument_names(), args)), launch.constexprs
+    named, c = launch.arguments(args), launch.constexprs
     if name == "bwd_coef" and not c["NEED_DLL"]:  # the shares' sum alone (the pairs are in the shares)
         access = {p: mode if p in ("shares", "dcoef", "docs") else UNUSED for p, mode in access.items()}
     traffic = sum(pointer_bytes(mode, named[p], launch, sharers) * _phase_share(named[p], named, launch)
@@ -353,7 +353,7 @@ def built_rows(cfg: ModelConfig, scan: str, seq_len: int = SEQ_LEN) -> tuple[lis
     names = launch_names(scan, captured)
     layers = sum(  # a layer's forward starts at chunk 0 (the SOE forward runs in phases of chunks)
         1 for (launch, args), name in zip(captured, names)
-        if name == "fwd" and dict(zip(launch.argument_names(), args)).get("C0", 0) == 0
+        if name == "fwd" and launch.arguments(args).get("C0", 0) == 0
     )
     sharers = Counter(
         id(a) for (launch, args), name in zip(captured, names)
@@ -377,7 +377,7 @@ def soe_floors(captured: Sequence[tuple[Launch, tuple]]) -> tuple[float, float]:
     """(IO floor bytes, FLOP floor) per token and layer of the SOE scan a step launches (module docstring),
     from the sizes of its first output launch: operands in their dtype, the kernels' chunk."""
     launch, args = next((launch, args) for launch, args in captured if "out" in launch.pointers)
-    named = dict(zip(launch.argument_names(), args))
+    named = launch.arguments(args)
     heads, n_terms, feat, width = named["H"], named["S"], named["F"], named["DV"]
     size = named["q"].element_size()
     io = heads * size * (6 * feat + 5 * width + 3 * n_terms + 2)

@@ -133,6 +133,10 @@ class Launch:
         """The non-constexpr arguments, in the order ``run`` takes them."""
         return [n for n in self.kernel.arg_names if n not in self.constexprs]
 
+    def arguments(self, args: tuple) -> dict[str, Any]:
+        """Every argument by name: ``args`` (the non-constexpr ones, in ``run``'s order) and the constexprs."""
+        return dict(zip(self.argument_names(), args)) | self.constexprs
+
     def run(self, *args: Any) -> None:
         """Launch the kernel on ``args`` (the non-constexpr arguments, in order), after
         :func:`check_offsets`; while :func:`capture_launches` is on, record the launch instead (the

@@ -160,7 +160,7 @@ class _Recorder:
     def our_run(self, launch: Any, *args: Any) -> None:
         """kernels._common.Launch.run while capturing: this project's launches record themselves here."""
         self.group += 1
-        values = dict(zip(launch.argument_names(), args)) | dict(launch.constexprs)
+        values = launch.arguments(args)
         grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
         extra = tuple((k, v) for k, v in launch.options().items() if k not in ("num_warps", "num_stages"))
         self.add(Launch(launch.kernel, values, grid, launch.num_warps, launch.num_stages, self.group, extra))

@@ -123,7 +123,7 @@ class SoeScanTriton(torch.autograd.Function):
         dtypes = [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)]
         operands, (launches, span, chunk) = _operands(q, k, v, coef, log_lam, chunk_size, reset)
         q, k, v, coef, ll, docs = operands
-        ints = _sizes(q, v, ll, span)[:-1]
+        rows = (seq_len, batch * heads)  # the chunk kernels' sizes; the rest of the shape is compiled in
         states = slots(triton.cdiv(seq_len, span * chunk), pack(g0, b0), at_end=False)
         out = torch.empty(batch, seq_len, heads, v.shape[-1], dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
@@ -131,8 +131,8 @@ class SoeScanTriton(torch.autograd.Function):
         reads = None
         for c0, n, phase in _phases(launches["fwd"], batch * heads, seq_len):
             reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
-            launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *ints, stride, c0, n)
-            phase.run(q, k, v, coef, ll, docs, reads, out, z, *ints, c0)
+            launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *rows, stride, c0, n)
+            phase.run(q, k, v, coef, ll, docs, reads, out, z, *rows, c0)
         kept_reads = reads if _one_phase(launches["fwd"], batch * heads, seq_len) else q.new_empty(0)
         del reads
         _save(ctx, (*operands, states, kept_reads), chunk_size, dtypes, g0.shape)
@@ -247,8 +247,8 @@ def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, kept_reads
     states leaving them walked back from the one leaving the phase (``final`` for the last), then dq and
     (dk, dv, dcoef), each one program per chunk x batch x head."""
     q, k, v, coef, ll, docs = inputs
-    batch, seq_len, heads, feat = q.shape
-    ints = (seq_len, batch * heads, heads, ll.shape[-1], feat, v.shape[-1], states.shape[-1])
+    batch, seq_len, heads = q.shape[:3]
+    rows = (seq_len, batch * heads)  # the chunk kernels' sizes; the rest of the shape is compiled in
     dq, dk, dv, dcoef = (torch.empty_like(x) for x in (q, k, v, coef))
     d_edges = torch.stack((torch.empty_like(final), final))
     reads = d_reads = None
@@ -257,13 +257,13 @@ def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, kept_reads
             reads = kept_reads
         else:
             reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
-            launches["bwd_reads"].run(k, v, coef, ll, docs, reads, states, *ints, stride, c0, n)
+            launches["bwd_reads"].run(k, v, coef, ll, docs, reads, states, *rows, stride, c0, n)
         d_reads = torch.empty_like(reads) if d_reads is None else d_reads
-        launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges, *ints, c0, n)
-        phase.run(*inputs, reads, d_out, d_z, dq, *ints, c0)
+        launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges, *rows, c0, n)
+        phase.run(*inputs, reads, d_out, d_z, dq, *rows, c0)
         for name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
             dataclasses.replace(launches[name], grid=phase.grid).run(*inputs, d_reads, d_out, d_z, dk, dv, dcoef,
-                                                                     *ints, c0)  # fmt: skip
+                                                                     *rows, c0)  # fmt: skip
         d_edges[1].copy_(d_edges[0])
     dg0, db0 = unpack(d_edges[0], g_shape)
     return dq, dk, dv, dcoef, None, dg0, db0

@@ -61,11 +61,12 @@ class Tiles:
     rather than a sum across the threads (on sm_80 the forward walk spilled 120 bytes at 128 registers).
 
     On sm_90 each Shape is the fastest that spills nothing on the compile gate, as the launch model of
-    benchmarks.predict prices them at vort-125m x 16,384 tokens (`python -m benchmarks.predict.shapes`,
-    docs/kernels.md): the walks are latency-bound, so 8 warps share a chunk's work, capped at 128
-    registers (two programs an SM, B x H x S walks in one wave); the rerun, with no borders to store,
-    fits 16 warps in 64 registers; the chunk-parallel kernels run 4 warps, capped where that keeps three
-    or four programs an SM."""
+    benchmarks.predict prices them at 16,384 tokens, summed over vort-125m and vort-350m (`python -m
+    benchmarks.predict.shapes`, docs/kernels.md): the walks are latency-bound, so the forward's (and its
+    rerun) spreads a chunk's work over 16 warps in 64 registers (two programs an SM); the state-gradient
+    walk runs 8 warps in 80 registers, three programs an SM, so that vort-350m's 288 walks take one wave
+    on 132 SMs (vort-125m's 216 took one at 128 registers too, 0.18 ms a layer faster there); the
+    chunk-parallel kernels run 4 warps, capped where that keeps three or four programs an SM."""
 
     chunk: int
     block: int
@@ -92,9 +93,9 @@ TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coe
                       outputs=Shape(4, 1), query_grads=_SM80_GRADS, key_grads=_SM80_GRADS,
                       value_grads=_SM80_GRADS, coef_grads=_SM80_GRADS),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4,
-                     states_walk=Shape(8, 1, 128), rewalk=Shape(16, 1, 64), grads_walk=Shape(8, 2, 128),
-                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 1, 128), key_grads=Shape(4, 2, 128),
-                     value_grads=Shape(4, 2, 128), coef_grads=Shape(4, 2), norms_by_product=True)}  # fmt: skip
+                     states_walk=Shape(16, 1, 64), rewalk=Shape(16, 1, 64), grads_walk=Shape(8, 1, 80),
+                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 2), key_grads=Shape(4, 2, 128),
+                     value_grads=Shape(4, 2, 128), coef_grads=Shape(4, 2, 168), norms_by_product=True)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that divides the backward's span
 
@@ -280,8 +281,10 @@ def soe_launches(
     stride = triton.cdiv(span * bt, fc)
     per_phase = chunk_phase(batch * heads * n_terms, feat * (width + 1), dtype.itemsize, stride,
                             triton.cdiv(seq_len, fc))  # fmt: skip
-    forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype)}
-    fwd_ints = {k: "i32" for k in INTS if k != "SPAN"}
+    # the chunk kernels take the shape as constants: masks and address arithmetic fold at compile time
+    shape = {"H": heads, "S": n_terms, "F": feat, "DV": width, "W": feat * (width + 1)}
+    forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype)} | shape
+    fwd_ints = {"seq_len": "i32", "BH": "i32"}
     d_state_in = qkv | base | {"d_states": "fp32", "d_out": operand}
     launches = {
         "fwd_states": Launch(
@@ -357,7 +360,8 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
                                          **_shaped(tiles.rewalk)),
         "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"},
                                    ints | {"N": "i32"},
-                                   {k: walk.constexprs[k] for k in ("BT", "BF", "BD", "PRECISION", "NORMS_BY_PRODUCT")},
+                                   {k: walk.constexprs[k] for k in ("BT", "BF", "BD", "PRECISION", "NORMS_BY_PRODUCT",
+                                                                    "H", "S", "F", "DV", "W")},
                                    walk.grid, **_shaped(tiles.grads_walk),
                                    wide=frozenset(("q", "d_out", "d_z", "d_reads"))),
         "bwd_chunk_queries": chunk_launch(chunk_query_grads_kernel,
