@@ -84,8 +84,8 @@ def stream_rate(source: str, seq_len: int, samples: int, ranks: int, read: str,
     for _ in range(samples - 1):
         next(it)
     elapsed = time.perf_counter() - t0
-    stats = stream.stats()
-    stream.close()  # no read ahead of this stream goes on into the next row's time
+    stream.close(wait=True)  # no read ahead of this stream goes on into the next row's time
+    stats = stream.stats()  # with the bytes of every read it started (whole shards read ahead included)
     return {"read": read, "interleave": interleave, "seq_len": seq_len, "samples": samples,
             "tokens_per_s": samples * seq_len / elapsed,
             "first_sample_s": first, "mb_read": stats["shard_bytes_read"] / 1e6, "read_retries": stats["read_retries"],

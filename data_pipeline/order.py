@@ -141,10 +141,30 @@ class SourceOrder:
         has_prev = with_prev and start > 0
         return epoch, start - int(has_prev), start + self.seq_len + 1, has_prev
 
-    def pieces(self, epoch: int, start: int, stop: int, ahead: int = 2) -> Iterator[tuple[int, int, int, list[int]]]:
+    def stretch_end(self, q: int, region: int) -> int | None:
+        """The epoch sample where the stretch of the span that holds shuffled position ``q`` ends, for a
+        reader whose positions fill ``region`` aligned window slots of each span (a rank of W reads
+        ``interleave / gcd(W, interleave)`` of them): past it the epoch's stream holds other ranks'
+        windows. None where the stream runs on into this reader's samples (``region`` covers the
+        span: the plain order, or one rank) or ``q`` lies in the epoch's last window, every rank's."""
+        lanes, window = self.interleave, self.window
+        if region >= lanes:
+            return None
+        t, u = divmod(q, lanes * window)
+        slots_end = (self._reversed[u % lanes] // region + 1) * region
+        if t < self._spans:
+            return (t * lanes + slots_end) * window
+        first, size = self._spans * lanes * window, self._tail_window
+        if u < lanes * size:  # the tail's span of smaller windows
+            return first + slots_end * size
+        return None
+
+    def pieces(self, epoch: int, start: int, stop: int, ahead: int = 2,
+               limit: int | None = None) -> Iterator[tuple[int, int, int, list[int]]]:
         """``(shard, lo, hi, following shards)`` for each shard that positions ``[start, stop)`` of the
         epoch's stream cross; ``[lo, hi)`` are positions within that shard's stream, and the following
-        shards the (at most ``ahead``) next ones of the epoch's order."""
+        shards the (at most ``ahead``) next ones of the epoch's order that start before stream
+        position ``limit`` (None: any)."""
         self._layout(epoch)
         ends, order = self._ends, self._order
         pos = bisect.bisect_right(ends, start)  # not numpy's searchsorted, which releases the interpreter lock
@@ -153,6 +173,8 @@ class SourceOrder:
             shard = int(order[pos])
             shard_start = shard_end - int(self.lengths[shard])
             following = order[pos + 1 : pos + 1 + ahead].tolist()
+            if limit is not None:  # a following shard starts where the one before it ends
+                following = following[: bisect.bisect_left(ends, limit, pos, pos + len(following)) - pos]
             take = min(stop, shard_end)
             yield shard, start - shard_start, take - shard_start, following
             start = take

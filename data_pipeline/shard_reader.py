@@ -141,12 +141,13 @@ class ShardReader:
                      _index_pool=None, _block_pid=-1, _index_reads={}, _waiting={})
         return state
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
         """Stop this process's background reads: those not started are dropped, those running finish
-        (each is one request) and are let go; the caches are emptied."""
+        (each is one read, with its retries) and are let go, or waited for with ``wait``; the caches
+        are emptied."""
         for pool in (self._pool, self._block_pool, self._index_pool):
             if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+                pool.shutdown(wait=wait, cancel_futures=True)
         self._pool = self._block_pool = self._index_pool = None
         self._pool_pid = self._block_pid = -1
         self._inflight, self._blocks, self._block_bytes = OrderedDict(), OrderedDict(), 0
@@ -240,12 +241,22 @@ class ShardReader:
             f.seek(start)
             return f.read(stop - start)
 
-        return with_retries(self.shard_urls[idx], self.policy.retries, read, lambda: self._drop_handle(idx))
+        return with_retries(self.shard_urls[idx], self.policy.retries, read, lambda: self._drop_handle(idx),
+                            self._count_retries)
 
-    def _fetch(self, idx: int) -> tuple[bytes, int, str]:
-        """Read shard ``idx`` and hash it (runs in the prefetch thread or inline)."""
-        data, used = read_bytes(self.shard_urls[idx], self.policy.retries)
-        return data, used, sha256_hex(data) if self.policy.verify else ""
+    def _count_retries(self, n: int) -> None:
+        """Add ``n`` retries to ``read_retries`` as they are made (from any of this reader's threads),
+        also those of a read ahead that the stream never reaches or of a read that fails in the end."""
+        with _stats_lock:
+            self.stats.read_retries += n
+
+    def _fetch(self, idx: int) -> tuple[bytes, str]:
+        """Read shard ``idx`` and hash it (runs in the prefetch thread or inline); its bytes are counted
+        as they arrive, also those of a shard read ahead that the stream never reaches."""
+        data, _ = read_bytes(self.shard_urls[idx], self.policy.retries, count=self._count_retries)
+        with _stats_lock:
+            self.stats.shard_bytes_read += len(data)
+        return data, sha256_hex(data) if self.policy.verify else ""
 
     def _schedule(self, idx: int) -> None:
         """Start reading shard ``idx`` in the background (one thread per process, fork-safe)."""
@@ -270,16 +281,14 @@ class ShardReader:
         verify = self.policy.verify
         pending = self._inflight.pop(idx, None) if self._pool_pid == os.getpid() else None
         if pending is not None:
-            data, used, digest = pending.result()
+            data, digest = pending.result()
             self.stats.prefetched += 1
         else:
-            data, used, digest = self._fetch(idx)
+            data, digest = self._fetch(idx)
         if self.policy.prefetch:
             for later in following[:SHARDS_AHEAD]:
                 self._schedule(later)
-        self.stats.read_retries += used
         self.stats.shards_opened += 1
-        self.stats.shard_bytes_read += len(data)
         entry = {"sha256": self.shard_sha[idx], "tokens": self.tokens[idx], "documents": self.documents[idx]}
         tokens, lengths = checked_shard(
             data, self.shard_urls[idx], entry, self.manifest.dtype, digest if verify else None
@@ -330,11 +339,7 @@ class ShardReader:
     def _read_index(self, idx: int) -> ShardIndex:
         """Read shard ``idx``'s index (in the caller's thread or an index thread); its retries are counted
         as they happen, as a block's are, also for an index read ahead that the stream never reaches."""
-        used = [0]
-        index = read_index(self.shard_urls[idx], self.policy.retries, used)
-        with _stats_lock:
-            self.stats.read_retries += used[0]
-        return index
+        return read_index(self.shard_urls[idx], self.policy.retries, self._count_retries)
 
     def _keep_index(self, idx: int, index: ShardIndex) -> ShardIndex:
         """Check a shard's index against the manifest and cache it (the caller's thread)."""
@@ -385,8 +390,7 @@ class ShardReader:
         if self.remote_ranges():
             raw = self._from_blocks(idx, index, index.data_offset + lo * item, index.data_offset + hi * item)
         else:
-            raw, used = self._read_range(idx, index.data_offset + lo * item, index.data_offset + hi * item)
-            self.stats.read_retries += used
+            raw, _ = self._read_range(idx, index.data_offset + lo * item, index.data_offset + hi * item)
             self.stats.shard_bytes_read += len(raw)
         if len(raw) != (hi - lo) * item:
             raise ShardError(f"shard {self.shard_urls[idx]!r} is truncated (tokens {lo}..{hi} cut off)")
@@ -438,9 +442,8 @@ class ShardReader:
         """Bytes ``[lo, hi)`` of shard ``idx`` with one range GET, retried (in a block thread); the
         retries and bytes are counted as they happen."""
         url = self.shard_urls[idx]
-        data, used = with_retries(url, self.policy.retries, lambda: cat(url, lo, hi))
+        data, _ = with_retries(url, self.policy.retries, lambda: cat(url, lo, hi), count=self._count_retries)
         with _stats_lock:
-            self.stats.read_retries += used
             self.stats.shard_bytes_read += len(data)
         return data
 

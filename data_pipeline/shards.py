@@ -248,13 +248,12 @@ class ShardIndex:
     eos_positions: np.ndarray
 
 
-def _tar_member_at(url: str, offset: int, part: str, retries: int, used: list[int]) -> tuple[int, int, np.dtype, int,
-                                                                                          bytes]:
+def _tar_member_at(url: str, offset: int, part: str, retries: int,
+                   count: Callable[[int], None] | None) -> tuple[int, int, np.dtype, int, bytes]:
     """Read the tar header + npy header of member ``*.part`` at ``offset``:
-    ``(payload offset, count, dtype, member size, bytes read from the payload start)``; the retries
-    made are added to ``used[0]``."""
-    head, n = read_bytes(url, retries, offset, offset + 4096)
-    used[0] += n
+    ``(payload offset, count, dtype, member size, bytes read from the payload start)``; ``count(1)``
+    runs for each retry made."""
+    head, _ = read_bytes(url, retries, offset, offset + 4096, count)
     if len(head) < 512:
         raise ShardError(f"shard {url!r} is truncated (no tar header at byte {offset})")
     try:
@@ -268,25 +267,23 @@ def _tar_member_at(url: str, offset: int, part: str, retries: int, used: list[in
     return payload, count, dtype, info.size, head[512 + header_len :]
 
 
-def read_index(url: str, retries: int = 2, used: list[int] | None = None) -> ShardIndex:
-    """Read a shard's token offset and document lengths with small range reads (not the tokens); the
-    retries made are added to ``used[0]`` when given."""
-    used = [0] if used is None else used
-    data_offset, count, dtype, size, _ = _tar_member_at(url, 0, "tokens.npy", retries, used)
+def read_index(url: str, retries: int = 2, count: Callable[[int], None] | None = None) -> ShardIndex:
+    """Read a shard's token offset and document lengths with small range reads (not the tokens);
+    ``count(1)`` runs for each retry made, as it is made."""
+    data_offset, tokens, dtype, size, _ = _tar_member_at(url, 0, "tokens.npy", retries, count)
     lengths_at = 512 + -(-size // 512) * 512
-    offset, n_docs, ldtype, _, have = _tar_member_at(url, lengths_at, "lengths.npy", retries, used)
+    offset, n_docs, ldtype, _, have = _tar_member_at(url, lengths_at, "lengths.npy", retries, count)
     need = n_docs * ldtype.itemsize
     if len(have) >= need:
         raw = have[:need]
     else:
-        raw, n = read_bytes(url, retries, offset, offset + need)
-        used[0] += n
+        raw, _ = read_bytes(url, retries, offset, offset + need, count)
     if len(raw) != need:
         raise ShardError(f"shard {url!r} is truncated (document lengths cut off)")
     lengths = np.frombuffer(raw, dtype=ldtype).astype(np.int64)
-    if int(lengths.sum()) != count:
-        raise ShardError(f"shard {url!r}: document lengths sum to {int(lengths.sum())}, tokens {count}")
-    return ShardIndex(data_offset, dtype, count, np.cumsum(lengths + 1) - 1)
+    if int(lengths.sum()) != tokens:
+        raise ShardError(f"shard {url!r}: document lengths sum to {int(lengths.sum())}, tokens {tokens}")
+    return ShardIndex(data_offset, dtype, tokens, np.cumsum(lengths + 1) - 1)
 
 
 def decode_shard(buf: bytes, url: str) -> tuple[np.ndarray, np.ndarray]:
@@ -334,28 +331,34 @@ def checked_shard(
 
 
 def with_retries(
-    url: str, retries: int, read: Callable[[], bytes], on_error: Callable[[], None] | None = None
+    url: str, retries: int, read: Callable[[], bytes], on_error: Callable[[], None] | None = None,
+    count: Callable[[int], None] | None = None,
 ) -> tuple[bytes, int]:
     """Run ``read()`` under ``data_pipeline.storage.retrying`` (``retries`` retries, the process's
-    backoff); returns ``(data, retries_used)``. A missing file is not retried. ``on_error`` runs after
-    each failed attempt (e.g. to drop a cached file handle). Failures raise ``ShardError`` naming the URL."""
+    backoff); returns ``(data, retries_used)``. ``count(1)``, when given, runs for each retry as it is
+    made, so that the retries of a read that fails in the end are counted too. A missing file is not
+    retried. ``on_error`` runs after each failed attempt (e.g. to drop a cached file handle). Failures
+    raise ``ShardError`` naming the URL."""
     used = [0]
 
-    def count(n: int) -> None:
+    def counted(n: int) -> None:
         used[0] += n
+        if count is not None:
+            count(n)
 
     try:
-        return retrying(url, read, count, on_error, retries, what="read shard"), used[0]
+        return retrying(url, read, counted, on_error, retries, what="read shard"), used[0]
     except FileNotFoundError as exc:
         raise ShardError(f"shard {url!r} is missing: {exc}") from exc
     except (OSError, ValueError) as exc:
         raise ShardError(str(exc) if isinstance(exc, StorageError) else f"cannot read shard {url!r}: {exc}") from exc
 
 
-def read_bytes(url: str, retries: int = 2, start: int | None = None, end: int | None = None) -> tuple[bytes, int]:
+def read_bytes(url: str, retries: int = 2, start: int | None = None, end: int | None = None,
+               count: Callable[[int], None] | None = None) -> tuple[bytes, int]:
     """Read a file (or its byte range ``[start, end)``) through fsspec with ``with_retries``."""
 
-    return with_retries(url, retries, lambda: cat(url, start, end))
+    return with_retries(url, retries, lambda: cat(url, start, end), count=count)
 
 
 def sha256_hex(data: bytes) -> str:

@@ -4,9 +4,9 @@ Every call this project makes to a remote store (shard and manifest reads and wr
 uploads, downloads and listings) goes through ``retrying``: a failed call is retried after an
 exponential backoff with full jitter (a wait drawn uniformly from ``[0, min(backoff_max_s,
 backoff_s * 2**attempt)]``), at most ``retries`` times, and each retry is counted where the caller
-says (``data/read_retries``, ``ckpt/retries`` in metrics.jsonl). s3fs and botocore retry on their own
-as well; ``configure`` turns theirs down to one attempt, so that this layer is the only one: its
-retries are counted, bounded and documented (docs/data.md, "Object storage"). A missing object or a
+says (``data/read_retries``, ``ckpt/retries`` in metrics.jsonl). s3fs, botocore and aiohttp retry on
+their own as well; ``configure`` turns theirs down to one attempt, so that this layer is the only one:
+its retries are counted, bounded and documented (docs/data.md, "Object storage"). A missing object or a
 refused permission is not retried. When the budget is spent the error names the URL and the
 attempts made.
 
@@ -161,7 +161,7 @@ def configure(
     options: dict[str, Any] | None = None, single_attempt: bool = True,
 ) -> None:
     """Set this process's retry policy and the defaults fsspec gives every new ``s3://``
-    filesystem: one attempt per call inside s3fs and botocore (this module retries; with
+    filesystem: one attempt per call inside s3fs, botocore and aiohttp (this module retries; with
     ``single_attempt=False`` their own retries stay, for a tool that also streams inputs outside this
     module's loop), the timeouts, the endpoint, region and block size when given (else the AWS
     environment's: ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``), and any other s3fs ``options``
@@ -180,6 +180,11 @@ def configure(
     config_kwargs = dict(s3.get("config_kwargs", {}))
     if single_attempt:
         config_kwargs.update(retries={"total_max_attempts": 1, "mode": "standard"})
+        session = _one_attempt_http_session()
+        if session is not None:
+            config_kwargs["http_session_cls"] = session
+    else:
+        config_kwargs.pop("http_session_cls", None)
     config_kwargs.update(read_timeout=read_timeout_s, connect_timeout=connect_timeout_s)
     s3["config_kwargs"] = config_kwargs
     if endpoint_url:
@@ -190,6 +195,16 @@ def configure(
     for key, value in (options or {}).items():
         s3[key] = value
     _forget_filesystems()
+
+
+def _one_attempt_http_session() -> type | None:
+    """aiobotocore's HTTP session without aiohttp's silent second try (``data_pipeline.s3_session``),
+    or None where aiobotocore is not installed."""
+    try:
+        from data_pipeline.s3_session import OneAttemptAIOHTTPSession
+    except ImportError:
+        return None
+    return OneAttemptAIOHTTPSession
 
 
 CREDENTIAL_OPTIONS = ("key", "secret", "token", "password", "access_key", "secret_key", "session_token",

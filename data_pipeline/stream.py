@@ -66,6 +66,7 @@ class _Source:
         salt = int(self.fingerprint[:15], 16)
         self.order = SourceOrder(self.reader.lengths, seq_len, seed, salt, window, shuffle, self.url, interleave)
         self.samples_per_epoch = self.order.samples_per_epoch
+        self.region = region
 
     def prefetch(self, position: int, with_prev: bool) -> _Planned:
         """Let the reader start fetching the ``position``-th sample (range mode on an object store);
@@ -80,7 +81,10 @@ class _Source:
         ``planned``: what ``prefetch`` returned for it."""
         if planned is None:
             epoch, start, stop, has_prev = self.order.sample_span(position, with_prev)
-            pieces = self.order.pieces(epoch, start, stop, shard_reader.SHARDS_AHEAD)
+            # whole shards are read ahead up to the end of the rank's stretch, not into other ranks' windows
+            end = self.order.stretch_end(position % self.samples_per_epoch, self.region)
+            limit = None if end is None else end * self.order.seq_len + 1
+            pieces = self.order.pieces(epoch, start, stop, shard_reader.SHARDS_AHEAD, limit)
             planned = [(piece, None) for piece in pieces], has_prev
         located, has_prev = planned
         pieces = [self.reader.span(*piece, eos) for piece, eos in located]
@@ -243,11 +247,12 @@ class PackedStream(IterableDataset):
         spans = math.ceil(shard_reader.BLOCKS_AHEAD * reader.block_size / stride)
         return min(4096, max(shard_reader.RANGE_AHEAD, spans))
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
         """Stop the background reads of this process (prefetched shards, blocks, indexes) and drop the
-        caches; a later iteration starts them again."""
+        caches; a later iteration starts them again. With ``wait``, return when the reads already
+        running have ended (their retries then are all in ``stats()``)."""
         for source in self._sources:
-            source.reader.close()
+            source.reader.close(wait)
 
     @property
     def vocab_size(self) -> int:

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data_pipeline.build import build_shards
+from data_pipeline.shard_reader import ShardReader
 from data_pipeline.shards import load_manifest
 from data_pipeline.stream import PackedStream, StreamLoader, tokenizer_info
 from data_pipeline.tokenizer import BYTE_VOCAB_SIZE, EOS_ID
@@ -560,3 +561,37 @@ def test_interleaved_stream_through_workers_gives_the_rank_order(data: dict) -> 
         if i == 3:
             break
     assert batch_rows == [x for _, x in reference]
+
+
+def test_interleaved_whole_shard_prefetch_stays_in_the_rank_stretches(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole shards with interleave 16 at 4 ranks: the shards read ahead are those of the rank's own
+    stretches, never the next shards of the epoch's order past a stretch's end (other ranks'); and the
+    read-ahead still serves the rank's next shards. The plain order, read by every rank, keeps its
+    read-ahead across windows."""
+    _corpus(tmp_path / "docs", 400, seed=3)
+    build_shards([str(tmp_path / "docs" / "*.txt")], str(tmp_path / "shards"), shard_tokens=300)
+    fetched: list[int] = []
+    real = ShardReader._fetch
+
+    def spy(self: ShardReader, idx: int) -> tuple[bytes, str]:
+        fetched.append(idx)
+        return real(self, idx)
+
+    monkeypatch.setattr(ShardReader, "_fetch", spy)
+    world, per_rank, lookahead = 4, 160, 64  # a span is 16 windows of 8 samples: 32 samples a rank
+    for interleave in (16, 1):
+        for rank in range(world):
+            stream = PackedStream([(str(tmp_path / "shards"), 1.0)], seq_len=SEQ, seed=7, rank=rank, world_size=world,
+                                  shuffle_buffer=8, interleave=interleave)
+            source = stream._sources[0]
+            assert (per_rank + lookahead) * world < source.samples_per_epoch  # all in epoch 0
+            fetched.clear()
+            _take(stream, per_rank)
+            stream.close(wait=True)
+            needed = set()
+            for i in range(per_rank + lookahead):
+                epoch, start, stop, _ = source.order.sample_span(stream.locate(rank + i * world)[1], False)
+                needed.update(shard for shard, *_ in source.order.pieces(epoch, start, stop, 0))
+            assert set(fetched) <= needed, (interleave, rank, sorted(set(fetched) - needed))
+            assert stream.stats()["prefetched"] > 0, (interleave, rank)

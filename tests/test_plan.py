@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_pipeline.storage import DEFAULT_BLOCK_SIZE
+from data_pipeline.tokenizer import smallest_dtype
 from model import build_model
 from pretrain.config import ConfigError, load_config
 from pretrain.engines import SingleEngine, build_engine, deepspeed_bucket_elements
@@ -104,6 +106,25 @@ def test_every_config_starts_at_the_world_sizes_its_header_names(path: Path) -> 
     for world in header_world_sizes(path):
         dims, gas = check_start(cfg, world)
         assert dims.data_parallel * gas * cfg.train.micro_batch == cfg.train.global_batch
+
+
+def test_cluster_recipes_lay_each_rank_samples_together() -> None:
+    """The recipes extending configs/base/pretrain.yaml set data.interleave as docs/data.md's "Choosing
+    C" says: at the largest world size their header names, the data-parallel ranks divide C (each
+    reads whole shuffle windows of its own, no other rank reads there), and a rank's stretch of a span
+    is at least two read blocks long (storage.block_size's default), so that the blocks or shards cut
+    by its two ends are a small part of what it reads."""
+    recipes = [path for path in _configs() if "base/pretrain.yaml" in path.read_text()]
+    assert len(recipes) >= 10
+    for path in recipes:
+        cfg = load_config(path)
+        ranks = check_start(cfg, max(header_world_sizes(path)))[0].data_parallel
+        interleave = cfg.data.interleave
+        assert interleave > 1 and interleave % ranks == 0, (path.name, interleave, ranks)
+        # bytes of a window in the shards: byte-level shards store uint8 (EOS is implied by the lengths)
+        item = 1 if cfg.data.tokenizer == "bytes" else smallest_dtype(cfg.model.vocab_size).itemsize
+        window = cfg.data.shuffle_buffer * (cfg.data.seq_len + 1) * item
+        assert interleave // ranks * window >= 2 * DEFAULT_BLOCK_SIZE, (path.name, interleave, window)
 
 
 def test_long_context_configs_start_at_64_gpus() -> None:

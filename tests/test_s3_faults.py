@@ -50,10 +50,17 @@ def through(endpoint: str) -> None:
     forget_filesystems()
 
 
-def _samples(url: str, read: str, block_size: int | None = None) -> tuple[list[list[int]], int]:
+def _samples(url: str, read: str, block_size: int | None = None,
+             proxy: FaultProxy | None = None) -> tuple[list[list[int]], int]:
+    """The first samples of a stream and the retries its reads made, counted once every read it
+    started (ahead of the samples too) has ended. `proxy` starts faulting every 3rd request once the
+    manifest is read, so that every fault falls on a shard read."""
     stream = PackedStream([(url, 1.0)], seq_len=128, seed=5, shuffle_buffer=8, read=read, verify=read == "shard",
                           read_retries=FAST.retries, block_size=block_size)
+    if proxy is not None:
+        proxy.every = 3
     samples = [s["input_ids"].tolist() for _, s in zip(range(150 if read == "shard" else 40), stream)]
+    stream.close(wait=True)
     return samples, stream.stats()["read_retries"]
 
 
@@ -61,18 +68,20 @@ def _samples(url: str, read: str, block_size: int | None = None) -> tuple[list[l
 def test_shards_read_through_faults_are_the_clean_samples(s3, proxy: FaultProxy, paragraphs: list[str],
                                                           read: str, block_size: int | None) -> None:
     """Whole shards, and byte ranges in blocks (a block a shard's tokens, and blocks of 200 bytes read by
-    the block threads ahead of the samples): the faults are retried, counted, and change no sample."""
+    the block threads ahead of the samples): the faults are retried, counted, and change no sample.
+    Every fault is a failed attempt that the project's retry loop sees and counts: none is retried
+    unseen beneath it (aiohttp resent reset and cut requests by itself before ``storage.configure``
+    turned that off; the range row counted 2 retries of 11 faults once)."""
     url = s3.url("shards")
     build_shards(paragraphs, url, shard_tokens=1000)
     clean, retries = _samples(url, read, block_size)
     assert retries == 0
     through(proxy.endpoint)
-    proxy.every = 3
-    faulted, retries = _samples(url, read, block_size)
+    faulted, retries = _samples(url, read, block_size, proxy)
     assert faulted == clean  # nothing lost, repeated or reordered
-    # the faults on shard reads were retried and counted (a loaded machine may add timeouts of its own)
-    assert retries >= 4, (retries, proxy.requests, proxy.done)
     assert set(proxy.done) == {"reset", "midread", "stall", "slowdown"}, proxy.done
+    # each injected fault counted (a loaded machine may add read timeouts of its own, counted too)
+    assert retries >= proxy.done.total(), (retries, proxy.requests, proxy.done)
 
 
 def test_checkpoints_through_faults_save_and_restore_exactly(s3, proxy: FaultProxy, tmp_path: Path) -> None:
@@ -87,7 +96,9 @@ def test_checkpoints_through_faults_save_and_restore_exactly(s3, proxy: FaultPro
     state = loader.resume("auto", engine)
     assert (state["trainer"]["step"], engine.value) == (3, payload_of(3))
     assert committed_steps(root) == ["step_00000003", "step_00000002"]
-    assert saver.retries + loader.retries >= 3 and proxy.done.total() >= 3, proxy.done
+    # every fault fell on a checkpoint call and was counted by it (none retried unseen beneath ours)
+    assert proxy.done.total() >= 3 and saver.retries + loader.retries >= proxy.done.total(), (
+        saver.retries, loader.retries, proxy.done)
 
 
 def test_a_fault_outlasting_the_budget_names_the_url_and_the_attempts(s3, proxy: FaultProxy, paragraphs: list[str],
@@ -99,13 +110,19 @@ def test_a_fault_outlasting_the_budget_names_the_url_and_the_attempts(s3, proxy:
     stream = PackedStream([(url, 1.0)], seq_len=128, shuffle=False, read_retries=FAST.retries)
     with pytest.raises(ShardError, match=rf"cannot read shard '{url}/shard-000001.tar': failed 5 times \(4 retries"):
         list(zip(range(10_000), stream))
+    stream.close(wait=True)
+    # the budget is the real one: the shard was asked for 5 times, not more (aiohttp resent each reset
+    # request once by itself before storage.configure turned that off: 10)
+    assert proxy.done == {"reset": FAST.retries + 1}, proxy.done
 
     root = s3.url("run/checkpoints")
     save(Checkpointer(root, tmp_path / "stage", 2, 0, False), 1)
+    proxy.done.clear()
     proxy.plan = lambda n, line: "reset" if line.startswith(b"PUT") and b"step_00000002/manifest.json" in line else None
     with pytest.raises(CheckpointError,
                        match=rf"of step 2: cannot upload '{root}/step_00000002/manifest.json': failed 5"):
         save(Checkpointer(root, tmp_path / "stage", 2, 0, False), 2)
+    assert proxy.done == {"reset": FAST.retries + 1}, proxy.done  # 5 PUTs of the manifest, no more
     proxy.plan = lambda n, line: None
     assert committed_steps(root) == ["step_00000001"]  # step 2's files are there, uncommitted
     fs, _ = fsspec.core.url_to_fs(root)

@@ -231,8 +231,9 @@ class Checkpointer:
     # -- listing and restoring
 
     def list(self) -> list[str]:
-        """Names of the candidate step directories (manifest.committed_steps), newest first."""
-        return committed_steps(self.root)
+        """Names of the candidate step directories (manifest.committed_steps), newest first; the
+        retries of a remote listing count in `retries`, as every other call to the store does."""
+        return committed_steps(self.root, self._count_retry)
 
     def _local_copy(self, url: str) -> Path:
         if is_local(url):

@@ -106,13 +106,14 @@ def fetch(url: str, into: Path, count: Callable[[int], None] | None = None) -> P
     return ObjectStore(root, count).download(name, into)
 
 
-def committed_steps(root: str) -> list[str]:
+def committed_steps(root: str, count: Callable[[int], None] | None = None) -> list[str]:
     """Names of the candidate step directories under `root` (path or fsspec URL), newest step
     first: each step's own directory, then its `.old-<n>` copies (newest first), which hold the
     committed step when a re-save was interrupted. `.tmp` (being written) and `.del` (being
-    pruned) never count. A listed directory may still fail verification."""
+    pruned) never count. A listed directory may still fail verification. `count` is told of each
+    retry of a remote listing."""
     if not is_local(root):  # listed by manifest: without one a step is not committed (object_store.py)
-        names = ObjectStore(root).committed()
+        names = ObjectStore(root, count).committed()
     else:
         fs, path = url_to_fs(root)
         if not fs.exists(path):
