@@ -37,7 +37,7 @@ from kernels.soe.gpu.walk import (
 @triton.jit
 def chunk_state_grads_kernel(
     q, d_out, d_z, log_lam, docs, d_reads, d_edges,
-    seq_len, BH, C0, N, H: tl.constexpr, S: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+    seq_len, BH, S, C0, N, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, NORMS_BY_PRODUCT: tl.constexpr,
 ):  # fmt: skip
     """Term s's state gradient walked over chunks C0 .. C0 + N - 1 (a phase) in reverse, from the gradient
@@ -106,7 +106,7 @@ def _chunk_pairs(q, k, v, coef, log_lam, docs, d_out, d_z, b, h, start, seq_len,
 @triton.jit
 def chunk_query_grads_kernel(
     q, k, v, coef, log_lam, docs, reads, d_out, d_z, dq,
-    seq_len, BH, C0, H: tl.constexpr, S: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+    seq_len, BH, S, C0, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dq of one chunk c (C0 + program / BH, slot c - C0 of ``reads``) of one batch x head: (dP * Wc) K over the
@@ -137,7 +137,7 @@ def chunk_query_grads_kernel(
 @triton.jit
 def chunk_key_value_grads_kernel(
     q, k, v, coef, log_lam, docs, d_reads, d_out, d_z, dk, dv, dcoef,
-    seq_len, BH, C0, H: tl.constexpr, S: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+    seq_len, BH, S, C0, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
     KEYS: tl.constexpr, VALUES: tl.constexpr, COEFS: tl.constexpr,
 ):  # fmt: skip

@@ -65,7 +65,7 @@ def _normaliser_slot(slot, F, DV, offs_f, b_mask, NORMS_BY_PRODUCT: tl.constexpr
 @triton.jit
 def chunk_states_kernel(
     k, v, coef, log_lam, docs, reads, states,
-    seq_len, BH, STRIDE, C0, N, H: tl.constexpr, S: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+    seq_len, BH, S, STRIDE, C0, N, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, BORDERS: tl.constexpr,
     NORMS_BY_PRODUCT: tl.constexpr,
 ):  # fmt: skip
@@ -120,7 +120,7 @@ def chunk_states_kernel(
 @triton.jit
 def chunk_output_kernel(
     q, k, v, coef, log_lam, docs, reads, out, z,
-    seq_len, BH, C0, H: tl.constexpr, S: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+    seq_len, BH, S, C0, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """o and z of one chunk c (C0 + program / BH) of one batch x head: sum_j (q_i . k_j) Wc[i, j] (v_j, 1)

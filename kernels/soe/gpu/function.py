@@ -88,7 +88,7 @@ def _save(ctx, saved: tuple[torch.Tensor, ...], chunk_size: int, dtypes: list, g
 def kept_reads_shape(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[int, ...]:
     """The shape of the per-chunk states (the state entering every chunk, in the operands' dtype) that the
     forward keeps for the backward: [chunks, B*H*S, F*D + F] when one phase of the chunk kernels covers
-    the sequence (its states within launches.KEPT_BYTES, 1 GiB), so that the chunk-parallel backward
+    the sequence (its states within launches.KEPT_BYTES, 1.25 GiB), so that the chunk-parallel backward
     reads them instead of walking the chunks again; (0,) otherwise, when the backward walks each phase
     again."""
     batch, seq_len, heads, feat = q.shape
@@ -123,7 +123,7 @@ class SoeScanTriton(torch.autograd.Function):
         dtypes = [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)]
         operands, (launches, span, chunk) = _operands(q, k, v, coef, log_lam, chunk_size, reset)
         q, k, v, coef, ll, docs = operands
-        rows = (seq_len, batch * heads)  # the chunk kernels' sizes; the rest of the shape is compiled in
+        rows = (seq_len, batch * heads, ll.shape[-1])  # the chunk kernels' sizes; the rest are compiled in
         states = slots(triton.cdiv(seq_len, span * chunk), pack(g0, b0), at_end=False)
         out = torch.empty(batch, seq_len, heads, v.shape[-1], dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
@@ -248,7 +248,7 @@ def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, kept_reads
     (dk, dv, dcoef), each one program per chunk x batch x head."""
     q, k, v, coef, ll, docs = inputs
     batch, seq_len, heads = q.shape[:3]
-    rows = (seq_len, batch * heads)  # the chunk kernels' sizes; the rest of the shape is compiled in
+    rows = (seq_len, batch * heads, ll.shape[-1])  # the chunk kernels' sizes; the rest are compiled in
     dq, dk, dv, dcoef = (torch.empty_like(x) for x in (q, k, v, coef))
     d_edges = torch.stack((torch.empty_like(final), final))
     reads = d_reads = None

@@ -56,7 +56,8 @@ class Tiles:
     The chunk kernels (VORT's decays, which need no gradient), each its own Shape: the forward's state
     walk (``states_walk``) and its rerun in the backward without the span borders (``rewalk``), the
     state-gradient walk (``grads_walk``), the outputs, and the chunk-parallel dq, dk, dv and dcoef (a launch
-    each: sm_80 spilled 16-144 bytes with them in one or two). ``norms_by_product``: whether the two
+    each: sm_80 spilled 16-144 bytes with them in one or two); ``split_walk``: any of the three walks when
+    its programs hold a block of the state (`walk_shape`). ``norms_by_product``: whether the two
     walks add the normalisers (and their gradient) by a product with ones (with dz) on the tensor cores
     rather than a sum across the threads (on sm_80 the forward walk spilled 120 bytes at 128 registers).
 
@@ -82,6 +83,7 @@ class Tiles:
     key_grads: Shape
     value_grads: Shape
     coef_grads: Shape
+    split_walk: Shape
     norms_by_product: bool = False
 
 
@@ -91,17 +93,21 @@ _SM80_GRADS = Shape(8, 1)
 TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4,
                       states_walk=Shape(8, 1, 128), rewalk=Shape(8, 1, 128), grads_walk=Shape(8, 1, 128),
                       outputs=Shape(4, 1), query_grads=_SM80_GRADS, key_grads=_SM80_GRADS,
-                      value_grads=_SM80_GRADS, coef_grads=_SM80_GRADS),
+                      value_grads=_SM80_GRADS, coef_grads=_SM80_GRADS, split_walk=Shape(8, 1, 128)),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4,
                      states_walk=Shape(16, 1, 64), rewalk=Shape(16, 1, 64), grads_walk=Shape(8, 1, 80),
-                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 2), key_grads=Shape(4, 2, 128),
-                     value_grads=Shape(4, 2, 128), coef_grads=Shape(4, 2, 168), norms_by_product=True)}  # fmt: skip
+                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 1), key_grads=Shape(4, 2, 128),
+                     value_grads=Shape(4, 2, 168), coef_grads=Shape(4, 2, 168), split_walk=Shape(8, 1, 128),
+                     norms_by_product=True)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that divides the backward's span
 
 SHARES_BYTES = 2**30  # the most the coefficient gradient's fp32 shares of one phase of the backward take
 READS_BYTES = 2**29  # the most one phase's per-chunk states (or state gradients) take
-KEPT_BYTES = 2**30  # the most per-chunk states a forward keeps for its backward: one phase, the whole sequence
+# The most per-chunk states a forward keeps for its backward (one phase, the whole sequence): 1.25 GiB
+# keeps vort-350m's at 32,768 tokens (1.23 GB a layer, the 256k recipe's per-rank length) but not
+# vort-125m's at 65,536 (1.84 GB), which would take one call past issue 46's 40 kB per token and layer.
+KEPT_BYTES = 5 * 2**28
 
 
 def chunk_block(chunk_size: int, capability: int) -> int:
@@ -183,7 +189,7 @@ def chunk_phase(rows: int, width: int, itemsize: int, stride: int, n_chunks: int
     slot of ``itemsize`` bytes per chunk, stay within KEPT_BYTES (the forward then keeps them for the
     backward); else whole spans (``stride`` chunks each) whose states stay within READS_BYTES (at least
     one span), the spans shared out evenly over the fewest phases (so that no last phase of a chunk or
-    two leaves the GPU idle). At vort-125m: one phase up to 32,768 tokens, 4 at 65,536."""
+    two leaves the GPU idle). One phase up to 32,768 tokens at vort-125m and vort-350m; 4 and 6 at 65,536."""
     if n_chunks * rows * width * itemsize <= KEPT_BYTES:
         return n_chunks
     most = max(1, READS_BYTES // (stride * rows * width * itemsize))  # spans per phase at most
@@ -282,9 +288,9 @@ def soe_launches(
     per_phase = chunk_phase(batch * heads * n_terms, feat * (width + 1), dtype.itemsize, stride,
                             triton.cdiv(seq_len, fc))  # fmt: skip
     # the chunk kernels take the shape as constants: masks and address arithmetic fold at compile time
-    shape = {"H": heads, "S": n_terms, "F": feat, "DV": width, "W": feat * (width + 1)}
+    shape = {"H": heads, "F": feat, "DV": width, "W": feat * (width + 1)}
     forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype)} | shape
-    fwd_ints = {"seq_len": "i32", "BH": "i32"}
+    fwd_ints = {"seq_len": "i32", "BH": "i32", "S": "i32"}
     d_state_in = qkv | base | {"d_states": "fp32", "d_out": operand}
     launches = {
         "fwd_states": Launch(
@@ -292,7 +298,8 @@ def soe_launches(
             fwd_ints | {"STRIDE": "i32", "C0": "i32", "N": "i32"},
             forward | {"BF": sbf, "BD": sbd, "BORDERS": True, "NORMS_BY_PRODUCT": tiles.norms_by_product},
             (batch * heads * n_terms * triton.cdiv(feat, sbf) * triton.cdiv(width, sbd), 1, 1),
-            **_shaped(tiles.states_walk), wide=frozenset(("k", "v", "coef", "reads", "states")),
+            **_shaped(walk_shape(tiles, tiles.states_walk, (sbf, sbd), (bf, bv))),
+            wide=frozenset(("k", "v", "coef", "reads", "states")),
         ),
         "fwd": Launch(
             chunk_output_kernel, qkv | base | {"reads": operand, "out": operand, "z": operand},
@@ -333,6 +340,14 @@ def soe_launches(
     return bt, {name: launches[name] for name in order}
 
 
+def walk_shape(tiles: Tiles, shape: Shape, block: tuple[int, int], whole: tuple[int, int]) -> Shape:
+    """A chunk state walk's shape: ``shape`` where its programs hold the whole padded state (``block`` ==
+    ``whole``, as at every 18-term config), else ``tiles.split_walk``: the register caps were chosen for
+    whole states, and m5-125m's five terms, walked in 32 x 32 blocks to fill the GPU, spilled 48 bytes at
+    16 warps in 64 registers on sm_90."""
+    return shape if block == whole else tiles.split_walk
+
+
 def _shaped(shape: Shape) -> dict[str, int | None]:
     """A Launch's fields for ``shape``: warps, stages and register cap."""
     return {"num_warps": shape.warps, "num_stages": shape.stages, "max_registers": shape.registers}
@@ -355,14 +370,15 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
 
     state_in = {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32", "docs": "i32"}
     walk = forward["fwd_states"]
+    block, whole = (walk.constexprs["BF"], walk.constexprs["BD"]), (constexprs["BF"], constexprs["BD"])
     out = {
         "bwd_reads": dataclasses.replace(walk, constexprs=walk.constexprs | {"BORDERS": False},
-                                         **_shaped(tiles.rewalk)),
+                                         **_shaped(walk_shape(tiles, tiles.rewalk, block, whole))),
         "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"},
                                    ints | {"N": "i32"},
                                    {k: walk.constexprs[k] for k in ("BT", "BF", "BD", "PRECISION", "NORMS_BY_PRODUCT",
-                                                                    "H", "S", "F", "DV", "W")},
-                                   walk.grid, **_shaped(tiles.grads_walk),
+                                                                    "H", "F", "DV", "W")},
+                                   walk.grid, **_shaped(walk_shape(tiles, tiles.grads_walk, block, whole)),
                                    wide=frozenset(("q", "d_out", "d_z", "d_reads"))),
         "bwd_chunk_queries": chunk_launch(chunk_query_grads_kernel,
                                           reads | {"reads": operand} | grads_in | {"dq": operand}, tiles.query_grads),
