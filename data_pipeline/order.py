@@ -159,6 +159,12 @@ class SourceOrder:
             return first + slots_end * size
         return None
 
+    def stretch_limit(self, q: int, region: int) -> int | None:
+        """The stream position (tokens) that whole shards are read ahead up to from shuffled position ``q``:
+        the end of its stretch (`stretch_end`), so that the read-ahead stays out of other ranks' windows."""
+        end = self.stretch_end(q, region)
+        return None if end is None else end * self.seq_len + 1
+
     def pieces(self, epoch: int, start: int, stop: int, ahead: int = 2,
                limit: int | None = None) -> Iterator[tuple[int, int, int, list[int]]]:
         """``(shard, lo, hi, following shards)`` for each shard that positions ``[start, stop)`` of the

@@ -81,9 +81,7 @@ class _Source:
         ``planned``: what ``prefetch`` returned for it."""
         if planned is None:
             epoch, start, stop, has_prev = self.order.sample_span(position, with_prev)
-            # whole shards are read ahead up to the end of the rank's stretch, not into other ranks' windows
-            end = self.order.stretch_end(position % self.samples_per_epoch, self.region)
-            limit = None if end is None else end * self.order.seq_len + 1
+            limit = self.order.stretch_limit(position % self.samples_per_epoch, self.region)
             pieces = self.order.pieces(epoch, start, stop, shard_reader.SHARDS_AHEAD, limit)
             planned = [(piece, None) for piece in pieces], has_prev
         located, has_prev = planned
@@ -248,9 +246,8 @@ class PackedStream(IterableDataset):
         return min(4096, max(shard_reader.RANGE_AHEAD, spans))
 
     def close(self, wait: bool = False) -> None:
-        """Stop the background reads of this process (prefetched shards, blocks, indexes) and drop the
-        caches; a later iteration starts them again. With ``wait``, return when the reads already
-        running have ended (their retries then are all in ``stats()``)."""
+        """Stop this process's background reads (shards, blocks, indexes), drop the caches (a later iteration
+        starts again); with ``wait``, return once the running reads end (their retries all in ``stats()``)."""
         for source in self._sources:
             source.reader.close(wait)
 
