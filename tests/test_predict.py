@@ -89,6 +89,16 @@ def test_hbm_bytes_are_the_tensors_the_kernel_touches() -> None:
     assert n3 == 3 * a_row + 32 * 64 * 2 + 8 * 64 * 64 * 4
 
 
+def test_hbm_bytes_of_a_launch_over_part_of_its_tensors() -> None:
+    """Two programs over tensors sized for eight (as one phase of a long sequence is launched): HBM bytes
+    are what the loads and stores request, below the whole tensors, and at least the parts the two
+    programs touch (their rows of A and C, and B)."""
+    got = facts()["dot sm90 part"]
+    touched = 2 * (3 * 64 * 32 * 2 + 64 * 64 * 4) + 32 * 64 * 2
+    assert got["hbm_bytes"] == got["l2_bytes"] < got["tensor_bytes"]
+    assert got["hbm_bytes"] >= touched
+
+
 @pytest.mark.slow
 def test_fla_op_predicted_from_its_own_launches() -> None:
     """`python -m benchmarks.predict fla:retention` captures fla's launches (autotuned ones as

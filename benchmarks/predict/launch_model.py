@@ -3,7 +3,9 @@
 Per launch (`LaunchCost`, constants aside): the programs, warps and occupancy (programs resident per SM
 from registers, shared memory, warps and the block limit), the work of one program by unit
 (benchmarks.predict.sass.Program) and the bytes it moves: HBM (each tensor argument the kernel touches,
-once: re-reads hit the 50 MB L2) and L2 (every byte its load and store instructions request).
+once: re-reads hit the 50 MB L2; but no more than its loads and stores request in all, when the SASS counts
+them all, for a launch that covers a part of its tensors, as one phase of a long sequence does) and L2
+(every byte its load and store instructions request).
 
 With the fitted constants (`Constants`), a full SM of c resident programs takes the longest of:
 - each unit's work over its rate (tensor FLOPs at the bf16 rate, HMMA at `hmma_efficiency` of it, TF32
@@ -26,7 +28,7 @@ import math
 
 from benchmarks.predict.capture import Launch
 from benchmarks.predict.gpu import Gpu
-from benchmarks.predict.sass import Binary, Program, compile_launch, loop_trips, program_work
+from benchmarks.predict.sass import BULK_COPIES, Binary, Program, compile_launch, loop_trips, program_work
 
 L2_BYTES_PER_CLOCK_PER_SM = 64  # H100 L2 read bandwidth, ~5.5 TB/s measured by Chips and Cheese (2023)
 SHARED_BYTES_PER_CLOCK = 128  # per SM: 32 banks x 4 bytes
@@ -111,8 +113,10 @@ def launch_cost(launch: Launch, gpu: Gpu) -> LaunchCost:
     """The constant-free description of ``launch`` on ``gpu``: compile, count, size."""
     binary = compile_launch(launch, gpu.capability)
     work = program_work(binary, loop_trips(binary, launch))
-    hbm = sum(t.numel() * t.element_size() for n, t in launch.args.items() if n in binary.used_args)
+    tensors = sum(t.numel() * t.element_size() for n, t in launch.args.items() if n in binary.used_args)
     l2 = work.global_bytes * launch.programs
+    counted = not any(i.opcode in BULK_COPIES for i in binary.instructions)
+    hbm = min(tensors, l2) if counted else tensors
     wgmma = any(i.opcode == "HGMMA" for i in binary.instructions)
     return LaunchCost(launch.name, launch.config(), launch.programs, launch.num_warps, occupancy(binary, gpu),
                       binary.registers, binary.shared, work, float(hbm), float(max(l2, hbm)), wgmma)

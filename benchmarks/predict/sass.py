@@ -222,12 +222,16 @@ class Program:
     per_warp: Counter  # unit -> warp instructions one warp issues
     tensor_flops: float  # per program
     tf32_flops: float  # the part run as TF32 (half the bf16 rate)
-    global_bytes: float  # bytes the program's loads and stores request
+    global_bytes: float  # bytes the program's loads and stores request (bulk copies aside)
     shared_bytes: float  # bytes through shared memory (LDS/STS/LDSM)
     loop_iterations: float  # iterations of the outermost loops (the sequential steps)
     body_instructions: float  # warp instructions per warp in one iteration of the outermost loops (0 if none)
     waiting_iterations: float  # iterations of outermost loops that wait on their own loads (_waits_on_loads)
 
+
+BULK_COPIES = ("UTMALDG", "UTMASTG", "UBLKCP")
+"""TMA and bulk copies: their bytes are not in the instruction's modifiers, so `Program.global_bytes` leaves
+them out."""
 
 _WIDTH = re.compile(r"(?:^|\.)(?:U?)(8|16|32|64|128)(?:\.|$)")
 
@@ -255,7 +259,7 @@ def program_work(binary: Binary, trips: list[float]) -> Program:
             f = tensor_flops(ins, binary.warps) * w
             flops += f
             tf32 += f if is_tf32(ins) else 0.0
-        elif ins.unit == "global" and ins.opcode not in ("UTMALDG", "UTMASTG", "UBLKCP"):
+        elif ins.unit == "global" and ins.opcode not in BULK_COPIES:
             gbytes += _access_bytes(ins) * binary.warps * w
         elif ins.unit == "shared" and ins.opcode in ("LDS", "STS", "LDSM", "STSM"):
             sbytes += _access_bytes(ins) * binary.warps * w
