@@ -103,9 +103,6 @@ def check_carry(cfg: RunConfig) -> None:
     if not family(cfg.model.kind).carries_memory:
         raise ConfigError(f"train.carry_state: model.kind={cfg.model.kind} carries no memory across calls, "
                           "only its position")
-    if cfg.train.compile:
-        raise ConfigError("train.carry_state: not with train.compile (the carried positions are Python ints that "
-                          "change every step, so the compiled graph would be rebuilt every step)")
     if cfg.data.num_workers:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers}: train.carry_state reads its lanes in the "
                           "training process; set data.num_workers=0")
