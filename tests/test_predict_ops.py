@@ -51,6 +51,21 @@ def test_inplace_add_reads_and_writes_its_target():
     assert (op.bytes_read, op.bytes_written) == (40, 40)
 
 
+def test_fills_shaped_like_a_tensor_read_nothing():
+    """new_zeros, zeros_like and full_like take a shape, dtype and device from their input: they write
+    their output and read nothing, in eager pricing and under the compile model (which, as nothing reads
+    the fill after it, moves no byte for it at all)."""
+    from benchmarks.predict.price import fused_memory
+
+    a = meta(1000, 100)
+    fills = ((lambda: a.new_zeros(10), 40), (lambda: torch.zeros_like(a), 400_000),
+             (lambda: torch.full_like(a, 2.0), 400_000))
+    for fill, size in fills:
+        (op,) = capture_ops(fill)
+        assert (op.kind, op.bytes_read, op.bytes_written) == ("memory", 0, size)
+        assert fused_memory([op], [])[0] == 0
+
+
 def test_view_chain_moves_nothing_and_a_copying_reshape_does():
     a = meta(4, 6)
     ops = capture_ops(lambda: a.view(2, 12).unsqueeze(0).transpose(1, 2)[0, 3:].expand(2, 9, 2))

@@ -12,10 +12,11 @@ would run them. Each `Op` is one of four kinds:
   ops, fills), and convolutions too narrow for tensor-core tiles (depthwise: one input channel per
   output), which GPUs run as direct, bandwidth-bound kernels.
 Bytes are the memory each tensor spans (dimensions of stride 0, an expand's, count once, and no tensor
-more than its storage): each distinct input is read once, each output and each mutated argument
-written once; an in-place op reads and writes its target, except the ops that overwrite it whole
-(copy_, fill_, zero_); a scatter (index_put_, scatter_, index_add_...) writes as many elements as its
-source holds. Tensor lists (foreach ops, stack, cat) count every tensor.
+more than its storage): each distinct input is read once (none by the ops that take only a shape from
+their inputs: new_zeros, zeros_like...), each output and each mutated argument written once; an
+in-place op reads and writes its target, except the ops that overwrite it whole (copy_, fill_, zero_);
+a scatter (index_put_, scatter_, index_add_...) writes as many elements as its source holds. Tensor
+lists (foreach ops, stack, cat) count every tensor.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ _VIEW = {
     "transpose_", "expand", "view", "permute", "squeeze", "squeeze_", "unsqueeze", "unsqueeze_", "slice",
     "select", "split", "split_with_sizes", "chunk", "unbind", "unfold", "diagonal", "narrow", "resize_",
 }
+_SHAPE_ONLY = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "rand_like",
+               "randn_like", "randint_like"}  # their tensor arguments give a shape, dtype and device: nothing is read
 _OVERWRITE = {"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_"}
 _SCATTER = {"index_put_", "index_put", "_index_put_impl_", "scatter_", "scatter", "scatter_add_",
             "scatter_add", "index_add_", "index_add", "index_copy_", "index_copy", "masked_scatter_"}
@@ -210,7 +213,8 @@ def make_op(func: Any, args: tuple, kwargs: dict, out: Any) -> Op:
         accumulates = "add" in base or bool(named.get("accumulate", False))  # reads the elements it adds to
         return Op(str(func), kind, flops, read + (written if accumulates else 0), written, *shapes)
     written = _unique_bytes(outs + mutated)
-    return Op(str(func), kind, flops, _unique_bytes(ins), written, *shapes, gemm=gemm)
+    read = 0 if base in _SHAPE_ONLY else _unique_bytes(ins)
+    return Op(str(func), kind, flops, read, written, *shapes, gemm=gemm)
 
 
 _PACKAGES = {str(Path(__file__).resolve().parents[2] / p) + "/": p for p in ("kernels", "model", "pretrain")}
@@ -249,7 +253,8 @@ class OpRecorder(TorchDispatchMode):
             with self:
                 return SCAN_OPS[func](*args, **kwargs)
         out = func(*args, **kwargs)
-        reads = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors((args, kwargs)))
+        read = () if func._schema.name.split("::")[-1] in _SHAPE_ONLY else (args, kwargs)
+        reads = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors(read))
         writes = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors(out))
         self.ops.append(dataclasses.replace(make_op(func, args, kwargs, out), origin=_origin(), reads=reads,
                                             writes=writes))
