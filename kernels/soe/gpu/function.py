@@ -4,6 +4,7 @@ states, and the gradient walks (kernels/soe/gpu/launches.py lists the launches i
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import triton
@@ -87,28 +88,22 @@ def _save(ctx, saved: tuple[torch.Tensor, ...], chunk_size: int, dtypes: list, g
 
 def kept_reads_shape(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[int, ...]:
     """The shape of the per-chunk states (the state entering every chunk, in the operands' dtype) that the
-    forward keeps for the backward: [chunks, B*H*S, F*D + F] when one phase of the chunk kernels covers
-    the sequence (its states within launches.KEPT_BYTES, 1.25 GiB), so that the chunk-parallel backward
-    reads them instead of walking the chunks again; (0,) otherwise, when the backward walks each phase
+    forward keeps for the backward: its buffer for a phase of the chunk kernels, [chunks of the longest
+    phase, B*H*S, F*D + F], holding the last phase's (the whole sequence's when its states are within
+    launches.KEPT_BYTES, 1.25 GiB; else whole spans within launches.READS_BYTES, 512 MiB), so that the
+    chunk-parallel backward, which starts from the last phase, reads them instead of walking those chunks
     again."""
     batch, seq_len, heads, feat = q.shape
-    launches, _span, _chunk = _geometry(q, v, log_lam, chunk_size)
-    n_chunks = _one_phase(launches["fwd"], batch * heads, seq_len)
-    return (n_chunks, batch * heads * log_lam.shape[-1], feat * (v.shape[-1] + 1)) if n_chunks else (0,)
-
-
-def _one_phase(outputs, rows: int, seq_len: int) -> int:
-    """The chunks of the sequence if the output launch ``outputs`` (``rows`` = batch x heads programs a
-    chunk) covers them in one phase, else 0."""
-    n_chunks = triton.cdiv(seq_len, outputs.constexprs["BT"])
-    return n_chunks if outputs.grid[0] // rows >= n_chunks else 0
+    launches, span, chunk = _geometry(q, v, log_lam, chunk_size)
+    phases = _phases(launches["fwd"], batch * heads, seq_len, _border_stride(launches, span, chunk))
+    return max(n for _c0, n, _launch in phases), batch * heads * log_lam.shape[-1], feat * (v.shape[-1] + 1)
 
 
 class SoeScanTriton(torch.autograd.Function):
     """Triton forward in chunk-parallel form and backward over spans of chunks (kernels/soe/gpu/launches.py lists
     the launches). The forward's walk stores the state entering every chunk in the operands' dtype for the
-    outputs ([chunks, B*H*S, F*D + F]; kept for the chunk-parallel backward when one phase covers the
-    sequence, :func:`kept_reads_shape`, else freed when the forward returns) and the fp32 states at the
+    outputs ([chunks of a phase, B*H*S, F*D + F]; the last phase's kept for the chunk-parallel backward,
+    :func:`kept_reads_shape`) and the fp32 states at the
     backward's span borders, [n_spans + 1, B*H*S, F*D + F], which it saves for the backward; the backward's
     walks keep their block of every term's state on chip. ``reset`` (bool [B, T] or None) zeroes the state
     before each document's first token: the kernels get the document numbers, the span pass a per-span carry
@@ -128,14 +123,12 @@ class SoeScanTriton(torch.autograd.Function):
         out = torch.empty(batch, seq_len, heads, v.shape[-1], dtype=q.dtype, device=q.device)
         z = torch.empty(batch, seq_len, heads, dtype=q.dtype, device=q.device)
         stride = _border_stride(launches, span, chunk)
-        reads = None
-        for c0, n, phase in _phases(launches["fwd"], batch * heads, seq_len):
-            reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
+        phases = _phases(launches["fwd"], batch * heads, seq_len, stride)
+        reads = q.new_empty(max(n for _c0, n, _launch in phases), *states.shape[1:])
+        for c0, n, phase in phases:
             launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *rows, stride, c0, n)
             phase.run(q, k, v, coef, ll, docs, reads, out, z, *rows, c0)
-        kept_reads = reads if _one_phase(launches["fwd"], batch * heads, seq_len) else q.new_empty(0)
-        del reads
-        _save(ctx, (*operands, states, kept_reads), chunk_size, dtypes, g0.shape)
+        _save(ctx, (*operands, states, reads), chunk_size, dtypes, g0.shape)
         g_t, b_t = unpack(states[-1], g0.shape)
         return out, z, g_t, b_t
 
@@ -228,42 +221,51 @@ def _border_stride(launches: dict, span: int, chunk: int) -> int:
     return triton.cdiv(span * chunk, launches["fwd"].constexprs["BT"])
 
 
-def _phases(launch, rows: int, seq_len: int):
+def _phases(launch, rows: int, seq_len: int, stride: int) -> list[tuple[int, int, Any]]:
     """(first chunk, chunks, the launch with its grid) of each phase of a chunk-parallel launch whose full
-    grid is one phase of chunks x ``rows`` programs (launches.chunk_phase), first to last."""
+    grid is one phase of chunks x ``rows`` programs (launches.chunk_phase: whole spans of ``stride`` chunks,
+    or the whole sequence), first to last. Phases start at span borders, where the forward stores the state
+    the backward walks from; a phase of fewer spans than the rest comes first, so that the last phase, whose
+    states the forward keeps for the backward, is a full one."""
     per_phase, chunk = launch.grid[0] // rows, launch.constexprs["BT"]
     n_chunks = triton.cdiv(seq_len, chunk)
-    for c0 in range(0, n_chunks, per_phase):
-        n = min(per_phase, n_chunks - c0)
-        yield c0, per_phase, dataclasses.replace(launch, grid=(n * rows, 1, 1))
+    if per_phase >= n_chunks:
+        starts = [0]
+    else:
+        n_spans, per_spans = triton.cdiv(n_chunks, stride), per_phase // stride
+        first = (n_spans - (triton.cdiv(n_spans, per_spans) - 1) * per_spans) * stride
+        starts = [0, *range(first, n_chunks, per_phase)]
+    ends = [*starts[1:], n_chunks]
+    return [(c0, end - c0, dataclasses.replace(launch, grid=((end - c0) * rows, 1, 1)))
+            for c0, end in zip(starts, ends, strict=True)]
 
 
 def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, kept_reads: torch.Tensor, d_out: torch.Tensor,
                  d_z: torch.Tensor, final: torch.Tensor, g_shape: torch.Size, stride: int) -> tuple:  # fmt: skip
     """(dq, dk, dv, dcoef, None, dG0, db0) by the chunk-parallel backward (kernels/soe/gpu/chunk_grads.py)
     for decays that need no gradient, phase by phase from the last: the states entering the phase's chunks
-    (``kept_reads``, the forward's, when it kept them: one phase; else walked again from the fp32 state at
-    its start, ``states``: the forward's span borders, ``stride`` chunks apart), the gradients of the
-    states leaving them walked back from the one leaving the phase (``final`` for the last), then dq and
+    (for the last phase ``kept_reads``, the forward's; for the others walked again into a buffer of their
+    own from the fp32 state at the phase's start, ``states``: the forward's span borders, ``stride`` chunks
+    apart, so that a second backward through a retained graph finds the kept states intact), the gradients
+    of the states leaving them walked back from the one leaving the phase (``final`` for the last), then dq and
     (dk, dv, dcoef), each one program per chunk x batch x head."""
     q, k, v, coef, ll, docs = inputs
     batch, seq_len, heads = q.shape[:3]
     rows = (seq_len, batch * heads, ll.shape[-1])  # the chunk kernels' sizes; the rest are compiled in
     dq, dk, dv, dcoef = (torch.empty_like(x) for x in (q, k, v, coef))
-    d_edges = torch.stack((torch.empty_like(final), final))
-    reads = d_reads = None
-    for c0, n, phase in reversed(list(_phases(launches["bwd_chunk_queries"], batch * heads, seq_len))):
-        if kept_reads.numel():
-            reads = kept_reads
-        else:
-            reads = q.new_empty(n, *states.shape[1:]) if reads is None else reads
+    phases = _phases(launches["bwd_chunk_queries"], batch * heads, seq_len, stride)
+    d_edges = final.new_empty(len(phases) + 1, *final.shape)  # the state gradients at the phase borders
+    d_edges[-1] = final
+    d_reads, walked = torch.empty_like(kept_reads), None
+    for j, (c0, n, phase) in reversed(list(enumerate(phases))):
+        reads = kept_reads
+        if c0 != phases[-1][0]:  # an earlier phase: its states walked again (the kept buffer is left as saved)
+            reads = walked = torch.empty_like(kept_reads) if walked is None else walked
             launches["bwd_reads"].run(k, v, coef, ll, docs, reads, states, *rows, stride, c0, n)
-        d_reads = torch.empty_like(reads) if d_reads is None else d_reads
-        launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges, *rows, c0, n)
+        launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges[j : j + 2], *rows, c0, n)
         phase.run(*inputs, reads, d_out, d_z, dq, *rows, c0)
         for name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
             dataclasses.replace(launches[name], grid=phase.grid).run(*inputs, d_reads, d_out, d_z, dk, dv, dcoef,
                                                                      *rows, c0)  # fmt: skip
-        d_edges[1].copy_(d_edges[0])
     dg0, db0 = unpack(d_edges[0], g_shape)
     return dq, dk, dv, dcoef, None, dg0, db0

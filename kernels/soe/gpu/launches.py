@@ -25,7 +25,7 @@ from kernels.soe.gpu.chunk_grads import (
     chunk_state_grads_kernel,
 )
 from kernels.soe.gpu.forward import chunk_output_kernel, chunk_states_kernel
-from kernels.span import MIN_PROGRAMS, span_pass_launch
+from kernels.span import MIN_PROGRAMS, TARGET_PROGRAMS, span_pass_launch
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -53,20 +53,24 @@ class Tiles:
     block (value columns for the state- and value-gradient walks, feature columns for the query and key
     walks), their warps and stages, and the warps of the chunk-parallel coefficient kernel.
 
-    The chunk kernels (VORT's decays, which need no gradient), each its own Shape: the forward's state
-    walk (``states_walk``) and its rerun in the backward without the span borders (``rewalk``), the
-    state-gradient walk (``grads_walk``), the outputs, and the chunk-parallel dq, dk, dv and dcoef (a launch
-    each: sm_80 spilled 16-144 bytes with them in one or two); ``split_walk``: any of the three walks when
-    its programs hold a block of the state (`walk_shape`). ``norms_by_product``: whether the two
-    walks add the normalisers (and their gradient) by a product with ones (with dz) on the tensor cores
-    rather than a sum across the threads (on sm_80 the forward walk spilled 120 bytes at 128 registers).
+    The chunk kernels (VORT's decays, which need no gradient), each its own Shape: the three state walks
+    (the forward's and its rerun in the backward without the span borders in ``states_walk``, the
+    state-gradient walk in ``grads_walk``) when their programs hold the whole state and number at most
+    TARGET_PROGRAMS (two an H100 SM), all three in ``crowded_walk`` when there are more, in ``split_walk``
+    when they hold a block of the state (`walk_shape`); the outputs, and the chunk-parallel dq, dk, dv and
+    dcoef (a launch each: sm_80 spilled 16-144 bytes with them in one or two). ``norms_by_product``: whether
+    the two walks add the normalisers (and their gradient) by a product with ones (with dz) on the tensor
+    cores rather than a sum across the threads (on sm_80 the forward walk spilled 120 bytes at 128
+    registers).
 
     On sm_90 each Shape is the fastest that spills nothing on the compile gate, as the launch model of
-    benchmarks.predict prices them at 16,384 tokens, summed over vort-125m and vort-350m (`python -m
-    benchmarks.predict.shapes`, docs/kernels.md): the walks are latency-bound, so the forward's (and its
-    rerun) spreads a chunk's work over 16 warps in 64 registers (two programs an SM); the state-gradient
-    walk runs 8 warps in 80 registers, three programs an SM, so that vort-350m's 288 walks take one wave
-    on 132 SMs (vort-125m's 216 took one at 128 registers too, 0.18 ms a layer faster there); the
+    benchmarks.predict prices them (`python -m benchmarks.predict.shapes`, docs/kernels.md). The walks are
+    latency-bound: a program's time is its walk, so what matters is that they all run in one wave. Up to
+    two an SM, the forward's walk spreads a chunk's work over 16 warps in 64 registers (vort-125m's 216
+    walks: 0.47 ms at 16,384 tokens, 0.70 at 8 warps in 80 registers) and the state-gradient walk runs 8
+    warps, 2 stages in 128 (0.73 against 0.91 ms; at 16 warps it spilled in the 4-head tiny configs); more
+    walks than that take 8 warps in 80 registers, three an SM, one wave for vort-350m's 288 (0.46 against
+    0.59 ms for its forward walk at 65,536 tokens, where 16 warps take a second wave for the last 24). The
     chunk-parallel kernels run 4 warps, capped where that keeps three or four programs an SM."""
 
     chunk: int
@@ -76,8 +80,8 @@ class Tiles:
     stages: int
     coef_warps: int
     states_walk: Shape
-    rewalk: Shape
     grads_walk: Shape
+    crowded_walk: Shape
     outputs: Shape
     query_grads: Shape
     key_grads: Shape
@@ -91,11 +95,11 @@ class Tiles:
 # against these; docs/kernels.md has the sizes tried and why these.
 _SM80_GRADS = Shape(8, 1)
 TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4,
-                      states_walk=Shape(8, 1, 128), rewalk=Shape(8, 1, 128), grads_walk=Shape(8, 1, 128),
+                      states_walk=Shape(8, 1, 128), grads_walk=Shape(8, 1, 128), crowded_walk=Shape(8, 1, 128),
                       outputs=Shape(4, 1), query_grads=_SM80_GRADS, key_grads=_SM80_GRADS,
                       value_grads=_SM80_GRADS, coef_grads=_SM80_GRADS, split_walk=Shape(8, 1, 128)),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4,
-                     states_walk=Shape(16, 1, 64), rewalk=Shape(16, 1, 64), grads_walk=Shape(8, 1, 80),
+                     states_walk=Shape(16, 1, 64), grads_walk=Shape(8, 2, 128), crowded_walk=Shape(8, 1, 80),
                      outputs=Shape(4, 2, 168), query_grads=Shape(4, 1), key_grads=Shape(4, 2, 128),
                      value_grads=Shape(4, 2, 168), coef_grads=Shape(4, 2, 168), split_walk=Shape(8, 1, 128),
                      norms_by_product=True)}  # fmt: skip
@@ -284,6 +288,8 @@ def soe_launches(
 
     fc = forward_chunk(span, bt, triton.cdiv(seq_len, bt))
     sbf, sbd = state_blocks(batch * heads * n_terms, bf, bv)
+    walks = batch * heads * n_terms * triton.cdiv(feat, sbf) * triton.cdiv(width, sbd)
+    walk_shaped = _shaped(walk_shape(tiles, tiles.states_walk, (sbf, sbd), (bf, bv), walks))
     stride = triton.cdiv(span * bt, fc)
     per_phase = chunk_phase(batch * heads * n_terms, feat * (width + 1), dtype.itemsize, stride,
                             triton.cdiv(seq_len, fc))  # fmt: skip
@@ -297,8 +303,7 @@ def soe_launches(
             chunk_states_kernel, {"k": operand, "v": operand} | base | {"reads": operand, "states": "fp32"},
             fwd_ints | {"STRIDE": "i32", "C0": "i32", "N": "i32"},
             forward | {"BF": sbf, "BD": sbd, "BORDERS": True, "NORMS_BY_PRODUCT": tiles.norms_by_product},
-            (batch * heads * n_terms * triton.cdiv(feat, sbf) * triton.cdiv(width, sbd), 1, 1),
-            **_shaped(walk_shape(tiles, tiles.states_walk, (sbf, sbd), (bf, bv))),
+            (walks, 1, 1), **walk_shaped,
             wide=frozenset(("k", "v", "coef", "reads", "states")),
         ),
         "fwd": Launch(
@@ -340,12 +345,15 @@ def soe_launches(
     return bt, {name: launches[name] for name in order}
 
 
-def walk_shape(tiles: Tiles, shape: Shape, block: tuple[int, int], whole: tuple[int, int]) -> Shape:
-    """A chunk state walk's shape: ``shape`` where its programs hold the whole padded state (``block`` ==
-    ``whole``, as at every 18-term config), else ``tiles.split_walk``: the register caps were chosen for
-    whole states, and m5-125m's five terms, walked in 32 x 32 blocks to fill the GPU, spilled 48 bytes at
-    16 warps in 64 registers on sm_90."""
-    return shape if block == whole else tiles.split_walk
+def walk_shape(tiles: Tiles, shape: Shape, block: tuple[int, int], whole: tuple[int, int], programs: int) -> Shape:
+    """A chunk state walk's shape: where its programs hold the whole padded state (``block`` == ``whole``,
+    as at every 18-term config), ``shape`` for at most TARGET_PROGRAMS of them and
+    ``tiles.crowded_walk`` for more; else ``tiles.split_walk``: the register caps were chosen for whole
+    states, and m5-125m's five terms, walked in 32 x 32 blocks to fill the GPU, spilled 48 bytes at 16
+    warps in 64 registers on sm_90."""
+    if block != whole:
+        return tiles.split_walk
+    return shape if programs <= TARGET_PROGRAMS else tiles.crowded_walk
 
 
 def _shaped(shape: Shape) -> dict[str, int | None]:
@@ -369,16 +377,16 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
                       wide=frozenset(pointers) - {"log_lam", "docs"})  # fmt: skip
 
     state_in = {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32", "docs": "i32"}
-    walk = forward["fwd_states"]
+    walk = forward["fwd_states"]  # the backward's walks have its programs (its rerun, its shape too)
     block, whole = (walk.constexprs["BF"], walk.constexprs["BD"]), (constexprs["BF"], constexprs["BD"])
+    grads_shape = walk_shape(tiles, tiles.grads_walk, block, whole, walk.grid[0])
     out = {
-        "bwd_reads": dataclasses.replace(walk, constexprs=walk.constexprs | {"BORDERS": False},
-                                         **_shaped(walk_shape(tiles, tiles.rewalk, block, whole))),
+        "bwd_reads": dataclasses.replace(walk, constexprs=walk.constexprs | {"BORDERS": False}),
         "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"},
                                    ints | {"N": "i32"},
                                    {k: walk.constexprs[k] for k in ("BT", "BF", "BD", "PRECISION", "NORMS_BY_PRODUCT",
                                                                     "H", "F", "DV", "W")},
-                                   walk.grid, **_shaped(walk_shape(tiles, tiles.grads_walk, block, whole)),
+                                   walk.grid, **_shaped(grads_shape),
                                    wide=frozenset(("q", "d_out", "d_z", "d_reads"))),
         "bwd_chunk_queries": chunk_launch(chunk_query_grads_kernel,
                                           reads | {"reads": operand} | grads_in | {"dq": operand}, tiles.query_grads),
