@@ -5,6 +5,7 @@ state at any world size, and the settings it refuses."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -163,12 +164,17 @@ def _carried_losses(cfg: RunConfig, shards: dict[str, str], steps: int) -> tuple
     return losses, graphs
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model_cfg", [TINY_VORT, TINY_PMNET], ids=["vort", "pmnet"])
 def test_compiled_carried_steps_follow_eager_without_recompiling_each_step(demo_shards: dict[str, str],
-                                                                          model_cfg: ModelConfig) -> None:
+                                                                          model_cfg: ModelConfig, backend: str,
+                                                                          monkeypatch) -> None:
     """train.carry_state with train.compile: the carried positions are ints that grow every step; dynamo
     specialises on the first, recompiles once with them symbolic, and compiles nothing after that. The
-    losses follow eager mode's."""
+    losses follow eager mode's. Whether a step recompiles is dynamo's decision, the same under any
+    backend: the fast run compiles through AOTAutograd without code generation ("aot_eager", which runs
+    under every ATEN_CPU_CAPABILITY of `make test-matrix`), the slow one with inductor, as a run does."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
     cfg = run_config(demo_shards)
     cfg.model = model_cfg
     check_carry(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True)))
