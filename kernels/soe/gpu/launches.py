@@ -108,9 +108,10 @@ FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that 
 
 SHARES_BYTES = 2**30  # the most the coefficient gradient's fp32 shares of one phase of the backward take
 READS_BYTES = 2**29  # the most one phase's per-chunk states (or state gradients) take
-# The most per-chunk states a forward keeps for its backward (one phase, the whole sequence): 1.25 GiB
-# keeps vort-350m's at 32,768 tokens (1.23 GB a layer, the 256k recipe's per-rank length) but not
-# vort-125m's at 65,536 (1.84 GB), which would take one call past issue 46's 40 kB per token and layer.
+# The most per-chunk states of a whole sequence run as one phase (the forward keeps its last phase's for
+# the backward, so these are then all of them): 1.25 GiB keeps vort-350m's at 32,768 tokens (1.23 GB a
+# layer, the 256k recipe's per-rank length) but not vort-125m's at 65,536 (1.84 GB), which would take
+# one call past issue 46's 40 kB per token and layer.
 KEPT_BYTES = 5 * 2**28
 
 
@@ -190,10 +191,11 @@ def state_blocks(rows: int, feat: int, width: int) -> tuple[int, int]:
 
 def chunk_phase(rows: int, width: int, itemsize: int, stride: int, n_chunks: int) -> int:
     """Chunks per phase of the chunk-parallel kernels: the whole sequence when its states, one [rows, width]
-    slot of ``itemsize`` bytes per chunk, stay within KEPT_BYTES (the forward then keeps them for the
+    slot of ``itemsize`` bytes per chunk, stay within KEPT_BYTES (the forward then keeps them all for the
     backward); else whole spans (``stride`` chunks each) whose states stay within READS_BYTES (at least
     one span), the spans shared out evenly over the fewest phases (so that no last phase of a chunk or
-    two leaves the GPU idle). One phase up to 32,768 tokens at vort-125m and vort-350m; 4 and 6 at 65,536."""
+    two leaves the GPU idle; the one phase with fewer spans runs first, function._phases). One phase up to
+    32,768 tokens at vort-125m and vort-350m; 4 and 6 at 65,536."""
     if n_chunks * rows * width * itemsize <= KEPT_BYTES:
         return n_chunks
     most = max(1, READS_BYTES // (stride * rows * width * itemsize))  # spans per phase at most
