@@ -179,9 +179,14 @@ def _is_attention(base: str) -> bool:
     return base in _ATTENTION_FORWARD or base.removesuffix("_backward") in _ATTENTION_FORWARD
 
 
+def _base_name(func: Any) -> str:
+    """An aten op's name without namespace or overload ("add_" for aten.add_.Tensor)."""
+    return func._schema.name.split("::")[-1]
+
+
 def make_op(func: Any, args: tuple, kwargs: dict, out: Any) -> Op:
     """The `Op` of one call of aten op ``func`` on ``args``/``kwargs`` that returned ``out``."""
-    base = func._schema.name.split("::")[-1]
+    base = _base_name(func)
     named = _named_args(func, args, kwargs)
     outs = _tensors(out)
     schema_args = {a.name: a for a in func._schema.arguments}
@@ -253,7 +258,7 @@ class OpRecorder(TorchDispatchMode):
             with self:
                 return SCAN_OPS[func](*args, **kwargs)
         out = func(*args, **kwargs)
-        read = () if func._schema.name.split("::")[-1] in _SHAPE_ONLY else (args, kwargs)
+        read = () if _base_name(func) in _SHAPE_ONLY else (args, kwargs)
         reads = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors(read))
         writes = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors(out))
         self.ops.append(dataclasses.replace(make_op(func, args, kwargs, out), origin=_origin(), reads=reads,

@@ -259,7 +259,7 @@ def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, kept_reads
     d_reads, walked = torch.empty_like(kept_reads), None
     for j, (c0, n, phase) in reversed(list(enumerate(phases))):
         reads = kept_reads
-        if c0 != phases[-1][0]:  # an earlier phase: its states walked again (the kept buffer is left as saved)
+        if j < len(phases) - 1:  # an earlier phase: its states walked again (the kept buffer is left as saved)
             reads = walked = torch.empty_like(kept_reads) if walked is None else walked
             launches["bwd_reads"].run(k, v, coef, ll, docs, reads, states, *rows, stride, c0, n)
         launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges[j : j + 2], *rows, c0, n)
