@@ -165,6 +165,9 @@ def scan_op(
         stored = [x.new_zeros(()).expand(x.shape) if i in shape_only else x
                   for i, x in enumerate(inputs) if ctx.is_tensor[i]]  # fmt: skip
         ctx.mark_non_differentiable(*output[outputs:])
+        # no zero gradients for the kept outputs, which nothing differentiates (the forward's per-chunk states
+        # can be hundreds of MB a layer); the backward fills its outputs' missing gradients itself
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*stored, *output[outputs:])
 
     def gradients(ctx: Any, *grads: Tensor | None) -> tuple:

@@ -205,10 +205,34 @@ def _keep_scan_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoi
     return CheckpointPolicy.MUST_SAVE if op in SCAN_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-SCAN_OUTPUTS_KEPT = functools.partial(create_selective_checkpoint_contexts, _keep_scan_outputs)
-"""The checkpointed blocks' ``context_fn``: the backward recomputes a block's forward except its scans,
-whose outputs the forward kept (the scans' kernels are the dearest part of a block to run again, and
-their outputs, about one activation per block, are small beside what the whole forward keeps)."""
+_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                      torch.ops.aten.baddbmm.default})
+
+
+def _keep_scan_and_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The "elementwise" policy: keep what each scan and each matmul returns; the backward recomputes only
+    the elementwise work between them (norms, activations, rotary, feature maps), which moves bytes but
+    runs no FLOP worth a tensor core."""
+    keep = op in SCAN_OPS or op in _MATMULS
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+CHECKPOINT_POLICIES: dict[bool | str, Callable[[], Any]] = {
+    True: functools.partial(create_selective_checkpoint_contexts, _keep_scan_outputs),
+    "elementwise": functools.partial(create_selective_checkpoint_contexts, _keep_scan_and_matmul_outputs),
+}
+"""The checkpointed blocks' ``context_fn`` per ``activation_checkpointing`` mode. True: the backward
+recomputes a block's forward except its scans, whose outputs the forward kept (the scans' kernels are the
+dearest part of a block to run again, and their outputs, about one activation per block, are small beside
+what the whole forward keeps). "elementwise": the matmuls' outputs are kept too (a few activations per
+block more: the projections' and the MLP's outputs), so the recompute runs no GEMM."""
+
+
+def checkpoint_policy(mode: bool | str) -> Callable[[], Any]:
+    """The ``context_fn`` of activation checkpointing ``mode`` (True or "elementwise")."""
+    if mode not in CHECKPOINT_POLICIES:
+        raise ValueError(f"activation_checkpointing: expected false, true or 'elementwise', got {mode!r}")
+    return CHECKPOINT_POLICIES[mode]
 
 
 def _scans_through_ops(block: nn.Module) -> Callable[..., Any]:
@@ -242,7 +266,7 @@ class StackedLM(CausalLM):
         self.head = LMHead(config.d_model, config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.activation_checkpointing = False
+        self.activation_checkpointing: bool | str = False  # the trainer's mode: False, True or "elementwise"
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -292,7 +316,7 @@ class StackedLM(CausalLM):
             if self.activation_checkpointing and self.training:
                 run = block if torch.compiler.is_compiling() else _scans_through_ops(block)
                 x, block_state = checkpoint(run, x, block_state, sequence_parallel, doc_start, use_reentrant=False,
-                                            context_fn=SCAN_OUTPUTS_KEPT, **extra)
+                                            context_fn=checkpoint_policy(self.activation_checkpointing), **extra)
             else:
                 x, block_state = block(x, block_state, sequence_parallel, doc_start, **extra)
             new_states.append(block_state)

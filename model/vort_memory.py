@@ -66,11 +66,13 @@ class OrderRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d] -> (alpha [B, T, H], entropy [B, T] in [0, 1], entity score [B, T])."""
+        # the probes' products take x in the run's dtype (bf16 on the tensor cores, fp32 accumulation); the
+        # softmax, entropy and gates that follow run in fp32
         dt = kernels.work_dtype(x.dtype)
-        x = x.to(dt)
-        logp = torch.log_softmax(x @ self.probe_down.to(dt) @ self.probe_up.to(dt), dim=-1)
+        logits = x @ self.probe_down.to(x.dtype) @ self.probe_up.to(x.dtype)
+        logp = torch.log_softmax(logits.to(dt), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1) / math.log(logp.shape[-1])
-        entity = torch.sigmoid(x @ self.entity_weight.to(dt) + self.entity_bias.to(dt))
+        entity = torch.sigmoid((x @ self.entity_weight.to(x.dtype)).to(dt) + self.entity_bias.to(dt))
         logit = (self.bias.to(dt) + self.entropy_gain.to(dt) * (1.0 - entropy)[..., None]
                  + self.entity_gain.to(dt) * (2.0 * entity - 1.0)[..., None])
         alpha = self.delta + (1.0 - self.delta) * torch.sigmoid(logit)

@@ -152,7 +152,9 @@ class TrainSection:
     grad_clip: float = 1.0
     nan_policy: Literal["skip", "stop"] = "skip"
     max_skipped_steps: int = 10
-    activation_checkpointing: bool = False
+    # false; true (the backward recomputes each block's forward but its scans); "elementwise" (it also keeps
+    # every matmul's output and recomputes only the elementwise work): model/blocks.py, docs/training.md
+    activation_checkpointing: bool | Literal["elementwise"] = False
     # torch.compile: false, "blocks" (each block's forward), "model" (the whole training module) or true
     # (the default mode, "blocks"): pretrain/distributed/compiling.py
     compile: bool | Literal["blocks", "model"] = False

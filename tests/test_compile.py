@@ -138,7 +138,7 @@ TINY = {
 SEQ = 64
 
 
-def _model(kind: str, checkpointing: bool = False) -> torch.nn.Module:
+def _model(kind: str, checkpointing: bool | str = False) -> torch.nn.Module:
     config = TINY[kind]
     if kind == "vort":
         config = dataclasses.replace(config, vort=dataclasses.replace(config.vort, soe_horizon=256, chunk_size=16))
@@ -216,11 +216,11 @@ def _tensors(state: object) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", list(TINY))
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, "elementwise"])
 def test_the_whole_model_forward_and_chunked_loss_compile_without_a_break(
-    kind: str, checkpointing: bool, monkeypatch: pytest.MonkeyPatch
+    kind: str, checkpointing: bool | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Embedding, every block (activation checkpointing on or off), norm and the chunked cross-entropy
+    """Embedding, every block (activation checkpointing off or in either mode), norm and the chunked cross-entropy
     (chunks of 16 tokens here, so its loop and autograd Function run): one graph; with fullgraph=True
     the loss and gradients equal eager's."""
     import model.interface as interface
@@ -426,9 +426,9 @@ ENGINE_CASES = {  # launcher, ranks, overrides: every engine, and sequence paral
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_compiled_training_runs_under_every_engine(case: str, family: str, demo_shards, tmp_path: Path) -> None:
     """train.compile=true trains (finite losses, the first step's compile logged) under each engine and
-    sequence-parallel split, activation checkpointing on as in the GPU configs."""
+    sequence-parallel split, activation checkpointing as in the GPU configs ("elementwise")."""
     launcher, ranks, engine = ENGINE_CASES[case]
-    extra = [*engine, "train.compile=true", "train.steps=4", "train.activation_checkpointing=true"]
+    extra = [*engine, "train.compile=true", "train.steps=4", "train.activation_checkpointing=elementwise"]
     proc = run_training(launcher, ranks, _args(family, demo_shards, tmp_path, extra), timeout=1500)
     assert "first step took" in proc.stdout + proc.stderr
     got = losses(tmp_path)

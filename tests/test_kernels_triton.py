@@ -191,6 +191,29 @@ def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phas
         assert torch.equal(got[name], again[name]), name
 
 
+@pytest.mark.parametrize("decay_grad", [False, True])
+def test_soe_triton_gradients_when_the_final_state_goes_unused(decay_grad):
+    """Training without a carried state: the loss reads o and z only, so the final state gets no gradient and
+    the backward starts from a zero state gradient of its own: every gradient matches the reference's, with
+    and without the decays' (the two backward paths)."""
+    inputs = soe_inputs(2, 70, 2, 6, 9, 5, True, seed=4)
+    runs = []
+    for backend, dtype in (("triton", torch.float32), ("reference", torch.float64)):
+        x = {n: t.to(dtype).requires_grad_(decay_grad or n != "log_lam") for n, t in inputs.items()
+             if t.is_floating_point()}
+        o, z, _final = soe_scan(x["q"], x["k"], x["v"], x["coef"], x["log_lam"], (x["g0"], x["b0"]), True, 16,
+                                backend)
+        gen = torch.Generator().manual_seed(0)
+        ((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum()
+         + (z.double() * torch.randn(z.shape, generator=gen, dtype=torch.float64)).sum()).backward()
+        runs.append({n: t.grad for n, t in x.items()})
+    got, want = runs
+    assert (got["log_lam"] is None) == (not decay_grad)
+    for name in want:
+        if want[name] is not None:
+            assert rel_err(got[name], want[name]) <= GRAD_TOL, name
+
+
 @pytest.mark.parametrize("phased", [False, True])
 def test_soe_forward_keeps_its_last_phase_chunk_states_for_the_backward(monkeypatch, phased):
     """The forward keeps the state entering every chunk of its last phase, and the chunk-parallel backward,

@@ -172,6 +172,9 @@ def test_training_step_capture(name):
     recompute = summary["gemm"]["flops"] / off.summary()["gemm"]["flops"]
     assert recompute == pytest.approx(on.expected_gemm_flops / off.expected_gemm_flops, abs=0.06)
     assert len(on.launches) == len(off.launches)  # the recompute takes the scans' outputs the forward kept
+    kept = capture_step_ops(cfg, 2, 256, activation_checkpointing="elementwise")  # keeps the matmuls' outputs too
+    assert kept.summary()["gemm"]["flops"] == off.summary()["gemm"]["flops"]
+    assert kept.expected_gemm_flops == off.expected_gemm_flops
     # AdamW on fp32 masters: reads weight, gradient and two moments, writes weight and moments
     adam = sum(op.bytes for op in on.ops if "_fused_adamw_" in op.name)
     assert adam >= 28 * on.matmul_params

@@ -82,7 +82,8 @@ def _sample(length: int, source: str) -> torch.Tensor:
 
 
 def _model_worker(
-    rank: int, world: int, port: int, kind: str, checkpointing: bool, out: str, length: int = 64, source: str = "random"
+    rank: int, world: int, port: int, kind: str, checkpointing: bool | str, out: str, length: int = 64,
+    source: str = "random"
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -150,8 +151,9 @@ def _check_pieces(tmp_path: Path, world: int, loss_rel: float) -> None:
                                                      ("pmnet-routing", False), ("pmnet-routing", True),
                                                      ("pmnet-address", False), ("pmnet-pre-conv", True),
                                                      ("pmnet-route-memory", False), ("pmnet-embedding", True),
-                                                     ("pmnet-hash", True)])
-def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool, tmp_path: Path) -> None:
+                                                     ("pmnet-hash", True), ("vort", "elementwise"),
+                                                     ("pmnet-segment", "elementwise")])
+def test_model_pieces_equal_the_whole_sequence(kind: str, checkpointing: bool | str, tmp_path: Path) -> None:
     mp.spawn(_model_worker, args=(WORLD, free_port(), kind, checkpointing, str(tmp_path)), nprocs=WORLD)
     _check_pieces(tmp_path, WORLD, 1e-5)
 
@@ -305,7 +307,7 @@ def finished_run(run_dir: Path) -> Run:
 _SINGLE: dict[tuple[str, bool, tuple[str, ...]], Run] = {}
 
 
-def single_run(family: str, shards: dict[str, str], run_dir: Path, checkpointing: bool = False,
+def single_run(family: str, shards: dict[str, str], run_dir: Path, checkpointing: bool | str = False,
                extra: tuple[str, ...] = ()) -> Run:
     """The one-process reference on the same global batch (run once per family, settings and session)."""
     key = (family, checkpointing, extra)
@@ -395,10 +397,10 @@ MESHES = [  # family, engine, sequence-parallel ranks of the 4, overrides of bot
 def test_four_rank_meshes_follow_one_process(family: str, engine: str, sequence: int, shared: tuple[str, ...],
                                              demo_shards, tmp_path: Path) -> None:
     """Four ranks as one 4-piece sequence group (two middle ranks that receive and send), or as 2
-    data-parallel x 2 sequence-parallel; activation checkpointing on, as in the GPU configs."""
-    expected = single_run(family, demo_shards, tmp_path / "single", checkpointing=True, extra=shared)
+    data-parallel x 2 sequence-parallel; activation checkpointing as in the GPU configs ("elementwise")."""
+    expected = single_run(family, demo_shards, tmp_path / "single", checkpointing="elementwise", extra=shared)
     launcher, overrides = ENGINES[engine]
-    extra = [*overrides, f"engine.sequence_parallel={sequence}", "train.activation_checkpointing=true", *shared]
+    extra = [*overrides, f"engine.sequence_parallel={sequence}", "train.activation_checkpointing=elementwise", *shared]
     proc = run_training(launcher, 4, sp_args(family, demo_shards, tmp_path / "sp", extra))
     mesh = f"(data-parallel {4 // sequence} x sequence-parallel {sequence})"
     assert f"on 4 rank(s) {mesh}" in proc.stdout + proc.stderr

@@ -271,6 +271,23 @@ def test_gradients_reach_the_router() -> None:
             assert p.grad is not None and p.grad.abs().max() > 0, f"layer {i} router.{name} got no gradient"
 
 
+def test_router_products_take_the_run_dtype_and_its_order_fp32() -> None:
+    """Under bf16 the probes' products run on bf16 operands (the tensor cores' dtype), not on an fp32 copy of the
+    layer input; the softmax, entropy and gates after them, and the order they give, are fp32."""
+    from benchmarks.predict.ops import capture_ops
+
+    router = make_layer("vort").memory.router.to("meta", torch.bfloat16)
+    x = torch.zeros(2, 24, TINY.d_model, dtype=torch.bfloat16, device="meta")
+    out: list[torch.Tensor] = []
+    ops = capture_ops(lambda: out.extend(router(x)))
+    products = [op for op in ops if op.kind == "gemm" or op.name.startswith(("aten.mv.", "aten.dot."))]
+    assert len(products) >= 3  # the two probe factors and the entity probe
+    assert {dtype for op in products for _shape, dtype in op.inputs} == {"bf16"}
+    assert not any(op.name.startswith("aten._to_copy") and op.inputs[0] == ((2, 24, TINY.d_model), "bf16")
+                   for op in ops)  # no fp32 copy of x
+    assert [t.dtype for t in out] == [torch.float32] * 3
+
+
 def test_learned_temperature_starts_at_temperature_trains_and_stops_at_its_cap() -> None:
     torch.manual_seed(2)
     model = build_model(tiny("vort", learn_temperature=True, temperature=3.0, temperature_max=6.0))

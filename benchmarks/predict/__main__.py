@@ -50,8 +50,9 @@ def predict_fla(op: str, shape: tuple[int, int, int, int], gpu_name: str, breakd
     return out
 
 
-def resolve_config(name: str) -> tuple[Any, bool]:
-    """(model config, activation checkpointing) of a run config or a model config called ``name``."""
+def resolve_config(name: str) -> tuple[Any, bool | str]:
+    """(model config, activation checkpointing mode) of a run config or a model config called ``name`` (a
+    model config trains with configs/base/pretrain.yaml's mode)."""
     from model.config import load_model_config
     from model.config_loader import read_tree
     from pretrain.config import load_config
@@ -63,7 +64,7 @@ def resolve_config(name: str) -> tuple[Any, bool]:
     model = CONFIGS / "model" / f"{name}.yaml"
     if model.is_file():
         tree, _sources = read_tree(CONFIGS / "base" / "pretrain.yaml")
-        return load_model_config(model), bool(tree.get("train", {}).get("activation_checkpointing", False))
+        return load_model_config(model), tree.get("train", {}).get("activation_checkpointing", False)
     raise SystemExit(f"error: no config {name!r}: neither {run} nor {model} exists")
 
 

@@ -51,7 +51,7 @@ def measure_fla(op: str, shape: tuple[int, int, int, int]) -> dict[str, float]:
     return out
 
 
-def training_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool,
+def training_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool | str,
                   device: torch.device) -> Callable[[], None]:
     """One training step of ``cfg`` on ``device`` as the step model captures it, as a function."""
     from model import build_model
@@ -80,7 +80,7 @@ def training_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool
     return step
 
 
-def measure_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool,
+def measure_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool | str,
                  scan_kernels: set[str]) -> dict[str, Any]:
     """Measured {"step_ms", "scan_ms", "scan_share"} of one training step of ``cfg`` on the GPU; the
     scans are the kernels named in ``scan_kernels`` (the Triton launches the step model captured)."""

@@ -6,9 +6,9 @@ training step under both benchmarks.predict.capture.capture_triton, which return
 without running them (the launch model prices those), and `ops.recording`, which records every aten
 op, those inside the scans' autograd Functions included:
 - forward through `model.loss`, the trainer's loss path (model/interface.py's chunked cross-entropy
-  once the tokens outgrow one chunk), with the blocks checkpointed as model/blocks.py does it when
-  ``activation_checkpointing`` (configs/base/pretrain.yaml turns it on), so the backward recomputes
-  each block's forward;
+  once the tokens outgrow one chunk), with the blocks checkpointed as model/blocks.py does it in the
+  ``activation_checkpointing`` mode (configs/base/pretrain.yaml turns it on), so the backward recomputes
+  each block's forward but what the mode keeps (the scans' outputs; with "elementwise" the matmuls' too);
 - backward;
 - the optimizer step as DeepSpeed's bf16 ZeRO keeps it: the bf16 gradients cast into fp32 gradients,
   clipped by their global norm (torch's foreach clip_grad_norm_ sequence), fused AdamW over fp32 master
@@ -53,8 +53,9 @@ BETAS, EPS = (0.9, 0.95), 1e-8  # pretrain.config.TrainSection's defaults; they 
 @dataclasses.dataclass(frozen=True)
 class StepCapture:
     """One training step's aten ops and Triton launches, and what its 6N check needs: the tokens, the
-    matmul parameters, and the parameters of the blocks whose forward the backward recomputes
-    (checkpointed blocks; their vectors, norms and biases, included, which run no GEMM)."""
+    matmul parameters, and the parameters of the blocks whose forward GEMMs the backward recomputes
+    (blocks checkpointed in a mode that does not keep the matmuls' outputs; their vectors, norms and biases
+    included, which run no GEMM)."""
 
     ops: list[Op]
     launches: list[Launch]
@@ -143,7 +144,7 @@ def _optimizer_step(groups: list[dict[str, Any]], grad_clip: float) -> None:
 
 
 def capture_step_ops(
-    cfg: ModelConfig, batch: int, tokens: int, activation_checkpointing: bool, target: int = 90,
+    cfg: ModelConfig, batch: int, tokens: int, activation_checkpointing: bool | str, target: int = 90,
     weight_decay: float = 0.1, grad_clip: float = 1.0,
 ) -> StepCapture:
     """The aten ops and Triton launches of one training step of ``cfg`` on ``batch`` x ``tokens`` tokens
@@ -160,7 +161,8 @@ def capture_step_ops(
         loss, _state = model.loss(ids, ids)
         loss.backward()
         _optimizer_step(groups, grad_clip)
-    blocks = sum(p.numel() for p in model.blocks.parameters()) if activation_checkpointing else 0
+    recomputes_gemms = activation_checkpointing and activation_checkpointing != "elementwise"
+    blocks = sum(p.numel() for p in model.blocks.parameters()) if recomputes_gemms else 0
     return StepCapture(list(ops), list(launches), batch * tokens, model.matmul_params(), blocks)
 
 

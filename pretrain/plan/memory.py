@@ -111,6 +111,12 @@ class Measured:
     evaluation: tuple[float, float] | None  # the two evaluation probes (no periodic evaluation: None)
 
 
+def checkpoint_mode(cfg: RunConfig) -> bool | str:
+    """The activation checkpointing a plan's "checkpointing" column runs: the config's mode (true or
+    "elementwise"), true where the config trains without."""
+    return cfg.train.activation_checkpointing or True
+
+
 def measure_plan(cfg: RunConfig, world: int, model: CausalLM, probe: int, progress: bool) -> Measured:
     """The parts of ``cfg``'s plan at ``world`` ranks, its probes measured on this CPU (each in a fresh
     process, announced on stderr with ``progress``)."""
@@ -123,7 +129,8 @@ def measure_plan(cfg: RunConfig, world: int, model: CausalLM, probe: int, progre
     if cfg.eval.every:
         evaluation = tuple(probes.measure(cfg, False, probe * k, 1, "eval") for k in (1, 2))
     states, buffers = model.state_bytes(cfg.train.micro_batch, cfg.engine.sequence_parallel)
-    train = {flag: tuple(probes.measure(cfg, flag, probe * k, 1) for k in (1, 2)) for flag in (False, True)}
+    train = {flag: tuple(probes.measure(cfg, checkpoint_mode(cfg) if flag else False, probe * k, 1) for k in (1, 2))
+             for flag in (False, True)}
     return Measured(params, grads, optimizer, states, buffers, bucket, probe, train, evaluation)  # type: ignore[arg-type]
 
 
@@ -204,7 +211,7 @@ def _resident_kib(field: str) -> int:
 
 
 def _model_step(
-    cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str, context: int
+    cfg: RunConfig, checkpointing: bool | str, tokens: int, batch: int, mode: str, context: int
 ) -> Callable[[], None]:
     """Build and warm the model (one-time allocations out of the way); return the step to measure."""
     torch.manual_seed(0)
@@ -271,7 +278,7 @@ def peak_growth(setup: Callable[..., Callable[[], None]], *args: Any, what: str)
 
 
 def measure(
-    cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str = "train", context: int | None = None
+    cfg: RunConfig, checkpointing: bool | str, tokens: int, batch: int, mode: str = "train", context: int | None = None
 ) -> float:
     """Peak resident growth (bytes) on this CPU, in the run's precision: mode "train", one
     forward+backward of batch x tokens (gradients included); mode "eval", the periodic evaluation of
@@ -292,7 +299,7 @@ class Probes:
         self.done = 0
 
     def measure(
-        self, cfg: RunConfig, checkpointing: bool, tokens: int, batch: int, mode: str = "train",
+        self, cfg: RunConfig, checkpointing: bool | str, tokens: int, batch: int, mode: str = "train",
         context: int | None = None,
     ) -> float:
         if self.pace is not None:
@@ -351,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.train.global_batch * cfg.data.seq_len:,} tokens per step)")
     if cfg.eval.every:
         print(f"evaluation every {cfg.eval.every} steps at contexts {cfg.eval.contexts}, in pieces of {piece} tokens")
-    print(f"{'GiB per rank':<28}{'no checkpointing':>18}{'checkpointing':>16}")
+    mode = checkpoint_mode(cfg)
+    print(f"{'GiB per rank':<28}{'no checkpointing':>18}{'checkpointing':>16}"
+          + ("" if mode is True else f"  (checkpointing: {mode})"))
     fields = ("params", "grads", "optimizer", "activations", "eval_activations", "states", "buffers",
               "reduce_bucket", "scan_buffers", "total")
     for field in fields:
@@ -363,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'most tokens per rank':<28}{most[0]:>18,}{most[1]:>16,}")
     if args.measure:
         probes = Probes(2 + (1 if cfg.eval.every else 0), progress=True)
-        for label, chosen, flag in (("no checkpointing", plain, False), ("checkpointing", checkpointed, True)):
+        for label, chosen, flag in (("no checkpointing", plain, False), ("checkpointing", checkpointed, mode)):
             measured = probes.measure(cfg, flag, cfg.data.seq_len // n, cfg.train.micro_batch)
             print(f"measured on this CPU, training ({label}): activations predicted "
                   f"{chosen.activations / GIB:.3f} GiB, peak growth {measured / GIB:.3f} GiB, "

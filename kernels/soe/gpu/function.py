@@ -164,7 +164,11 @@ class SoeScanTriton(torch.autograd.Function):
         chunk, launches = soe_launches(
             batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad
         )
-        final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
+        if d_g is None and d_b is None:  # the final state went unused (training without a carried state)
+            final = torch.zeros(g_shape[0] * g_shape[1] * g_shape[2], g_shape[3] * (g_shape[4] + 1), dtype=f32,
+                                device=dev)
+        else:
+            final = pack(given(d_g, tuple(g_shape), f32), given(d_b, tuple(g_shape[:4]), f32))
         span = walk_span(batch, seq_len, heads, n_terms, feat, width, chunk, capability)
         if not decay_grad:
             grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, reads, d_out, d_zz, final, g_shape,
