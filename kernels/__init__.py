@@ -1,4 +1,5 @@
-"""Scans for recurrent-memory language models: the SOE scan (VORT) and the phasor scan (PMNet).
+"""Scans for recurrent-memory language models: the SOE scan (VORT) and the phasor scan (PMNet), and VORT's
+feature map as one fused op (kernels/features.py).
 
 Each scan has a sequential reference, a CPU path (chunked PyTorch for SOE, a numba-compiled loop for
 the phasor scan) and Triton kernels (the CUDA default), plus a sequence-parallel form that splits one
@@ -6,10 +7,17 @@ sequence across the ranks of a process group; see docs/kernels.md.
 """
 
 from kernels._common import document_numbers, work_dtype
+from kernels.features import positive_features
 from kernels.parallel import phasor_scan_sequence_parallel, soe_scan_sequence_parallel
 from kernels.phasor import phasor_scan
 from kernels.soe import soe_scan
 
 __all__ = [
     "document_numbers",
-    "phasor_scan", "phasor_scan_sequence_parallel", "soe_scan", "soe_scan_sequence_parallel", "work_dtype"]
+    "phasor_scan",
+    "phasor_scan_sequence_parallel",
+    "positive_features",
+    "soe_scan",
+    "soe_scan_sequence_parallel",
+    "work_dtype",
+]

@@ -44,6 +44,12 @@ a dispatch mode that must see the aten ops inside a scan runs the function itsel
 (benchmarks/predict/ops.py)."""
 
 
+FUSED_OPS: dict[Any, Callable[..., Any]] = {}
+"""kernels/'s other custom ops (the fused feature map, kernels/features), forward and backward, and the Python
+function each runs: activation checkpointing recomputes them as it does elementwise work, and a dispatch mode
+that must see the aten ops and launches inside one runs the function itself, as for SCAN_OPS."""
+
+
 class _Ctx:
     """What the scans' autograd Functions use of their ctx, for calling forward and backward outside
     autograd: saved tensors, the input-gradient flags, whether None gradients are materialised, and any

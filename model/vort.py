@@ -92,10 +92,10 @@ class PositiveRandomFeatures(Fp32Tables):
         else:
             self.register_buffer("weight", weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H, D] -> phi(x) [B, T, H, F], in x's dtype."""
-        proj = torch.einsum("bthd,hfd->bthf", x, self.weight.to(x.dtype))
-        return torch.exp(proj - 0.5 * x.pow(2).sum(-1, keepdim=True)) * self.weight.shape[1] ** -0.5
+    def forward(self, x: torch.Tensor, scale: float | torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """x [B, T, H, D] -> phi(s x / |x|) [B, T, H, F] (``scale`` s a number or [H, 1]): one fused kernel on
+        the Triton backend, composite ops in the work dtype otherwise (kernels.positive_features)."""
+        return kernels.positive_features(x, self.weight, scale, backend)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -186,8 +186,7 @@ class VortLayer(nn.Module):
         dt = kernels.work_dtype(x.dtype)
         temperature = self.temperature(dt)  # q, k [B, T, H, D] get norm sqrt(temperature)
         scale = math.sqrt(temperature) if isinstance(temperature, float) else temperature.sqrt()[:, None]
-        fq = self.features(F.normalize(q.to(dt), dim=-1) * scale)
-        fk = self.features(F.normalize(k.to(dt), dim=-1) * scale)
+        fq, fk = self.features(q, scale, self.backend), self.features(k, scale, self.backend)
         coef, log_lam = self.memory(x)
         # the scan's operands in the run dtype (bf16 under engine.precision=bf16); its decays, state
         # and sums stay fp32 (docs/kernels.md, "Precision")

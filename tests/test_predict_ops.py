@@ -167,11 +167,15 @@ def test_training_step_capture(name):
     assert summary["triton_launches"] == len(on.launches)
     assert 0.9 < summary["gemm_flops_over_expected"] < 1.1  # 6N plus the recompute
     off = capture_step_ops(cfg, 2, 256, activation_checkpointing=False)
-    # the recompute adds the blocks' forward GEMMs: about 2 x block parameters x tokens (the blocks'
-    # vectors, norms and biases, are parameters that run no GEMM, hence the margin); 1.0 without it
+    # the recompute adds the blocks' forward GEMMs, at most 2 x block parameters x tokens: less by the
+    # blocks' vectors, norms and biases (parameters that run no GEMM) and by each block's last product,
+    # whose output no backward needs (non-reentrant checkpointing stops its recompute before it)
     recompute = summary["gemm"]["flops"] / off.summary()["gemm"]["flops"]
-    assert recompute == pytest.approx(on.expected_gemm_flops / off.expected_gemm_flops, abs=0.06)
-    assert len(on.launches) == len(off.launches)  # the recompute takes the scans' outputs the forward kept
+    assert 1.1 < recompute <= on.expected_gemm_flops / off.expected_gemm_flops
+    def scans(capture) -> list:  # the scans' launches (the fused feature map, kernels/features, is recomputed)
+        return [launch for launch in capture.launches if launch.origin == "kernels"]
+
+    assert len(scans(on)) == len(scans(off))  # the recompute takes the scans' outputs the forward kept
     kept = capture_step_ops(cfg, 2, 256, activation_checkpointing="elementwise")  # keeps the matmuls' outputs too
     assert kept.summary()["gemm"]["flops"] == off.summary()["gemm"]["flops"]
     assert kept.expected_gemm_flops == off.expected_gemm_flops

@@ -137,9 +137,14 @@ def causal_direct(layer: VortLayer, x: torch.Tensor, weights: torch.Tensor) -> t
     B, T, _ = x.shape
     q, k, v = layer.qkv(x).view(B, T, 3, layer.n_heads, layer.head_dim).unbind(2)
     assert not layer.rotary
-    scale = math.sqrt(layer.temperature())
-    fq = layer.features(torch.nn.functional.normalize(q, dim=-1) * scale)
-    fk = layer.features(torch.nn.functional.normalize(k, dim=-1) * scale)
+    scale, weight = math.sqrt(layer.temperature()), layer.features.weight.to(q.dtype)
+
+    def phi(x: torch.Tensor) -> torch.Tensor:  # positive random features of the normalised, scaled vector
+        y = torch.nn.functional.normalize(x, dim=-1) * scale
+        proj = torch.einsum("bthd,hfd->bthf", y, weight)
+        return torch.exp(proj - 0.5 * y.square().sum(-1, keepdim=True)) / math.sqrt(weight.shape[1])
+
+    fq, fk = phi(q), phi(k)
     scores = torch.einsum("bthf,bjhf->bhtj", fq, fk) * weights
     num = torch.einsum("bhtj,bjhd->bthd", scores, v)
     den = scores.sum(-1).transpose(1, 2)
@@ -400,7 +405,7 @@ def test_random_features_are_positive_and_unbiased_for_the_exponential_kernel() 
     exact = torch.exp(x[0, :, 0] @ x[0, :, 0].T)
     draws = []
     for seed in range(8):
-        phi = PositiveRandomFeatures(1, 16, cfg, layer_index=seed)(x)
+        phi = PositiveRandomFeatures(1, 16, cfg, layer_index=seed)(x, 1.0)
         assert (phi > 0).all()
         draws.append(torch.einsum("bthf,bjhf->tj", phi, phi))
     single, averaged = rel_err(draws[0], exact), rel_err(torch.stack(draws).mean(0), exact)

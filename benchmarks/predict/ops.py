@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kernels.library import SCAN_OPS
+from kernels.library import FUSED_OPS, SCAN_OPS
 
 KINDS = ("gemm", "attention", "memory", "view")
 
@@ -80,8 +80,8 @@ class GemmDims:
 class Op:
     """One aten op as it ran: name (e.g. "aten.mm.default"), kind (one of KINDS), FLOPs (GEMMs and
     attention; 0 otherwise), bytes read and written, the (shape, dtype) of its tensor inputs and
-    outputs, for a GEMM its dims, and the top-level package of this project whose code made the call
-    (the innermost frame's: "kernels" for the ops inside the scans, "model", "pretrain"...; "" outside)."""
+    outputs, for a GEMM its dims, and the package of this project whose code made the call (the innermost
+    frame's, `origin_of`: "kernels" for the ops inside the scans, "kernels/features", "model"...; "" outside)."""
 
     name: str
     kind: str
@@ -222,17 +222,23 @@ def make_op(func: Any, args: tuple, kwargs: dict, out: Any) -> Op:
     return Op(str(func), kind, flops, read, written, *shapes, gemm=gemm)
 
 
-_PACKAGES = {str(Path(__file__).resolve().parents[2] / p) + "/": p for p in ("kernels", "model", "pretrain")}
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGES = {str(_ROOT / p) + "/": p for p in ("kernels/features", "kernels", "model", "pretrain")}  # longest first
+
+
+def origin_of(filename: str) -> str:
+    """The package of this project that the source file ``filename`` is in: "kernels/features" (the fused
+    feature map), "kernels" (the scans), "model", "pretrain"; "" for none."""
+    return next((package for prefix, package in _PACKAGES.items() if filename.startswith(prefix)), "")
 
 
 def _origin() -> str:
     """The package of this project whose code is innermost on the call stack ("" if none)."""
     frame = sys._getframe(2)
     while frame is not None:
-        name = frame.f_code.co_filename
-        for prefix, package in _PACKAGES.items():
-            if name.startswith(prefix):
-                return package
+        package = origin_of(frame.f_code.co_filename)
+        if package:
+            return package
         frame = frame.f_back
     return ""
 
@@ -254,9 +260,10 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in SCAN_OPS:  # a scan called as its op: record the aten ops and launches inside it instead
+        inside = SCAN_OPS.get(func) or FUSED_OPS.get(func)
+        if inside is not None:  # a scan or fused op of kernels/: record the aten ops and launches inside it instead
             with self:
-                return SCAN_OPS[func](*args, **kwargs)
+                return inside(*args, **kwargs)
         out = func(*args, **kwargs)
         read = () if _base_name(func) in _SHAPE_ONLY else (args, kwargs)
         reads = tuple((self.storage_id(t), tensor_bytes(t)) for t in _tensors(read))

@@ -2,9 +2,10 @@
 ops by the step model's rules, beside fla's chunk retention on the same work.
 
 `predict_step` captures the step (benchmarks.predict.step.capture_step_ops), prices it and splits out the
-scans: their launches and the aten ops their autograd Functions make (ops whose innermost project frame is in
-kernels/). "compiled" is the same step with its memory ops fused as torch.compile fuses them
-(benchmarks.predict.price.fused_memory, a first-order model of inductor). fla's retention runs the same layers
+scans: their launches and the aten ops their autograd Functions make (kernels and ops whose source is in
+kernels/, not kernels/features/: the fused feature map is part of the step, not of the scans). "compiled" is
+the same step with its memory ops fused as torch.compile fuses them (benchmarks.predict.price.fused_memory, a
+first-order model of inductor). fla's retention runs the same layers
 on the same tokens with every SOE term of a head as a head of its own (B, T, heads x terms, features; values
 as wide as the head).
 """
@@ -35,13 +36,14 @@ def fla_retention_seconds(cfg: ModelConfig, batch: int, tokens: int, gpu: Gpu, c
     return cost(captured, gpu).seconds(c) * cfg.n_layers
 
 
-def predict_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool, gpu: Gpu,
+def predict_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool | str, gpu: Gpu,
                  breakdown: bool = False, c: Constants | None = None) -> dict[str, Any]:
     """{"scan_ms", "step_ms", "scan_share", "mfu", "fla_retention_ms"} of one training step."""
     c = c or Constants()
     step = capture_step_ops(cfg, batch, tokens, checkpointing, gpu.capability)
     whole = cost(Captured(step.launches, step.ops), gpu)
-    scans = cost(Captured(step.launches, [op for op in step.ops if op.origin == "kernels"]), gpu)
+    scans = cost(Captured([launch for launch in step.launches if launch.origin == "kernels"],
+                          [op for op in step.ops if op.origin == "kernels"]), gpu)
     step_s, scan_s = whole.seconds(c), scans.seconds(c)
     flops = build_model(cfg).flops_per_token(tokens) * batch * tokens
     fla = fla_retention_seconds(cfg, batch, tokens, gpu, c)

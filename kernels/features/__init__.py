@@ -1,0 +1,90 @@
+"""Positive random features of normalised vectors, as one op: VORT's feature map of its queries and keys.
+
+    phi(x) = exp(W y - |y|^2 / 2) / sqrt(F),   y = s x / max(|x|, eps)   (per head: W [F, D], s a number)
+
+so that E[phi(q) . phi(k)] = exp(s^2 cos(q, k)) for W with N(0, I) rows (model/vort.py draws them).
+
+Two paths, one meaning:
+- "torch" (the CPU path, and the only one for a learned W or s): composite aten ops in the work dtype
+  (kernels.work_dtype: fp32 for 16-bit inputs), differentiated by autograd;
+- "triton" (CUDA, or CPU tensors under TRITON_INTERPRET=1): the forward kernel reads x once and writes phi
+  in x's dtype; the backward kernel reads x and dphi, recomputes phi and writes dx. The norm, the projection
+  and the exponential stay in fp32 in registers; the projection runs on the tensor cores in tf32 for
+  16-bit inputs (its 10-bit mantissa puts an error of about |W y| x 5e-4 in the exponent, of the order of
+  the bf16 rounding of the phi it feeds: tests/test_features.py) and in full fp32 for fp32 inputs. Composite,
+  the same map moves x and several fp32 intermediates of its size through memory, forward and backward.
+  Fixed W and s only (VORT's shipped settings): the kernels differentiate x alone.
+
+The Triton path is the op ``recurrent::positive_features`` (kernels/library.py's namespace) with its
+backward op, so that torch.compile keeps it in its graph; on meta tensors the ops run the kernels' launches
+as a device does, for benchmarks/launch_capture.py and the step model to capture them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels._common import resolve_backend, work_dtype
+from kernels.library import FUSED_OPS, NAMESPACE
+
+EPS = 1e-12  # F.normalize's floor on the norm
+
+
+def positive_features(x: Tensor, weight: Tensor, scale: float | Tensor, backend: str = "auto") -> Tensor:
+    """phi(x) [..., H, F] of x [..., H, D] for per-head projections ``weight`` [H, F, D] and ``scale`` (a
+    number, or [H, 1] per head). The torch path returns the work dtype, the Triton path x's dtype.
+    ``backend``: "reference" or "torch" (composite ops), "triton" or "auto" (Triton for CUDA tensors); a W
+    or scale that needs a gradient takes the composite ops on every backend."""
+    learned = weight.requires_grad or isinstance(scale, Tensor)
+    if learned or resolve_backend(backend, x) in ("reference", "torch"):
+        return features_torch(x, weight, scale)
+    return positive_features_op(x, weight, float(scale))
+
+
+def features_torch(x: Tensor, weight: Tensor, scale: float | Tensor) -> Tensor:
+    """The composite map in the work dtype (the reference the kernels are tested against)."""
+    dt = work_dtype(x.dtype)
+    y = F.normalize(x.to(dt), dim=-1, eps=EPS) * scale
+    proj = torch.einsum("...hd,hfd->...hf", y, weight.to(dt))
+    return torch.exp(proj - 0.5 * y.pow(2).sum(-1, keepdim=True)) * weight.shape[1] ** -0.5
+
+
+def _forward(x: Tensor, weight: Tensor, scale: float) -> Tensor:
+    from kernels.features.triton import forward
+
+    return forward(x, weight, scale, EPS)
+
+
+def _backward(x: Tensor, weight: Tensor, d_phi: Tensor, scale: float) -> Tensor:
+    from kernels.features.triton import backward
+
+    return backward(x, weight, d_phi, scale, EPS)
+
+
+positive_features_op = torch.library.custom_op(f"{NAMESPACE}::positive_features", _forward, mutates_args=(),
+                                               schema="(Tensor x, Tensor weight, float scale) -> Tensor")
+positive_features_op.register_fake(lambda x, weight, scale: x.new_empty(*x.shape[:-1], weight.shape[1]))
+positive_features_op.register_kernel("meta", _forward)  # meta tensors launch as a device does (captured)
+
+_backward_op = torch.library.custom_op(f"{NAMESPACE}::positive_features_backward", _backward, mutates_args=(),
+                                       schema="(Tensor x, Tensor weight, Tensor d_phi, float scale) -> Tensor")
+_backward_op.register_fake(lambda x, weight, d_phi, scale: torch.empty_like(x, memory_format=torch.contiguous_format))
+_backward_op.register_kernel("meta", _backward)
+
+
+def _setup(ctx, inputs: tuple, output: Tensor) -> None:
+    x, weight, scale = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.scale = scale
+
+
+def _gradients(ctx, d_phi: Tensor) -> tuple[Tensor | None, None, None]:
+    x, weight = ctx.saved_tensors
+    return _backward_op(x, weight, d_phi, ctx.scale), None, None
+
+
+positive_features_op.register_autograd(_gradients, setup_context=_setup)
+FUSED_OPS[getattr(torch.ops, NAMESPACE).positive_features.default] = _forward
+FUSED_OPS[getattr(torch.ops, NAMESPACE).positive_features_backward.default] = _backward
