@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.launch_capture import capture_step, meta_model
 from kernels._common import capture_launches
+from kernels.features import features_torch, positive_features
 from kernels.parallel import _SoeStateCorrection
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, resets, soe_inputs, soe_run
 from model import build_model
@@ -50,9 +51,9 @@ def check_production(
     tiles: dict[str, int] = PRODUCTION,
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
 ) -> list[dict]:
-    """Each scan and the entering-state read at the production tiles (12 heads, 18 terms, 64-wide
-    features and values; PMNet's 4 levels of a 4-ary tree, 64 wide), with document starts and initial
-    states, in fp32 and bf16, against float64 on the same rounded inputs (the SOE scan's chunked float64
+    """Each scan, the entering-state read and the fused feature map at the production tiles (12 heads, 18
+    terms, 64-wide features and values; PMNet's 4 levels of a 4-ary tree, 64 wide), with document starts and
+    initial states, in fp32 and bf16, against float64 on the same rounded inputs (the SOE scan's chunked float64
     path, which the tests hold to the sequential reference; the phasor scan's sequential reference; the
     entering read's float64 torch form). ``tiles`` and ``dtypes`` shrink it for the interpreter tests."""
     from kernels.soe.triton import SoeEnteringTriton
@@ -65,6 +66,8 @@ def check_production(
     gen = torch.Generator().manual_seed(2)
     entering = {"q": soe["q"], "log_lam": soe["log_lam"], "g_in": torch.randn(2, h, s, f, d, generator=gen,
                 dtype=torch.float64), "b_in": torch.randn(2, h, s, f, generator=gen, dtype=torch.float64)}
+    features = {"x": torch.randn(2, seq_len, h, d, generator=gen, dtype=torch.float64),
+                "weight": torch.randn(h, f, d, generator=gen, dtype=torch.float64)}
     rows = []
     for dtype in dtypes:
         fwd_tol, grad_tol = TOLERANCES[dtype]
@@ -83,7 +86,25 @@ def check_production(
                                    torch.float64, "cpu")
         rows.append(_row("soe_entering", dtype, [rel_err(a, b) for a, b in zip(outs, ref)],
                          [rel_err(grads[n], ref_grads[n]) for n in grads], fwd_tol, grad_tol))
+        rows.append(_features_row(features, dtype, device, fwd_tol, grad_tol))
     return rows
+
+
+def _features_row(inputs: dict[str, torch.Tensor], dtype: torch.dtype, device: str, fwd_tol: float,
+                  grad_tol: float) -> dict:
+    """The fused feature map (kernels/features) against the composite map in float64 on the same rounded x:
+    phi and dx of a fixed random linear loss."""
+    x, weight = inputs["x"].to(dtype), inputs["weight"].float()
+    g = torch.randn(*x.shape[:-1], weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got_x = x.to(device).clone().requires_grad_()
+    got = positive_features(got_x, weight.to(device), 1.4, "triton")
+    (got.double() * g.to(device)).sum().backward()
+    want_x = x.double().detach().requires_grad_()
+    want = features_torch(want_x, weight.double(), 1.4)
+    (want * g).sum().backward()
+    return _row("features", dtype, [rel_err(got.detach().cpu(), want.detach())], [rel_err(got_x.grad.cpu(),
+                                                                                          want_x.grad)],
+                fwd_tol, grad_tol)
 
 
 def _row(case: str, dtype: torch.dtype, fwd: list[float], grad: list[float], fwd_tol: float, grad_tol: float) -> dict:

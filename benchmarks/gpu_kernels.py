@@ -4,9 +4,9 @@
                                      [--train vort-125m,pmnet-119m --train-T 16384] [--json gpu.json]
 
 1. Correctness at the production tiles (12 heads, 18 terms, 64-wide features and values; PMNet's
-   4-level tree, 64 wide) with document starts and initial states, the SOE scan, the phasor scan and
-   the sequence-parallel entering-state read, fp32 and bf16, against the float64 reference on the same
-   rounded inputs (benchmarks/gpu_checks.py).
+   4-level tree, 64 wide) with document starts and initial states, the SOE scan, the phasor scan,
+   the sequence-parallel entering-state read and VORT's fused feature map, fp32 and bf16, against the
+   float64 reference on the same rounded inputs (benchmarks/gpu_checks.py).
 2. Per Triton kernel, device milliseconds of one layer's scan (forward + backward, batch 1,
    --kernel-T tokens) of each --train config with fp32 and with bf16 inputs (torch profiler), beside
    the roofline's modelled milliseconds per layer for the replaced span kernels and the kernels

@@ -571,6 +571,7 @@ def test_gpu_script_check_runs_under_the_interpreter():
         ("soe", "float32"),
         ("phasor", "float32"),
         ("soe_entering", "float32"),
+        ("features", "float32"),
     ]
     assert all(r["passed"] for r in results), results
 
