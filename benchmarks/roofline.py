@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.launch_capture import capture_step, meta_model
+from benchmarks.predict.ops import kernel_origin
 from benchmarks.roofline_before import phasor_span_before, soe_span_before
 from kernels._common import Launch
 from model import family
@@ -349,7 +350,8 @@ def built_rows(cfg: ModelConfig, scan: str, seq_len: int = SEQ_LEN) -> tuple[lis
     on an H100, per kernel name: runs per layer, FLOPs and bytes per token and layer over those runs,
     the rate its dots run at; then torch's sums and casts of the partials and outputs."""
     model = _meta_model(cfg)
-    captured = capture_step(model, 1, seq_len, CAPABILITY)
+    captured = [(launch, args) for launch, args in capture_step(model, 1, seq_len, CAPABILITY)
+                if kernel_origin(launch.kernel) == "kernels"]  # the scans' (not the fused feature map's)
     names = launch_names(scan, captured)
     layers = sum(  # a layer's forward starts at chunk 0 (the SOE forward runs in phases of chunks)
         1 for (launch, args), name in zip(captured, names)

@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.predict.ops import Op, active_recorder, origin_of, recording
+from benchmarks.predict.ops import Op, active_recorder, kernel_origin, recording
 from kernels._common import Launch as OurLaunch
 from kernels._common import capture_launches, triton_type
 
@@ -55,7 +55,7 @@ class Launch:
     @property
     def origin(self) -> str:
         """The package of this project the kernel's source is in (benchmarks.predict.ops.origin_of)."""
-        return origin_of(self.kernel.fn.__code__.co_filename)
+        return kernel_origin(self.kernel)
 
     @property
     def programs(self) -> int:

@@ -232,6 +232,11 @@ def origin_of(filename: str) -> str:
     return next((package for prefix, package in _PACKAGES.items() if filename.startswith(prefix)), "")
 
 
+def kernel_origin(kernel: Any) -> str:
+    """`origin_of` the source of a Triton kernel (a JITFunction, or the interpreter's wrapper of one)."""
+    return origin_of(kernel.fn.__code__.co_filename)
+
+
 def _origin() -> str:
     """The package of this project whose code is innermost on the call stack ("" if none)."""
     frame = sys._getframe(2)
