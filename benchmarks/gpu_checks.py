@@ -21,6 +21,7 @@ from kernels.features import features_torch, positive_features
 from kernels.parallel import _SoeStateCorrection
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, resets, soe_inputs, soe_run
 from model import build_model
+from model.blocks import rotary_tables
 from model.config import ModelConfig
 
 PRODUCTION = {"heads": 12, "terms": 18, "feat": 64, "width": 64}  # vort-125m's scan tiles
@@ -92,15 +93,16 @@ def check_production(
 
 def _features_row(inputs: dict[str, torch.Tensor], dtype: torch.dtype, device: str, fwd_tol: float,
                   grad_tol: float) -> dict:
-    """The fused feature map (kernels/features) against the composite map in float64 on the same rounded x:
-    phi and dx of a fixed random linear loss."""
+    """The fused feature map (kernels/features), rotary rotation included, against the composite map in
+    float64 on the same rounded x: phi and dx of a fixed random linear loss."""
     x, weight = inputs["x"].to(dtype), inputs["weight"].float()
     g = torch.randn(*x.shape[:-1], weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     got_x = x.to(device).clone().requires_grad_()
-    got = positive_features(got_x, weight.to(device), 1.4, "triton")
+    cos, sin = rotary_tables(torch.arange(x.shape[1]), x.shape[-1], 10_000.0)
+    got = positive_features(got_x, weight.to(device), 1.4, cos.to(device), sin.to(device), backend="triton")
     (got.double() * g.to(device)).sum().backward()
     want_x = x.double().detach().requires_grad_()
-    want = features_torch(want_x, weight.double(), 1.4)
+    want = features_torch(want_x, weight.double(), 1.4, cos.double(), sin.double())
     (want * g).sum().backward()
     return _row("features", dtype, [rel_err(got.detach().cpu(), want.detach())], [rel_err(got_x.grad.cpu(),
                                                                                           want_x.grad)],

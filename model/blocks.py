@@ -15,6 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kernels import document_numbers
 from kernels._common import scans_as_ops
+from kernels.features import rotate
 from kernels.library import SCAN_OPS
 from kernels.parallel import exchange_with_neighbours
 from model.config import ModelConfig
@@ -191,13 +192,8 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [B, T, H, D] by the position angles ([T, D/2]
-    shared by the rows, or [B, T, D/2])."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    if cos.dim() == 3:
-        cos, sin = cos[None], sin[None]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+    shared by the rows, or [B, T, D/2]), in fp32, returned in x's dtype (kernels.features.rotate)."""
+    return rotate(x.float(), cos, sin).to(x.dtype)
 
 
 def _keep_scan_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -25,7 +25,6 @@ from model.blocks import (
     RMSNorm,
     StackedLM,
     SwiGLU,
-    apply_rotary,
     call_offset,
     next_offset,
     rotary_tables,
@@ -92,10 +91,12 @@ class PositiveRandomFeatures(Fp32Tables):
         else:
             self.register_buffer("weight", weight)
 
-    def forward(self, x: torch.Tensor, scale: float | torch.Tensor, backend: str = "auto") -> torch.Tensor:
-        """x [B, T, H, D] -> phi(s x / |x|) [B, T, H, F] (``scale`` s a number or [H, 1]): one fused kernel on
-        the Triton backend, composite ops in the work dtype otherwise (kernels.positive_features)."""
-        return kernels.positive_features(x, self.weight, scale, backend)
+    def forward(self, x: torch.Tensor, scale: float | torch.Tensor, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+        """x [B, T, H, D] -> phi(s r / |r|) [B, T, H, F], r = x rotated by the rotary tables (cos, sin) if given
+        (``scale`` s a number or [H, 1]): one fused kernel on the Triton backend, composite ops in the work
+        dtype otherwise (kernels.positive_features)."""
+        return kernels.positive_features(x, self.weight, scale, cos, sin, backend)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -179,14 +180,13 @@ class VortLayer(nn.Module):
         sp = sequence_parallel
         offset = call_offset(None if state is None else state.offset, sp)
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+        cos = sin = None  # the rotary tables: the feature map rotates q and k first
         if self.rotary:
-            positions = token_positions(offset, T, doc_start, x.device)
-            cos, sin = rotary_tables(positions, self.head_dim, self.rope_base)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            cos, sin = rotary_tables(token_positions(offset, T, doc_start, x.device), self.head_dim, self.rope_base)
         dt = kernels.work_dtype(x.dtype)
         temperature = self.temperature(dt)  # q, k [B, T, H, D] get norm sqrt(temperature)
         scale = math.sqrt(temperature) if isinstance(temperature, float) else temperature.sqrt()[:, None]
-        fq, fk = self.features(q, scale, self.backend), self.features(k, scale, self.backend)
+        fq, fk = (self.features(t, scale, cos, sin, self.backend) for t in (q, k))
         coef, log_lam = self.memory(x)
         # the scan's operands in the run dtype (bf16 under engine.precision=bf16); its decays, state
         # and sums stay fp32 (docs/kernels.md, "Precision")
