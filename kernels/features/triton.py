@@ -19,13 +19,11 @@ WARPS = 4
 
 
 @triton.jit
-def _half_tiles(ptr, rows_at, col, HALF: tl.constexpr, BH: tl.constexpr, live):
-    """The two halves [BT, BH] (columns 0..HALF and HALF..2 HALF) of the rows at ``rows_at``, as fp32."""
+def _tile(ptr, rows_at, col, HALF: tl.constexpr, BH: tl.constexpr, live):
+    """Columns col..col + HALF [BT, BH] of the rows at ``rows_at``, as fp32 (zero in the padding)."""
     c = tl.arange(0, BH)
     mask = live[:, None] & (c[None, :] < HALF)
-    first = tl.load(ptr + rows_at[:, None] + col + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    second = tl.load(ptr + rows_at[:, None] + col + HALF + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    return first, second
+    return tl.load(ptr + rows_at[:, None] + col + c[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -40,11 +38,12 @@ def _features(x_ptr, w_ptr, cos_ptr, sin_ptr, rows, seq_len, stride_row, stride_
     c = tl.arange(0, BH)
     f = tl.arange(0, BF)
     live = row < rows
-    x1, x2 = _half_tiles(x_ptr, row.to(tl.int64) * stride_row, head * stride_head, HALF, BH, live)
+    x_at = row.to(tl.int64) * stride_row
+    x1 = _tile(x_ptr, x_at, head * stride_head, HALF, BH, live)
+    x2 = _tile(x_ptr, x_at, head * stride_head + HALF, HALF, BH, live)
     if ROTATE:  # angles per position: [T, HALF] shared by the rows (stride_angles 0) or [B, T, HALF]
         at = (row // seq_len).to(tl.int64) * stride_angles + (row % seq_len) * HALF
-        cos, _unused = _half_tiles(cos_ptr, at, 0, HALF, BH, live)
-        sin, _unused2 = _half_tiles(sin_ptr, at, 0, HALF, BH, live)
+        cos, sin = _tile(cos_ptr, at, 0, HALF, BH, live), _tile(sin_ptr, at, 0, HALF, BH, live)
         r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
     else:
         cos, sin = x1, x2  # unused
