@@ -1,5 +1,5 @@
 """Scans for recurrent-memory language models: the SOE scan (VORT) and the phasor scan (PMNet), and VORT's
-feature map as one fused op (kernels/features.py).
+feature map as one fused op (kernels/features/).
 
 Each scan has a sequential reference, a CPU path (chunked PyTorch for SOE, a numba-compiled loop for
 the phasor scan) and Triton kernels (the CUDA default), plus a sequence-parallel form that splits one

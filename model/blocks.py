@@ -224,6 +224,11 @@ what the whole forward keeps). "elementwise": the matmuls' outputs are kept too 
 block more: the projections' and the MLP's outputs), so the recompute runs no GEMM."""
 
 
+def recomputes_matmuls(mode: bool | str) -> bool:
+    """Whether the backward of blocks checkpointed in ``mode`` runs their matmuls again (False: none)."""
+    return bool(mode) and mode != "elementwise"
+
+
 def checkpoint_policy(mode: bool | str) -> Callable[[], Any]:
     """The ``context_fn`` of activation checkpointing ``mode`` (True or "elementwise")."""
     if mode not in CHECKPOINT_POLICIES:

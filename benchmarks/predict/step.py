@@ -39,6 +39,7 @@ from benchmarks.predict.capture import Launch, capture_triton
 from benchmarks.predict.gemm import gemm_seconds
 from benchmarks.predict.gpu import Gpu
 from benchmarks.predict.ops import KINDS, Op, recording, summarize
+from model.blocks import recomputes_matmuls
 from model.config import ModelConfig
 from pretrain.optim import param_groups
 
@@ -161,8 +162,7 @@ def capture_step_ops(
         loss, _state = model.loss(ids, ids)
         loss.backward()
         _optimizer_step(groups, grad_clip)
-    recomputes_gemms = activation_checkpointing and activation_checkpointing != "elementwise"
-    blocks = sum(p.numel() for p in model.blocks.parameters()) if recomputes_gemms else 0
+    blocks = sum(p.numel() for p in model.blocks.parameters()) if recomputes_matmuls(activation_checkpointing) else 0
     return StepCapture(list(ops), list(launches), batch * tokens, model.matmul_params(), blocks)
 
 

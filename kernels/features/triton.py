@@ -154,31 +154,28 @@ def _angles(w: Tensor, cos: Tensor | None, sin: Tensor | None) -> tuple[Tensor, 
     return cos, sin, (cos.stride(0) if cos.dim() == 3 else 0)
 
 
+def _run(name: str, x: Tensor, weight: Tensor, cos: Tensor | None, sin: Tensor | None, tensors: tuple[Tensor, ...],
+         scale: float, eps: float) -> None:
+    """Launch the ``name`` kernel over x [B, T, H, D] with ``tensors``, its own arguments after the tables."""
+    flat, stride_row, stride_head = _rows(x)
+    rows, heads, dim = flat.shape
+    w = weight.float().contiguous()
+    launch = feature_launch(name, rows, heads, dim, weight.shape[1], x.dtype, cos is not None)
+    cos, sin, stride_angles = _angles(w, cos, sin)
+    launch.run(flat, w, cos, sin, *tensors, rows, x.shape[1], stride_row, stride_head, stride_angles, scale, eps)
+
+
 def forward(x: Tensor, weight: Tensor, scale: float, cos: Tensor | None, sin: Tensor | None, eps: float) -> Tensor:
     """phi(x) in x's dtype (x [B, T, H, D])."""
     check_triton_inputs(x, features_forward_kernel)
-    flat, stride_row, stride_head = _rows(x)
-    rows, heads, dim = flat.shape
-    n_features = weight.shape[1]
-    out = torch.empty(*x.shape[:-1], n_features, dtype=x.dtype, device=x.device)
-    w = weight.float().contiguous()
-    rotate = cos is not None
-    cos, sin, stride_angles = _angles(w, cos, sin)
-    launch = feature_launch("forward", rows, heads, dim, n_features, x.dtype, rotate)
-    launch.run(flat, w, cos, sin, out, rows, x.shape[1], stride_row, stride_head, stride_angles, scale, eps)
+    out = torch.empty(*x.shape[:-1], weight.shape[1], dtype=x.dtype, device=x.device)
+    _run("forward", x, weight, cos, sin, (out,), scale, eps)
     return out
 
 
 def backward(x: Tensor, weight: Tensor, d_phi: Tensor, scale: float, cos: Tensor | None, sin: Tensor | None,
              eps: float) -> Tensor:
     """dx (contiguous, x's dtype) from dphi."""
-    flat, stride_row, stride_head = _rows(x)
-    rows, heads, dim = flat.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    w = weight.float().contiguous()
-    rotate = cos is not None
-    cos, sin, stride_angles = _angles(w, cos, sin)
-    launch = feature_launch("backward", rows, heads, dim, weight.shape[1], x.dtype, rotate)
-    launch.run(flat, w, cos, sin, d_phi.to(x.dtype).contiguous(), dx, rows, x.shape[1], stride_row, stride_head,
-               stride_angles, scale, eps)
+    _run("backward", x, weight, cos, sin, (d_phi.to(x.dtype).contiguous(), dx), scale, eps)
     return dx
