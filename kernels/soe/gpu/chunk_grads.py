@@ -7,7 +7,8 @@ The forward's chunk walk (``chunk_states_kernel``) is run again for the state en
   leaving it (in the operands' dtype), and at the end the initial state's gradient (fp32);
 - ``chunk_query_grads_kernel``: one program per chunk x batch x head makes the chunk's dq whole: the pairs
   inside the chunk through the kernel matrix of all terms, then, term by term, the reads of the state
-  entering the chunk, lam^(i+1) (dO_i G_s^T + dz_i b_s);
+  entering the chunk, lam^(i+1) dO_i G_s^T, and the normalisers' reads of all terms, dz_i lam^(i+1) b_s,
+  in one product after the loop (as the output kernel reads them);
 - ``chunk_key_value_grads_kernel``: one program per chunk x batch x head makes dk, dv and dcoef whole
   (on sm_80 as three launches, one per gradient):
   the pairs inside the chunk (dcoef's through the decay table, as the walks' coefficient kernel does),
@@ -26,11 +27,15 @@ from kernels.soe.gpu.walk import (
     by_distance,
     chunk_masks,
     decay_table,
+    group_decays,
     kernel_matrix,
     load_tile,
+    norm_tile,
+    read_decays,
     store_tile,
     term_loads,
     token_base,
+    write_decays,
 )
 
 
@@ -128,9 +133,13 @@ def chunk_query_grads_kernel(
         alpha = tl.where(reads_in, tl.exp(pos * tl.load(log_lam + h * S + s)), 0.0)
         here = (((c - C0) * BH + bh) * S + s).to(tl.int64) * W
         g_t = tl.load(reads + here + g_offs, mask=g_mask, other=0.0)
-        bn = tl.load(reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
-        read = tl.dot(dc, g_t.to(dc.dtype), input_precision=PRECISION) + dz[:, None] * bn[None, :]
-        dq_c += read * alpha[:, None]
+        dq_c += tl.dot(dc, g_t.to(dc.dtype), input_precision=PRECISION) * alpha[:, None]
+    # the normalisers' share, dz_i sum_s lam_s^(i+1) b_s: one [BT, GN] @ [GN, BF] product, its left
+    # operand formed in the operands' dtype (as a write's per-term operand is)
+    n_offs, n_mask = norm_tile(reads, c - C0, bh, BH, S, F, DV, W, GN, BF)
+    norms = tl.load(reads + n_offs, mask=n_mask, other=0.0).to(dc.dtype)
+    alphas = read_decays(group_decays(log_lam, h, S, 0, GN), reads_in, BT) * dz[:, None]
+    dq_c = tl.dot(alphas.to(dc.dtype), norms, acc=dq_c, input_precision=PRECISION)
     store_tile(dq, base, H, F, offs_f, mask_t, dq_c, BT)
 
 
@@ -173,20 +182,26 @@ def chunk_key_value_grads_kernel(
     steps = tl.maximum(n.to(tl.float32) - 1.0 - tl.arange(0, BT).to(tl.float32), 0.0)
     for s in range(0, S):
         lam_w = tl.where(writes, tl.exp(steps * tl.load(log_lam + h * S + s)), 0.0)
-        cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
         here = (((c - C0) * BH + bh) * S + s).to(tl.int64) * W
         dh = tl.load(d_reads + here + g_offs, mask=g_mask, other=0.0).to(kc.dtype)
-        db = tl.load(d_reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
+        if KEYS or VALUES:
+            cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
         if KEYS:
+            db = tl.load(d_reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
             t = tl.dot(vc, tl.trans(dh), input_precision=PRECISION) + db[None, :]  # [BT, BF]
             dk_c += t * (lam_w * cs)[:, None]
         if VALUES or COEFS:
             u = tl.dot(kc, dh, input_precision=PRECISION)  # [BT, BD]
             if VALUES:
                 dv_c += u * (lam_w * cs)[:, None]
-            if COEFS:  # k_j . (dH_s v_j + db_s) = v_j . (k_j dH_s) + k_j . db_s
-                kv = tl.sum(vc.to(tl.float32) * u, axis=1) + tl.sum(kc.to(tl.float32) * db[None, :], axis=1)
-                dcoef_c += tl.where(terms[None, :] == s, (lam_w * kv)[:, None], 0.0)
+            if COEFS:  # v_j . (k_j dH_s), placed in column s by a one-hot factor (an FMA, not a select)
+                kv = tl.sum(vc.to(tl.float32) * u, axis=1)
+                dcoef_c += (lam_w * kv)[:, None] * (terms == s).to(tl.float32)[None, :]
+    if COEFS:  # lam_s^(n-1-j) k_j . db_s for all terms: one [BT, F] @ [F, GN] product with their db_s
+        n_offs, n_mask = norm_tile(d_reads, c - C0, bh, BH, S, F, DV, W, GN, BF)
+        norms = tl.load(d_reads + n_offs, mask=n_mask, other=0.0).to(kc.dtype)
+        lam_ws = write_decays(group_decays(log_lam, h, S, 0, GN), writes, n, BT)  # [BT, GN]
+        dcoef_c += lam_ws * tl.dot(kc, tl.trans(norms), input_precision=PRECISION)
     if KEYS:
         store_tile(dk, base, H, F, offs_f, mask_t, dk_c, BT)
     if VALUES:

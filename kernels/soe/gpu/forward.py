@@ -22,7 +22,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.soe.gpu.walk import chunk_masks, decay_table, kernel_matrix, load_tile, store_tile, term_loads, token_base
+from kernels.soe.gpu.walk import (
+    chunk_masks,
+    decay_table,
+    group_decays,
+    kernel_matrix,
+    load_tile,
+    norm_tile,
+    read_decays,
+    store_tile,
+    term_loads,
+    token_base,
+)
 
 
 @triton.jit
@@ -146,13 +157,14 @@ def chunk_output_kernel(
     pos = tl.arange(0, BT).to(tl.float32) + 1.0
     g_offs = offs_f[:, None] * DV + offs_d[None, :]
     g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
-    q32 = qc.to(tl.float32)
     for s in range(0, S):
         alpha = tl.where(reads_in, tl.exp(pos * tl.load(log_lam + h * S + s)), 0.0)
         here = (((c - C0) * BH + bh) * S + s).to(tl.int64) * W
         g = tl.load(reads + here + g_offs, mask=g_mask, other=0.0)
-        bn = tl.load(reads + here + F * DV + offs_f, mask=offs_f < F, other=0.0).to(tl.float32)
         o += tl.dot(qc, g.to(qc.dtype), input_precision=PRECISION) * alpha[:, None]
-        zc += tl.sum(q32 * bn[None, :], axis=1) * alpha
+    n_offs, n_mask = norm_tile(reads, c - C0, bh, BH, S, F, DV, W, GN, BF)
+    norms = tl.load(reads + n_offs, mask=n_mask, other=0.0).to(qc.dtype)  # b_s of every term, [GN, BF]
+    q_norms = tl.dot(qc, tl.trans(norms), input_precision=PRECISION)  # [BT, GN]
+    zc += tl.sum(q_norms * read_decays(group_decays(log_lam, h, S, 0, GN), reads_in, BT), axis=1)
     store_tile(out, base, H, DV, offs_d, mask_t, o, BT)
     tl.store(z + base + tl.arange(0, BT) * H, zc, mask=mask_t)

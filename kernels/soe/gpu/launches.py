@@ -100,7 +100,7 @@ TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coe
                       value_grads=_SM80_GRADS, coef_grads=_SM80_GRADS, split_walk=Shape(8, 1, 128)),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4,
                      states_walk=Shape(16, 1, 64), grads_walk=Shape(8, 2, 128), crowded_walk=Shape(8, 1, 80),
-                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 1), key_grads=Shape(4, 2, 128),
+                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 2, 168), key_grads=Shape(4, 2, 128),
                      value_grads=Shape(4, 2, 168), coef_grads=Shape(4, 2, 168), split_walk=Shape(8, 1, 128),
                      norms_by_product=True)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
