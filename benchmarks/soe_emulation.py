@@ -141,18 +141,18 @@ def _chunk_states(k: torch.Tensor, v: torch.Tensor, coef: torch.Tensor, log_lam:
                   chunk: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The fp32 states entering each chunk of ``chunk`` tokens and after the last, G [n + 1, S, F, D] and
     b [n + 1, S, F], as chunk_states_kernel walks them from zero over k, v, coef [T, X] (exact in
-    ``dtype``): per chunk the decay lam^chunk, then the write rows k_j lam^(chunk-1-j) coef_j made in fp32
-    and rounded to ``dtype``, times v, and summed for the normalisers (a product with ones in the
-    kernel on an H100, accumulated in fp32)."""
+    ``dtype``): per chunk the decay lam^chunk, then the write rows k_j lam^(chunk-1-j) coef_j made in
+    ``dtype`` from the weights lam^(chunk-1-j) coef_j rounded to it, times v, and summed for the normalisers
+    (a product with ones in the kernel on an H100, accumulated in fp32)."""
     n_chunks = -(-k.shape[0] // chunk)
     ks, vs, cs = (_spans(x, 1, n_chunks, chunk)[0] for x in (k, v, coef))
     dec = _Decays(log_lam, chunk)
     g = torch.zeros(n_chunks + 1, coef.shape[-1], k.shape[-1], v.shape[-1])
     bn = torch.zeros(n_chunks + 1, coef.shape[-1], k.shape[-1])
     for c in range(n_chunks):
-        kw = ks[c].T[None] * (dec.writes * cs[c]).T[:, None, :]  # [S, F, C]
-        g[c + 1] = g[c] * dec.chunk[:, None, None] + _to(kw, dtype) @ vs[c]
-        bn[c + 1] = bn[c] * dec.chunk[:, None] + _to(kw, dtype).sum(-1)
+        kw = _to(ks[c].T[None] * _to(dec.writes * cs[c], dtype).T[:, None, :], dtype)  # [S, F, C]
+        g[c + 1] = g[c] * dec.chunk[:, None, None] + kw @ vs[c]
+        bn[c + 1] = bn[c] * dec.chunk[:, None] + kw.sum(-1)
     return g, bn
 
 
@@ -172,8 +172,8 @@ def emulate_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coef: tor
     ``dtype``) and log_lam [S], from a zero initial state: fp32, as computed before the kernels store them
     in ``dtype`` (the caller rounds, so that the error of the walk and that of the store can be told
     apart). Chunks of ``launches.forward_chunk`` tokens; each term's fp32 state walked over them
-    (chunk_states_kernel: the write rows k_j lam^(n-1-j) coef_j made in fp32 and rounded to ``dtype``, the
-    normalisers' sum in fp32) and stored in ``dtype`` before each chunk; then chunk_output_kernel: the
+    (chunk_states_kernel: the write rows k_j lam^(n-1-j) coef_j made in ``dtype`` from weights rounded to
+    it, the normalisers' sum in fp32) and stored in ``dtype`` before each chunk; then chunk_output_kernel: the
     masked scores (rounded to ``dtype`` before their product with v) and, term by term in order, q times
     the rounded state, weighted by lam^(i+1) in fp32."""
     seq_len, n_terms = q.shape[0], log_lam.shape[-1]

@@ -51,16 +51,21 @@ def chunk_state_grads_kernel(
     the chunk's reads add sum_i lam^(i+1) q_i (dO_i, dz_i) and the carry through the chunk decays it by
     lam^n (cut where a document starts inside). The gradient of the state entering the phase goes to
     slot 0 of ``d_edges``. A program owns a [BF, BD] block of the state, the
-    normalisers' gradient riding with value block 0. NORMS_BY_PRODUCT: the reads' share of that gradient
-    is a product with dz in all 16 columns on the tensor cores (dz rounded to the operands' dtype, which
-    it had as z's gradient; the weighted queries rounded as for the state's), as the forward's walk adds
-    the normalisers; else an fp32 sum across the threads."""
+    normalisers' gradient riding with value block 0. The weighted queries lam^(i+1) q_i are made in the
+    operands' dtype from weights rounded to it, as the forward's walk makes its rows (made in fp32 and
+    rounded after, the sm_90 walk took 319 instructions a chunk, against 277). NORMS_BY_PRODUCT: the
+    reads' share of the normalisers' gradient is a product of the rows lam^(i+1) dz_i q_i, made the same
+    way, with ones on the tensor cores, as the forward's walk adds the normalisers (with dz broadcast to
+    all 16 columns of the right operand through shared memory instead: 277 instructions, against 265);
+    else an fp32 sum across the threads."""
     row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
     rows = BH * S
     last = (rows + row).to(tl.int64) * W
     dg = tl.load(d_edges + last + g_offs, mask=g_mask, other=0.0)
     b_offs, b_store, db = _normaliser_slot(d_edges + last, F, DV, offs_f, b_mask, NORMS_BY_PRODUCT)
     pos = tl.arange(0, BT).to(tl.float32) + 1.0
+    if NORMS_BY_PRODUCT:  # a product with ones adds a chunk's rows
+        ones = tl.full([BT, 16], 1.0, dtype=q.dtype.element_ty)
     n_here = tl.minimum(N, tl.cdiv(seq_len, BT) - C0)
     for i in range(0, n_here):
         c = C0 + n_here - 1 - i
@@ -73,15 +78,14 @@ def chunk_state_grads_kernel(
         qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
         dc = load_tile(d_out, base, H, DV, offs_d, mask_t, BT)
         dz = tl.load(d_z + base + tl.arange(0, BT) * H, mask=mask_t, other=0.0).to(tl.float32)
-        qa = qc.to(tl.float32) * tl.where(reads, tl.exp(pos * ll), 0.0)[:, None]
+        alpha = tl.where(reads, tl.exp(pos * ll), 0.0)
         decay = carry * tl.exp(n.to(tl.float32) * ll)
-        qa_t = tl.trans(qa.to(qc.dtype))
-        dg = tl.dot(qa_t, dc, acc=dg * decay, input_precision=PRECISION)
+        dg = tl.dot(tl.trans(qc * alpha.to(qc.dtype)[:, None]), dc, acc=dg * decay, input_precision=PRECISION)
         if NORMS_BY_PRODUCT:
-            dz_cols = tl.broadcast_to(dz[:, None], (BT, 16)).to(qc.dtype)
-            db = tl.dot(qa_t, dz_cols, acc=db * decay, input_precision=PRECISION)
+            qz = qc * (alpha * dz).to(qc.dtype)[:, None]
+            db = tl.dot(tl.trans(qz), ones, acc=db * decay, input_precision=PRECISION)
         else:
-            db = db * decay + tl.sum(qa * dz[:, None], axis=0)
+            db = db * decay + tl.sum(qc.to(tl.float32) * (alpha * dz)[:, None], axis=0)
     first = row.to(tl.int64) * W
     tl.store(d_edges + first + g_offs, dg, mask=g_mask)
     tl.store(d_edges + first + b_offs, db, mask=b_store)

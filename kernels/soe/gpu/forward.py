@@ -86,11 +86,13 @@ def chunk_states_kernel(
     c - C0 of ``reads`` ([phase chunks, B*H*S, W], the operands' dtype); with BORDERS, after every STRIDE
     chunks, and after the last, to the next slot of ``states``. A chunk of n tokens decays the state by
     lam^n (cut to zero when a document starts inside it) and adds sum_j lam^(n-1-j) coef_j k_j v_j^T over
-    the tokens whose writes reach its end; the normalisers b_s ride with value block 0. NORMS_BY_PRODUCT
-    adds their rows by a product with ones on the tensor cores, rounded to the operands' dtype as G_s's
-    are (the sum across the threads it replaces was a fifth of the walk's instructions on sm_90); else
-    an fp32 sum of the unrounded rows. A program owns a
-    [BF, BD] block of the state (_state_block)."""
+    the tokens whose writes reach its end; the normalisers b_s ride with value block 0. The rows
+    lam^(n-1-j) coef_j k_j are made in the operands' dtype from weights rounded to it, as the span walks'
+    scaled_rows makes them (the tensor cores take them in that dtype anyway; made in fp32 and rounded after,
+    the sm_90 walk took 194 instructions a chunk, against 175). NORMS_BY_PRODUCT adds the same rows for the
+    normalisers by a product with ones on the tensor cores (the sum across the threads it replaces was a
+    fifth of the walk's instructions on sm_90); else an fp32 sum of them. A program owns a [BF, BD] block
+    of the state (_state_block)."""
     row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
     s = row % S
     rows = BH * S
@@ -114,14 +116,14 @@ def chunk_states_kernel(
             vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
             cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
             steps = tl.maximum(n.to(tl.float32) - 1.0 - pos, 0.0)
-            kw = kc.to(tl.float32) * tl.where(writes, tl.exp(steps * ll) * cs, 0.0)[:, None]
+            kw = kc * tl.where(writes, tl.exp(steps * ll) * cs, 0.0).to(kc.dtype)[:, None]
             decay = carry * tl.exp(n.to(tl.float32) * ll)
-            rows_t = tl.trans(kw.to(kc.dtype))
+            rows_t = tl.trans(kw)
             g = tl.dot(rows_t, vc, acc=g * decay, input_precision=PRECISION)
             if NORMS_BY_PRODUCT:
                 bn = tl.dot(rows_t, ones, acc=bn * decay, input_precision=PRECISION)
             else:
-                bn = bn * decay + tl.sum(kw, axis=0)
+                bn = bn * decay + tl.sum(kw.to(tl.float32), axis=0)
         if BORDERS:
             border = ((tl.cdiv(tl.minimum(first_c + STRIDE, end), STRIDE) * rows) + row).to(tl.int64) * W
             tl.store(states + border + g_offs, g, mask=g_mask)
