@@ -80,12 +80,12 @@ def chunk_state_grads_kernel(
         dz = tl.load(d_z + base + tl.arange(0, BT) * H, mask=mask_t, other=0.0).to(tl.float32)
         alpha = tl.where(reads, tl.exp(pos * ll), 0.0)
         decay = carry * tl.exp(n.to(tl.float32) * ll)
-        dg = tl.dot(tl.trans(qc * alpha.to(qc.dtype)[:, None]), dc, acc=dg * decay, input_precision=PRECISION)
         if NORMS_BY_PRODUCT:
             qz = qc * (alpha * dz).to(qc.dtype)[:, None]
             db = tl.dot(tl.trans(qz), ones, acc=db * decay, input_precision=PRECISION)
         else:
             db = db * decay + tl.sum(qc.to(tl.float32) * (alpha * dz)[:, None], axis=0)
+        dg = tl.dot(tl.trans(qc * alpha.to(qc.dtype)[:, None]), dc, acc=dg * decay, input_precision=PRECISION)
     first = row.to(tl.int64) * W
     tl.store(d_edges + first + g_offs, dg, mask=g_mask)
     tl.store(d_edges + first + b_offs, db, mask=b_store)

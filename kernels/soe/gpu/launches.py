@@ -99,7 +99,7 @@ TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coe
                       outputs=Shape(4, 1), query_grads=_SM80_GRADS, key_grads=_SM80_GRADS,
                       value_grads=_SM80_GRADS, coef_grads=_SM80_GRADS, split_walk=Shape(8, 1, 128)),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4,
-                     states_walk=Shape(16, 1, 64), grads_walk=Shape(8, 2, 128), crowded_walk=Shape(8, 1, 80),
+                     states_walk=Shape(16, 1, 64), grads_walk=Shape(16, 2, 64), crowded_walk=Shape(8, 1, 80),
                      outputs=Shape(4, 2, 168), query_grads=Shape(4, 2, 168), key_grads=Shape(4, 2, 128),
                      value_grads=Shape(4, 2, 168), coef_grads=Shape(4, 2, 168), split_walk=Shape(8, 1, 128),
                      norms_by_product=True)}  # fmt: skip
@@ -349,11 +349,12 @@ def soe_launches(
 
 def walk_shape(tiles: Tiles, shape: Shape, block: tuple[int, int], whole: tuple[int, int], programs: int) -> Shape:
     """A chunk state walk's shape: where its programs hold the whole padded state (``block`` == ``whole``,
-    as at every 18-term config), ``shape`` for at most TARGET_PROGRAMS of them and
-    ``tiles.crowded_walk`` for more; else ``tiles.split_walk``: the register caps were chosen for whole
-    states, and m5-125m's five terms, walked in 32 x 32 blocks to fill the GPU, spilled 48 bytes at 16
-    warps in 64 registers on sm_90."""
-    if block != whole:
+    as at every 18-term config) of at least 8 elements a thread, ``shape`` for at most TARGET_PROGRAMS of
+    them and ``tiles.crowded_walk`` for more; else ``tiles.split_walk``: the register caps were chosen
+    for whole states of the 125m and 350m configs, and m5-125m's five terms, walked in 32 x 32 blocks
+    to fill the GPU, spilled 48 bytes at 16 warps in 64 registers on sm_90, the tiny configs' 16 x 16
+    states 84 bytes in the state-gradient walk at 16 warps, 2 stages."""
+    if block != whole or block[0] * block[1] < 8 * 32 * shape.warps:
         return tiles.split_walk
     return shape if programs <= TARGET_PROGRAMS else tiles.crowded_walk
 
