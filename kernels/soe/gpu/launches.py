@@ -67,11 +67,12 @@ class Tiles:
     benchmarks.predict prices them (`python -m benchmarks.predict.shapes`, docs/kernels.md). The walks are
     latency-bound: a program's time is its walk, so what matters is that they all run in one wave. Up to
     two an SM, the forward's walk spreads a chunk's work over 16 warps in 64 registers (vort-125m's 216
-    walks: 0.47 ms at 16,384 tokens, 0.70 at 8 warps in 80 registers) and the state-gradient walk runs 8
-    warps, 2 stages in 128 (0.73 against 0.91 ms; at 16 warps it spilled in the 4-head tiny configs); more
-    walks than that take 8 warps in 80 registers, three an SM, one wave for vort-350m's 288 (0.46 against
-    0.59 ms for its forward walk at 65,536 tokens, where 16 warps take a second wave for the last 24). The
-    chunk-parallel kernels run 4 warps, capped where that keeps three or four programs an SM."""
+    walks: 0.43 ms at 16,384 tokens, 0.61 at 8 warps in 80 registers) and the state-gradient walk over 16
+    warps, 2 stages in 64 (0.49 against 0.61 ms at 8 warps, 2 stages in 128); more walks than that take
+    8 warps in 80 registers, three an SM, one wave for vort-350m's 288 (its forward walk 0.40 against 0.53
+    ms at 65,536 tokens, where 16 warps take a second wave for the last 24; its state-gradient walk 0.50
+    ms, and 0.41 with 2 stages, which spilled 32 bytes at 80 registers). The chunk-parallel kernels run 4
+    warps, capped where that keeps three or four programs an SM."""
 
     chunk: int
     block: int
