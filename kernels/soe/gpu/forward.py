@@ -91,8 +91,9 @@ def chunk_states_kernel(
     scaled_rows makes them (the tensor cores take them in that dtype anyway; made in fp32 and rounded after,
     the sm_90 walk took 194 instructions a chunk, against 175). NORMS_BY_PRODUCT adds the same rows for the
     normalisers by a product with ones on the tensor cores (the sum across the threads it replaces was a
-    fifth of the walk's instructions on sm_90); else an fp32 sum of them. A program owns a [BF, BD] block
-    of the state (_state_block)."""
+    fifth of the walk's instructions on sm_90); else an fp32 sum of the unrounded rows (made from k in
+    fp32: triton 3.8's interpreter widens a bf16 product to fp32 wrongly, and this path is the one the
+    CPU tests run). A program owns a [BF, BD] block of the state (_state_block)."""
     row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
     s = row % S
     rows = BH * S
@@ -116,14 +117,15 @@ def chunk_states_kernel(
             vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
             cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
             steps = tl.maximum(n.to(tl.float32) - 1.0 - pos, 0.0)
-            kw = kc * tl.where(writes, tl.exp(steps * ll) * cs, 0.0).to(kc.dtype)[:, None]
+            w = tl.where(writes, tl.exp(steps * ll) * cs, 0.0)
+            kw = kc * w.to(kc.dtype)[:, None]
             decay = carry * tl.exp(n.to(tl.float32) * ll)
             rows_t = tl.trans(kw)
             g = tl.dot(rows_t, vc, acc=g * decay, input_precision=PRECISION)
             if NORMS_BY_PRODUCT:
                 bn = tl.dot(rows_t, ones, acc=bn * decay, input_precision=PRECISION)
             else:
-                bn = bn * decay + tl.sum(kw.to(tl.float32), axis=0)
+                bn = bn * decay + tl.sum(kc.to(tl.float32) * w[:, None], axis=0)
         if BORDERS:
             border = ((tl.cdiv(tl.minimum(first_c + STRIDE, end), STRIDE) * rows) + row).to(tl.int64) * W
             tl.store(states + border + g_offs, g, mask=g_mask)
