@@ -71,9 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     capture = capture_step_ops(cfg, 1, args.tokens, checkpointing, 90)
     constants, seen, out = Constants(), set(), []
     for launch in capture.launches:
-        if launch.name not in CHUNK_KERNELS or launch.config() in seen:
-            continue
-        seen.add(launch.config())
+        if launch.name not in CHUNK_KERNELS or (launch.name, launch.config()) in seen:
+            continue  # a config string names no kernel: the outputs and dq can share one
+        seen.add((launch.name, launch.config()))
         rows = shape_rows(launch, constants)
         shipped = dict(launch.options).get("maxnreg")
         now = next(r for r in rows if (r["warps"], r["stages"], r["cap"]) == (launch.num_warps, launch.num_stages,
