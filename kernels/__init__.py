@@ -10,10 +10,11 @@ from kernels._common import document_numbers, work_dtype
 from kernels.features import positive_features
 from kernels.parallel import phasor_scan_sequence_parallel, soe_scan_sequence_parallel
 from kernels.phasor import phasor_scan
-from kernels.soe import soe_scan
+from kernels.soe import fast_term_count, soe_scan
 
 __all__ = [
     "document_numbers",
+    "fast_term_count",
     "phasor_scan",
     "phasor_scan_sequence_parallel",
     "positive_features",

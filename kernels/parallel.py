@@ -302,6 +302,7 @@ def soe_scan_sequence_parallel(
     backend: str = "auto",
     reset: torch.Tensor | None = None,
     piece_lengths: Sequence[int] | None = None,
+    fast_terms: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """:func:`kernels.soe_scan` over a sequence split across the ranks of ``group`` (this rank's piece
     in q, k, v, coef and ``reset``, bool [B, T_piece]; log_lam the same everywhere). Returns this piece's
@@ -309,9 +310,11 @@ def soe_scan_sequence_parallel(
     the decays between pieces are computed from it, never read from the other ranks. With ``reset`` the
     state entering a piece is the sum of the earlier pieces' local states (decayed) from the last piece
     with a reset on, plus the initial state only if no earlier piece has one; it reaches only the tokens
-    before the piece's first reset, and the state leaving a piece with a reset is its local state."""
+    before the piece's first reset, and the state leaving a piece with a reset is its local state.
+    ``fast_terms``: as :func:`kernels.soe_scan`'s, for the local scan."""
     size = dist.get_world_size(group)
-    o, z, (g_local, b_local) = soe_scan(q, k, v, coef, log_lam, None, True, chunk_size, backend, reset=reset)
+    o, z, (g_local, b_local) = soe_scan(q, k, v, coef, log_lam, None, True, chunk_size, backend, reset=reset,
+                                        fast_terms=fast_terms)
     pieces = _Pieces(reset, q.shape[1], piece_lengths, group)
     g_all = _gather_states(g_local, group)
     b_all = _gather_states(b_local, group)

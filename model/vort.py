@@ -194,11 +194,13 @@ class VortLayer(nn.Module):
         initial = None if state is None else (state.G, state.b)
         if sp is not None:  # the state entering this piece is combined from the earlier ranks' states
             num, den, final = soe_scan_sequence_parallel(fq, fk, v, coef, log_lam, sp.group, None, True,
-                                                         self.chunk_size, self.backend, reset=doc_start)
+                                                         self.chunk_size, self.backend, reset=doc_start,
+                                                         fast_terms=self.memory.fast_terms)
         else:
             num, den, final = kernels.soe_scan(fq, fk, v, coef, log_lam, initial_state=initial,
                                                output_final_state=True, chunk_size=self.chunk_size,
-                                               backend=self.backend, reset=doc_start)
+                                               backend=self.backend, reset=doc_start,
+                                               fast_terms=self.memory.fast_terms)
         y = self.readout(num.to(dt), den.to(dt), x).to(x.dtype)
         return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], next_offset(offset, T, doc_start))
 

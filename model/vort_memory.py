@@ -88,6 +88,7 @@ class VariableOrderMemory(Fp32Tables):
         self.n_heads, self.n_bins = config.n_heads, cfg.alpha_bins
         log_lambda, coef, banks = certified_kernel(bank_orders(cfg), cfg.soe_horizon, cfg.soe_eps).as_tensors()
         self.register_buffer("log_lambda", tempered(log_lambda, cfg))
+        self.fast_terms = kernels.fast_term_count(self.log_lambda)  # the scan's fast terms (kernels.soe_scan)
         self.register_buffer("bank_coef", coef)
         self.register_buffer("banks", banks)
         self.router = OrderRouter(config.d_model, config.n_heads, cfg)
@@ -135,6 +136,7 @@ class FixedOrderMemory(Fp32Tables):
         self.n_heads = config.n_heads
         log_lambda, coef, _ = certified_kernel((cfg.pl_alpha,), cfg.soe_horizon, cfg.soe_eps).as_tensors()
         self.register_buffer("log_lambda", tempered(log_lambda, cfg))
+        self.fast_terms = kernels.fast_term_count(self.log_lambda)
         self.register_buffer("coef", coef[0].clone())
 
     @property
@@ -163,6 +165,7 @@ class ExpMemory(nn.Module):
         self.log_timescale = nn.Parameter(torch.tensor(np.log(timescales), dtype=torch.float32))
 
     n_terms = 1
+    fast_terms = 0  # its decay is learned: nothing is known of it on the host
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dt = kernels.work_dtype(x.dtype)
@@ -181,6 +184,7 @@ class MixtureMemory(Fp32Tables):
         self.n_heads = config.n_heads
         timescales = torch.tensor(config.vort.m5_timescales, dtype=torch.float64)
         self.register_buffer("log_lambda", (-1.0 / timescales).float())
+        self.fast_terms = kernels.fast_term_count(self.log_lambda)
         self.raw_weight = nn.Parameter(torch.full((config.n_heads, timescales.numel()), math.log(math.e - 1.0)))
 
     @property

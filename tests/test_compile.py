@@ -47,7 +47,7 @@ def _soe_args(dtype: torch.dtype, with_reset: bool, grad: bool = True) -> tuple:
     log_lam = x["log_lam"].float().requires_grad_(grad)
     g0, b0 = (x[n].float().requires_grad_(grad) for n in ("g0", "b0"))
     reset = resets(T, [[5, 17], [11]]) if with_reset else None
-    return q, k, v, coef, log_lam, g0, b0, 8, reset
+    return q, k, v, coef, log_lam, g0, b0, 8, reset, 0
 
 
 def _opcheck(op: Callable, args: tuple) -> None:
@@ -69,7 +69,7 @@ def test_soe_scan_op_passes_opcheck(backend: str, dtype: torch.dtype, with_reset
 
 @pytest.mark.parametrize(("backend", "dtype"), [(b, d) for b in ("torch", "triton") for d in DTYPES])
 def test_entering_state_op_passes_opcheck(backend: str, dtype: torch.dtype) -> None:
-    q, _, _, _, log_lam, g0, b0, _, _ = _soe_args(dtype, False)
+    q, _, _, _, log_lam, g0, b0, _, _, _ = _soe_args(dtype, False)
     _opcheck(soe_entering_op, (q, log_lam.detach(), g0, b0, 8, backend))
 
 
@@ -85,12 +85,13 @@ def test_phasor_scan_op_passes_opcheck(backend: str, with_reset: bool) -> None:
 def test_backward_ops_pass_opcheck() -> None:
     """The backward ops on their own (opcheck of a forward op runs them, but checks only the forward's
     fake outputs against the real ones): gradients of every input, including those given as None."""
-    q, k, v, coef, log_lam, g0, b0, chunk, reset = (a.detach() if isinstance(a, torch.Tensor) else a
+    q, k, v, coef, log_lam, g0, b0, chunk, reset, fast = (a.detach() if isinstance(a, torch.Tensor) else a
                                                     for a in _soe_args(torch.float32, True))  # fmt: skip
     d_o, d_z = torch.randn(B, T, H, D), torch.randn(B, T, H)
     recurrent = torch.ops.recurrent
-    _opcheck(recurrent.soe_scan_backward, (q, k, v, coef, log_lam, g0, b0, chunk, reset, "torch", q.new_empty(0),
-                                           q.new_empty(0), d_o, d_z, None, None, [True] * 9))  # fmt: skip
+    _opcheck(recurrent.soe_scan_backward, (q, k, v, coef, log_lam, g0, b0, chunk, reset, fast, "torch",
+                                           q.new_empty(0), q.new_empty(0), d_o, d_z, None, None,
+                                           [True] * 10))  # fmt: skip
     _opcheck(recurrent.soe_entering_backward, (q, log_lam, g0, b0, chunk, "torch", d_o, None,
                                                [True, False, True, True, False]))  # fmt: skip
     x, n_slots = phasor_inputs(B, T, 3, 4, 2, with_state=True, seed=2)

@@ -191,6 +191,75 @@ def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phas
         assert torch.equal(got[name], again[name]), name
 
 
+def test_fast_terms_are_cut_into_pieces_only_where_the_walks_crowd():
+    """`fast_pieces`: vort-350m's 16 heads x 18 terms (288 walks, past TARGET_PROGRAMS) cut their 4 fast
+    terms' walks in 16 pieces of a 170-chunk phase, at least 4 warm-ups long each; vort-125m's 216 walks fit
+    whole; no fast terms, split state blocks, or slow walks that do not fit on their own: no pieces."""
+    from kernels.soe import FAST_REACH, fast_term_count
+    from kernels.soe.gpu.launches import TARGET_PROGRAMS, fast_pieces
+
+    assert 12 * 18 <= 16 * 14 <= TARGET_PROGRAMS < 16 * 18
+    assert fast_pieces(16, 18, 4, 1, True, 170, 1) == (4, 16)
+    assert fast_pieces(16, 18, 4, 1, True, 20, 1) == (4, 5)
+    assert fast_pieces(16, 18, 4, 1, True, 20, 4) == (4, 1)
+    assert fast_pieces(12, 18, 4, 1, True, 170, 1) == (0, 1)
+    assert fast_pieces(16, 18, 0, 1, True, 170, 1) == (0, 1)
+    assert fast_pieces(16, 18, 4, 1, False, 170, 1) == (0, 1)
+    assert fast_pieces(16, 18, 1, 1, True, 170, 1) == (0, 1)  # 272 slow walks
+    lam = torch.tensor([[-7.0, -2.5, -0.9, -0.33, -0.1, -0.001], [-7.0, -2.5, -0.3, -0.33, -0.1, -0.001]])
+    assert FAST_REACH * 0.33 >= 30 * math.log(2) > FAST_REACH * 0.3
+    assert fast_term_count(lam) == 2 and fast_term_count(lam[:1]) == 4 and fast_term_count(-lam) == 0
+
+
+@pytest.mark.parametrize(("per_span", "target", "phased"), [(1, 80, 0), (1, 80, 2), (4, 90, 0)])
+def test_soe_triton_walks_fast_terms_in_pieces(monkeypatch, per_span, target, phased):
+    """The chunk state walks with the 4 fast terms of 18 cut into 3 pieces each (the slow terms' 56 walks
+    fit TARGET_PROGRAMS, all 72 do not): every output, the final state and every gradient match the
+    reference, and the walks without pieces to fp32 rounding (a piece walks from zero 64 tokens before its
+    first chunk, over which those terms decay below 2^-30); two runs bitwise equal. Resets, an initial state,
+    a short last chunk; forward chunks of 16 tokens (pieces of 3 chunks, their warm-up of 4 reaching back past
+    the phase's start for the second) in one phase or in phases of two spans (pieces starting mid-phase), and
+    of 64 on an H100's launches (pieces of one chunk after a warm-up of one)."""
+    import kernels.soe.gpu.function as function
+    import kernels.soe.gpu.launches as launches
+    from kernels.soe import fast_term_count
+    from kernels.soe.triton import soe_launches
+
+    seq_len = 134
+    monkeypatch.setattr(function, "device_capability", lambda _x: target)
+    if phased:
+        monkeypatch.setattr(launches, "READS_BYTES", phased * 2 * 2 * 18 * 6 * 10 * 4)
+        monkeypatch.setattr(launches, "KEPT_BYTES", 0)
+    if per_span < 4:
+        _spans_of(monkeypatch, 2, seq_len, 2, 16, per_span, 18, 6, 9)
+    else:
+        monkeypatch.setattr(launches, "MIN_PROGRAMS", 1)
+    monkeypatch.setattr(launches, "TARGET_PROGRAMS", 2 * 2 * 14)
+    monkeypatch.setattr(launches, "fast_pieces", lambda *a: (4, 3) if a[2] else (0, 1))
+    walk = soe_launches(2, seq_len, 2, 18, 6, 9, 16, torch.float32, target, decay_grad=False, fast_terms=4)[1]
+    assert walk["fwd_states"].grid[0] == 2 * 2 * (14 + 4 * 3) == walk["bwd_chunk_states"].grid[0]
+    assert walk["fwd_states"].constexprs["WARM"] == 64 // (16 * per_span)
+    inputs = soe_inputs(2, seq_len, 2, 6, 9, 18, True, seed=5)
+    inputs["log_lam"][:, :4] = torch.tensor([-7.0, -2.5, -0.9, -0.33])
+    assert fast_term_count(inputs["log_lam"]) >= 4
+    inputs["reset"] = resets(seq_len, [[0, 5, 16, 17, 32, 33, 34, 64, 69, 100, 127], [15, 48, 90]])
+    runs = []
+    for backend, dtype, fast in (("triton", torch.float32, 4), ("triton", torch.float32, 4),
+                                 ("triton", torch.float32, 0), ("reference", torch.float64, 0)):  # fmt: skip
+        x = {n: t.to(dtype).requires_grad_(n != "log_lam") for n, t in inputs.items() if t.is_floating_point()}
+        o, z, (g, b) = soe_scan(x["q"], x["k"], x["v"], x["coef"], x["log_lam"], (x["g0"], x["b0"]), True, 16,
+                                backend, reset=inputs["reset"], fast_terms=fast)  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o, z, g, b)]
+        sum((t.double() * w).sum() for t, w in zip((o, z, g, b), weights)).backward()
+        runs.append({"o": o, "z": z, "G": g, "b": b} | {f"d{n}": t.grad for n, t in x.items() if n != "log_lam"})
+    got, again, whole, want = runs
+    for name in want:
+        assert rel_err(got[name], want[name]) <= (FWD_TOL if name in "oGzb" else GRAD_TOL), name
+        assert rel_err(got[name], whole[name]) <= 1e-6, (name, rel_err(got[name], whole[name]))
+        assert torch.equal(got[name], again[name]), name
+
+
 @pytest.mark.parametrize("decay_grad", [False, True])
 def test_soe_triton_gradients_when_the_final_state_goes_unused(decay_grad):
     """Training without a carried state: the loss reads o and z only, so the final state gets no gradient and

@@ -427,6 +427,23 @@ def test_bf16_cast_keeps_kernel_tables_fp32(kind: str) -> None:
     assert logits.dtype == torch.bfloat16 and rel_err(logits, reference) < 0.05
 
 
+def test_the_scan_is_told_the_fast_terms_of_the_fixed_decays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory counts its fast terms (lam^64 <= 2^-30) once from its fixed decays, and the layer passes
+    the count to the scan: 4 of vort-350m's 18 terms, none of a learned decay's."""
+    import kernels
+
+    cfg = load_model_config(CONFIGS / "vort-350m.yaml")
+    memory = build_model(dataclasses.replace(cfg, n_layers=1)).blocks[0].mixer.memory
+    assert memory.fast_terms == kernels.fast_term_count(memory.log_lambda) == 4
+    assert build_model(tiny("exp")).blocks[0].mixer.memory.fast_terms == 0
+    seen = []
+    scan = kernels.soe_scan
+    monkeypatch.setattr(kernels, "soe_scan", lambda *a, **k: seen.append(k["fast_terms"]) or scan(*a, **k))
+    model = build_model(tiny("vort"))
+    model(torch.randint(0, 32, (1, 12)))
+    assert seen == [model.blocks[0].mixer.memory.fast_terms] * len(model.blocks)
+
+
 @pytest.mark.parametrize("kind", [*VORT_KINDS, "transformer"])
 def test_family_builds_from_config_and_learns_a_repetitive_sequence(kind: str) -> None:
     config = load_model_config(CONFIGS / f"{kind}-tiny.yaml")

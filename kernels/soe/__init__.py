@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kernels._common import resolve_backend, use_ops, work_dtype
@@ -10,6 +12,18 @@ from kernels.soe.naive import soe_scan_reference
 from kernels.soe.op import soe_scan_op
 
 State = tuple[torch.Tensor, torch.Tensor]
+
+FAST_REACH = 64
+"""Tokens over which a fast term decays below 2^-30 (`fast_term_count`): its state entering a chunk is then
+made, to below the fp32 rounding of the state, by the tokens of the FAST_REACH before it alone."""
+
+
+def fast_term_count(log_lam: torch.Tensor) -> int:
+    """How many leading terms of the decays ``log_lam`` ([..., S], host values: a model's fixed decays at
+    construction, never a tensor of a training step) have lam^FAST_REACH <= 2^-30 at every head: the
+    ``fast_terms`` to give :func:`soe_scan` for them."""
+    fast = (log_lam.detach().double().cpu() * FAST_REACH <= -30 * math.log(2)).reshape(-1, log_lam.shape[-1]).all(0)
+    return int(fast.long().cumprod(0).sum())
 
 
 def _check(q, k, v, coef, log_lam, initial_state, reset) -> None:
@@ -42,6 +56,7 @@ def soe_scan(
     chunk_size: int = 64,
     backend: str = "auto",
     reset: torch.Tensor | None = None,
+    fast_terms: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, State | None]:
     """Multi-term decayed linear attention (VORT's SOE retention).
 
@@ -55,10 +70,16 @@ def soe_scan(
     ``reset`` (bool [B, T], optional): True where a token starts a document; the state is zeroed just
     before that token writes, so each document is scanned as if alone (every backend, forward and
     backward).
+    ``fast_terms``: how many leading terms decay below 2^-30 within FAST_REACH tokens (`fast_term_count` of
+    the decays; 0: none is taken as fast). The Triton backend may then walk those terms' states in pieces,
+    each from zero a little before its first chunk, beside the slow terms' walks (it does where the walks
+    of all terms would take more than one wave of the GPU); the other backends ignore it.
     """
     _check(q, k, v, coef, log_lam, initial_state, reset)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if not 0 <= fast_terms < log_lam.shape[-1]:
+        raise ValueError(f"fast_terms must be in [0, {log_lam.shape[-1]}) (some terms slow), got {fast_terms}")
     which = resolve_backend(backend, q)
     if which == "reference":
         return soe_scan_reference(q, k, v, coef, log_lam, initial_state, output_final_state, reset)
@@ -70,7 +91,7 @@ def soe_scan(
         b0 = q.new_zeros(batch, heads, n_terms, feat, dtype=dtype)
     else:
         g0, b0 = initial_state
-    args = (q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
+    args = (q, k, v, coef, log_lam, g0, b0, chunk_size, reset, fast_terms)
     if use_ops():  # the same Functions as a custom op: torch.compile keeps it in its graph (and see scans_as_ops)
         o, z, g_t, b_t, _states, _reads = soe_scan_op(*args, which)
     elif which == "triton":

@@ -344,7 +344,9 @@ class SoeScanChunked(torch.autograd.Function):
     """Autograd wrapper: saves only the (re-laid-out) inputs; the backward recomputes the chunk states."""
 
     @staticmethod
-    def prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None) -> tuple[torch.Tensor, ...]:
+    def prepare_backward(
+        ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None, fast_terms=0
+    ) -> tuple[torch.Tensor, ...]:
         """Save what the backward reads (the inputs laid out per head, in the work dtype) without scanning:
         the forward's first half, and all a backward run apart from its forward needs (kernels/library.py)."""
         batch, _, heads, feat = q.shape
@@ -360,7 +362,7 @@ class SoeScanChunked(torch.autograd.Function):
         return qw, kw, vw, cw, ll, gw, bw, docs
 
     @staticmethod
-    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
+    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None, fast_terms=0):
         batch = q.shape[0]
         saved = SoeScanChunked.prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset)
         out, z, g_t, b_t = soe_forward_chunked(*saved[:7], batch, chunk_size, saved[7])
@@ -397,4 +399,4 @@ class SoeScanChunked(torch.autograd.Function):
             dg0.view(g_shape).to(dtypes[5]),
             db0.view(b_shape).to(dtypes[6]),
         )
-        return (*grads, None, None)
+        return (*grads, None, None, None)

@@ -21,7 +21,7 @@ def _function(backend: str) -> Any:
     return SoeScanChunked
 
 
-def _fake(q, k, v, coef, log_lam, g0, b0, chunk_size, reset, backend) -> tuple[Tensor, ...]:
+def _fake(q, k, v, coef, log_lam, g0, b0, chunk_size, reset, fast_terms, backend) -> tuple[Tensor, ...]:
     """(o, z, final G, final b) and what the Triton backward reads, the span states and the per-chunk
     states the forward keeps (none, empty, on the CPU)."""
     batch, seq_len, heads, _ = q.shape
@@ -39,7 +39,8 @@ def _fake(q, k, v, coef, log_lam, g0, b0, chunk_size, reset, backend) -> tuple[T
 
 soe_scan_op = scan_op(
     "soe_scan",
-    "Tensor q, Tensor k, Tensor v, Tensor coef, Tensor log_lam, Tensor g0, Tensor b0, int chunk_size, Tensor? reset",
+    "Tensor q, Tensor k, Tensor v, Tensor coef, Tensor log_lam, Tensor g0, Tensor b0, int chunk_size, Tensor? reset, "
+    "int fast_terms",
     _function, _fake, outputs=4, differentiable=range(7), kept=2,
 )
 """(o, z, final G, final b, span states, per-chunk states) of :func:`kernels.soe_scan` from the initial

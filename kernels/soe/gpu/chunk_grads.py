@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.soe.gpu.forward import _normaliser_slot, _state_block
+from kernels.soe.gpu.forward import _chunk_range, _normaliser_slot, _owned, _state_block
 from kernels.soe.gpu.walk import (
     by_distance,
     chunk_masks,
@@ -44,6 +44,7 @@ def chunk_state_grads_kernel(
     q, d_out, d_z, log_lam, docs, d_reads, d_edges,
     seq_len, BH, S, C0, N, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, NORMS_BY_PRODUCT: tl.constexpr,
+    FAST: tl.constexpr, PARTS: tl.constexpr, WARM: tl.constexpr,
 ):  # fmt: skip
     """Term s's state gradient walked over chunks C0 .. C0 + N - 1 (a phase) in reverse, from the gradient
     of the state leaving the phase (slot 1 of ``d_edges``, [2, B*H*S, W] fp32): slot c - C0 of ``d_reads``
@@ -57,21 +58,30 @@ def chunk_state_grads_kernel(
     reads' share of the normalisers' gradient is a product of the rows lam^(i+1) dz_i q_i, made the same
     way, with ones on the tensor cores, as the forward's walk adds the normalisers (with dz broadcast to
     all 16 columns of the right operand through shared memory instead: 277 instructions, against 265);
-    else an fp32 sum across the threads."""
-    row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
+    else an fp32 sum across the threads. A fast term's piece (FAST, PARTS: _state_block) walks back from zero
+    WARM chunks after its last, as the forward's walk does ahead of its first."""
+    row, b, h, part, parts, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(
+        log_lam, BH, H, S, F, DV, BF, BD, FAST, PARTS
+    )
     rows = BH * S
+    end = C0 + tl.minimum(N, tl.cdiv(seq_len, BT) - C0)
+    lo, hi = _chunk_range(part, parts, C0, end, FAST)
+    warm = end
+    if FAST != 0:  # a fast piece's walk starts WARM chunks late, from zero
+        warm = tl.minimum(end, hi + WARM)
     last = (rows + row).to(tl.int64) * W
-    dg = tl.load(d_edges + last + g_offs, mask=g_mask, other=0.0)
+    dg = tl.load(d_edges + last + g_offs, mask=_owned(g_mask, warm == end, FAST), other=0.0)
     b_offs, b_store, db = _normaliser_slot(d_edges + last, F, DV, offs_f, b_mask, NORMS_BY_PRODUCT)
+    if FAST != 0:
+        db = tl.where(warm == end, db, 0.0)
     pos = tl.arange(0, BT).to(tl.float32) + 1.0
     if NORMS_BY_PRODUCT:  # a product with ones adds a chunk's rows
         ones = tl.full([BT, 16], 1.0, dtype=q.dtype.element_ty)
-    n_here = tl.minimum(N, tl.cdiv(seq_len, BT) - C0)
-    for i in range(0, n_here):
-        c = C0 + n_here - 1 - i
+    for i in range(0, warm - lo):
+        c = warm - 1 - i
         here = ((c - C0) * rows + row).to(tl.int64) * W
-        tl.store(d_reads + here + g_offs, dg.to(d_reads.dtype.element_ty), mask=g_mask)
-        tl.store(d_reads + here + b_offs, db.to(d_reads.dtype.element_ty), mask=b_store)
+        tl.store(d_reads + here + g_offs, dg.to(d_reads.dtype.element_ty), mask=_owned(g_mask, c < hi, FAST))
+        tl.store(d_reads + here + b_offs, db.to(d_reads.dtype.element_ty), mask=_owned(b_store, c < hi, FAST))
         start = c * BT
         base = token_base(b, h, start, seq_len, H)
         mask_t, n, reads, _writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
@@ -87,8 +97,8 @@ def chunk_state_grads_kernel(
             db = db * decay + tl.sum(qc.to(tl.float32) * (alpha * dz)[:, None], axis=0)
         dg = tl.dot(tl.trans(qc * alpha.to(qc.dtype)[:, None]), dc, acc=dg * decay, input_precision=PRECISION)
     first = row.to(tl.int64) * W
-    tl.store(d_edges + first + g_offs, dg, mask=g_mask)
-    tl.store(d_edges + first + b_offs, db, mask=b_store)
+    tl.store(d_edges + first + g_offs, dg, mask=_owned(g_mask, lo == C0, FAST))
+    tl.store(d_edges + first + b_offs, db, mask=_owned(b_store, lo == C0, FAST))
 
 
 @triton.jit

@@ -37,16 +37,31 @@ from kernels.soe.gpu.walk import (
 
 
 @triton.jit
-def _state_block(log_lam, H, S, F, DV, BF: tl.constexpr, BD: tl.constexpr):
-    """What a chunk state walk's program owns: (row, batch, head, feature offsets, value offsets, offsets
-    and mask of its [BF, BD] block of G_s, mask of its normalisers (value block 0 carries them), log lam_s),
-    row = (batch x head) * S + term. The blocks of one row are launched side by side, so they read its k
-    and v (or q and dO) tiles from L2 after the first."""
+def _state_block(log_lam, BH, H, S, F, DV, BF: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr,
+                 PARTS: tl.constexpr):  # fmt: skip
+    """What a chunk state walk's program owns: (row, batch, head, part, parts, feature offsets, value
+    offsets, offsets and mask of its [BF, BD] block of G_s, mask of its normalisers (value block 0 carries
+    them), log lam_s), row = (batch x head) * S + term. The blocks of one row are launched side by side, so
+    they read its k and v (or q and dO) tiles from L2 after the first.
+
+    The first programs walk the slow terms (terms FAST.. of every batch x head) over the whole phase
+    (part 0 of 1); then each fast term's walk (the first FAST terms, which decay below 2^-30 within
+    FAST_REACH tokens) is cut into PARTS pieces of the phase, a program each (`_chunk_range`), so that the
+    slow walks fill one wave and the short pieces fill the SMs around them."""
     n_values = tl.cdiv(DV, BD)
     n_blocks = tl.cdiv(F, BF) * n_values
     pid = tl.program_id(0)
     blk = pid % n_blocks
-    row, fb, vb = pid // n_blocks, blk // n_values, blk % n_values
+    r, fb, vb = pid // n_blocks, blk // n_values, blk % n_values
+    if FAST == 0:
+        row, part, parts = r, 0, 1
+    else:
+        n_slow = BH * (S - FAST)
+        fast = r >= n_slow
+        f = tl.maximum(r - n_slow, 0)
+        row = tl.where(fast, f // PARTS // FAST * S + f // PARTS % FAST, r // (S - FAST) * S + FAST + r % (S - FAST))
+        part = tl.where(fast, f % PARTS, 0)
+        parts = tl.where(fast, PARTS, 1)
     bh = row // S
     offs_f = fb * BF + tl.arange(0, BF)
     offs_d = vb * BD + tl.arange(0, BD)
@@ -54,7 +69,29 @@ def _state_block(log_lam, H, S, F, DV, BF: tl.constexpr, BD: tl.constexpr):
     g_mask = (offs_f < F)[:, None] & (offs_d < DV)[None, :]
     b_mask = (offs_f < F) & (vb == 0)
     ll = tl.load(log_lam + (bh % H) * S + row % S)
-    return row, bh // H, bh % H, offs_f, offs_d, g_offs, g_mask, b_mask, ll
+    return row, bh // H, bh % H, part, parts, offs_f, offs_d, g_offs, g_mask, b_mask, ll
+
+
+@triton.jit
+def _chunk_range(part, parts, C0, end, FAST: tl.constexpr):
+    """(first, end) of the chunks whose states piece ``part`` of ``parts`` of a walk over chunks C0 .. end - 1
+    stores: equal pieces in order, the last one short; the whole walk (C0, end) without fast pieces."""
+    lo, hi = C0, end
+    if FAST != 0:
+        per = tl.cdiv(end - C0, parts)
+        lo = C0 + part * per
+        hi = tl.minimum(lo + per, end)
+    return lo, hi
+
+
+@triton.jit
+def _owned(mask, inside, FAST: tl.constexpr):
+    """``mask`` where ``inside`` (a chunk of this program's piece, not of its warm-up); ``mask`` itself without
+    fast pieces, so that those walks compile as they did before the pieces."""
+    out = mask
+    if FAST != 0:
+        out = mask & inside
+    return out
 
 
 @triton.jit
@@ -78,7 +115,7 @@ def chunk_states_kernel(
     k, v, coef, log_lam, docs, reads, states,
     seq_len, BH, S, STRIDE, C0, N, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, BORDERS: tl.constexpr,
-    NORMS_BY_PRODUCT: tl.constexpr,
+    NORMS_BY_PRODUCT: tl.constexpr, FAST: tl.constexpr, PARTS: tl.constexpr, WARM: tl.constexpr,
 ):  # fmt: skip
     """Term s's state block, value columns vb * BD.., walked over chunks C0 .. C0 + N - 1 (a phase; C0 a
     multiple of STRIDE) from the state entering chunk C0, slot C0 / STRIDE of ``states`` ([spans + 1,
@@ -93,23 +130,38 @@ def chunk_states_kernel(
     normalisers by a product with ones on the tensor cores (the sum across the threads it replaces was a
     fifth of the walk's instructions on sm_90); else an fp32 sum of the unrounded rows (made from k in
     fp32: triton 3.8's interpreter widens a bf16 product to fp32 wrongly, and this path is the one the
-    CPU tests run). A program owns a [BF, BD] block of the state (_state_block)."""
-    row, b, h, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(log_lam, H, S, F, DV, BF, BD)
+    CPU tests run). A program owns a [BF, BD] block of the state (_state_block).
+
+    A fast term's piece (FAST, PARTS: _state_block) stores the states entering its own chunks, walked from
+    zero WARM chunks before its first (at least FAST_REACH tokens, over which the term decays below 2^-30:
+    what it leaves out is below the fp32 rounding of the state), or from the phase's entering state when
+    the piece starts the phase."""
+    row, b, h, part, parts, offs_f, offs_d, g_offs, g_mask, b_mask, ll = _state_block(
+        log_lam, BH, H, S, F, DV, BF, BD, FAST, PARTS
+    )
     s = row % S
     rows = BH * S
+    end = tl.minimum(C0 + N, tl.cdiv(seq_len, BT))
+    lo, hi = _chunk_range(part, parts, C0, end, FAST)
+    warm = C0
+    if FAST != 0:  # a fast piece's walk starts WARM chunks early, from zero
+        warm = tl.maximum(C0, lo - WARM)
     first = ((C0 // STRIDE) * rows + row).to(tl.int64) * W
-    g = tl.load(states + first + g_offs, mask=g_mask, other=0.0)
+    g = tl.load(states + first + g_offs, mask=_owned(g_mask, warm == C0, FAST), other=0.0)
     b_offs, b_store, bn = _normaliser_slot(states + first, F, DV, offs_f, b_mask, NORMS_BY_PRODUCT)
+    if FAST != 0:
+        bn = tl.where(warm == C0, bn, 0.0)
     if NORMS_BY_PRODUCT:  # a product with ones adds a chunk's rows
         ones = tl.full([BT, 16], 1.0, dtype=k.dtype.element_ty)
     pos = tl.arange(0, BT).to(tl.float32)
-    n_chunks = tl.cdiv(seq_len, BT)
-    end = tl.minimum(C0 + N, n_chunks)
-    for first_c in range(C0, end, STRIDE):  # one span of chunks, then (BORDERS) the state leaving it
-        for c in range(first_c, tl.minimum(first_c + STRIDE, end)):
+    for first_c in range(warm - (warm - C0) % STRIDE, hi, STRIDE):  # a span, then (BORDERS) the state leaving it
+        from_c = first_c
+        if FAST != 0:  # a piece's warm-up may start inside the span
+            from_c = tl.maximum(first_c, warm)
+        for c in range(from_c, tl.minimum(first_c + STRIDE, hi)):
             here = ((c - C0) * rows + row).to(tl.int64) * W
-            tl.store(reads + here + g_offs, g.to(reads.dtype.element_ty), mask=g_mask)
-            tl.store(reads + here + b_offs, bn.to(reads.dtype.element_ty), mask=b_store)
+            tl.store(reads + here + g_offs, g.to(reads.dtype.element_ty), mask=_owned(g_mask, c >= lo, FAST))
+            tl.store(reads + here + b_offs, bn.to(reads.dtype.element_ty), mask=_owned(b_store, c >= lo, FAST))
             start = c * BT
             base = token_base(b, h, start, seq_len, H)
             mask_t, n, _reads, writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
@@ -126,10 +178,12 @@ def chunk_states_kernel(
                 bn = tl.dot(rows_t, ones, acc=bn * decay, input_precision=PRECISION)
             else:
                 bn = bn * decay + tl.sum(kc.to(tl.float32) * w[:, None], axis=0)
-        if BORDERS:
-            border = ((tl.cdiv(tl.minimum(first_c + STRIDE, end), STRIDE) * rows) + row).to(tl.int64) * W
-            tl.store(states + border + g_offs, g, mask=g_mask)
-            tl.store(states + border + b_offs, bn, mask=b_store)
+        if BORDERS:  # stored by the program whose piece holds the span's last chunk
+            last = tl.minimum(first_c + STRIDE, end)
+            border = ((tl.cdiv(last, STRIDE) * rows) + row).to(tl.int64) * W
+            ours = (last > lo) & (last <= hi)
+            tl.store(states + border + g_offs, g, mask=_owned(g_mask, ours, FAST))
+            tl.store(states + border + b_offs, bn, mask=_owned(b_store, ours, FAST))
 
 
 @triton.jit

@@ -42,24 +42,26 @@ def pass_sizes(states: torch.Tensor, terms_per_row: int) -> tuple[int, int, int,
     return states[0].numel(), width, terms_per_row, terms_per_row * width
 
 
-def _operands(q, k, v, coef, log_lam, chunk_size: int, reset) -> tuple[tuple[torch.Tensor, ...], tuple]:
+def _operands(q, k, v, coef, log_lam, chunk_size: int, reset,
+              fast_terms: int) -> tuple[tuple[torch.Tensor, ...], tuple]:  # fmt: skip
     """(q, k, v, coef, log_lam, document numbers) as the kernels read them, with the launches, the span size
     and the chunk of this scan."""
     batch, seq_len = q.shape[:2]
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     coef = coef.to(q.dtype).contiguous()
     ll = log_lam.float().contiguous()
-    launches, span, chunk = _geometry(q, v, log_lam, chunk_size)
+    launches, span, chunk = _geometry(q, v, log_lam, chunk_size, fast_terms)
     docs = document_numbers(reset, batch, seq_len, q.device)
     return (q, k, v, coef, ll, docs), (launches, span, chunk)
 
 
-def _geometry(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[dict, int, int]:
+def _geometry(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int,
+              fast_terms: int = 0) -> tuple[dict, int, int]:  # fmt: skip
     """The launches, the span size (in chunks) and the chunk of a scan of these operands."""
     batch, seq_len, heads, feat = q.shape
     sizes = (batch, seq_len, heads, log_lam.shape[-1], feat, v.shape[-1])
     capability = device_capability(q)
-    chunk, launches = soe_launches(*sizes, chunk_size, q.dtype, capability)
+    chunk, launches = soe_launches(*sizes, chunk_size, q.dtype, capability, fast_terms=fast_terms)
     return launches, walk_span(*sizes, chunk, capability), chunk
 
 
@@ -78,12 +80,13 @@ def _sizes(q: torch.Tensor, v: torch.Tensor, ll: torch.Tensor, span: int) -> tup
     return seq_len, batch * heads, heads, ll.shape[-1], feat, width, feat * (width + 1), span
 
 
-def _save(ctx, saved: tuple[torch.Tensor, ...], chunk_size: int, dtypes: list, g_shape: torch.Size) -> None:
-    """What the backward reads: the operands and span states ``saved``, the chunk size, the dtypes of
-    the inputs (q, k, v, coef, log_lam, g0, b0), which their gradients take, and the state's shape."""
+def _save(ctx, saved: tuple[torch.Tensor, ...], chunk_size: int, fast_terms: int, dtypes: list,
+          g_shape: torch.Size) -> None:  # fmt: skip
+    """What the backward reads: the operands and span states ``saved``, the chunk size, the fast terms, the
+    dtypes of the inputs (q, k, v, coef, log_lam, g0, b0), which their gradients take, and the state's shape."""
     ctx.save_for_backward(*saved)
     ctx.set_materialize_grads(False)
-    ctx.meta = (chunk_size, dtypes, g_shape)
+    ctx.meta = (chunk_size, fast_terms, dtypes, g_shape)
 
 
 def kept_reads_shape(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int) -> tuple[int, ...]:
@@ -112,11 +115,11 @@ class SoeScanTriton(torch.autograd.Function):
     decay gradient's per-span and per-chunk partials by torch, so two runs give bitwise-equal results."""
 
     @staticmethod
-    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None):
+    def forward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset=None, fast_terms=0):
         check_triton_inputs(q, chunk_output_kernel)
         batch, seq_len, heads, _ = q.shape
         dtypes = [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)]
-        operands, (launches, span, chunk) = _operands(q, k, v, coef, log_lam, chunk_size, reset)
+        operands, (launches, span, chunk) = _operands(q, k, v, coef, log_lam, chunk_size, reset, fast_terms)
         q, k, v, coef, ll, docs = operands
         rows = (seq_len, batch * heads, ll.shape[-1])  # the chunk kernels' sizes; the rest are compiled in
         states = slots(triton.cdiv(seq_len, span * chunk), pack(g0, b0), at_end=False)
@@ -128,7 +131,7 @@ class SoeScanTriton(torch.autograd.Function):
         for c0, n, phase in phases:
             launches["fwd_states"].run(k, v, coef, ll, docs, reads, states, *rows, stride, c0, n)
             phase.run(q, k, v, coef, ll, docs, reads, out, z, *rows, c0)
-        _save(ctx, (*operands, states, reads), chunk_size, dtypes, g0.shape)
+        _save(ctx, (*operands, states, reads), chunk_size, fast_terms, dtypes, g0.shape)
         g_t, b_t = unpack(states[-1], g0.shape)
         return out, z, g_t, b_t
 
@@ -139,18 +142,18 @@ class SoeScanTriton(torch.autograd.Function):
         return ctx.saved_tensors[-2:]
 
     @staticmethod
-    def prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset, states, reads) -> None:
+    def prepare_backward(ctx, q, k, v, coef, log_lam, g0, b0, chunk_size, reset, fast_terms, states, reads) -> None:
         """Save what the backward reads, as the forward does, from the inputs and the span and per-chunk
         states that a forward returned (:func:`span_states_shape`, :func:`kept_reads_shape`) without
         scanning again: the torch.library op's backward (kernels/library.py)."""
-        operands, _ = _operands(q, k, v, coef, log_lam, chunk_size, reset)
+        operands, _ = _operands(q, k, v, coef, log_lam, chunk_size, reset, fast_terms)
         dtypes = [x.dtype for x in (q, k, v, coef, log_lam, g0, b0)]
-        _save(ctx, (*operands, states, reads), chunk_size, dtypes, g0.shape)
+        _save(ctx, (*operands, states, reads), chunk_size, fast_terms, dtypes, g0.shape)
 
     @staticmethod
     def backward(ctx, d_o, d_z, d_g, d_b):
         q, k, v, coef, ll, docs, states, reads = ctx.saved_tensors
-        chunk_size, dtypes, g_shape = ctx.meta
+        chunk_size, fast_terms, dtypes, g_shape = ctx.meta
         batch, seq_len, heads, feat = q.shape
         n_terms, width = ll.shape[-1], v.shape[-1]
         dev, f32 = q.device, torch.float32
@@ -162,7 +165,7 @@ class SoeScanTriton(torch.autograd.Function):
         capability = device_capability(q)
         decay_grad = ctx.needs_input_grad[4]
         chunk, launches = soe_launches(
-            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad
+            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad, fast_terms
         )
         if d_g is None and d_b is None:  # the final state went unused (training without a carried state)
             final = torch.zeros(g_shape[0] * g_shape[1] * g_shape[2], g_shape[3] * (g_shape[4] + 1), dtype=f32,
@@ -173,7 +176,7 @@ class SoeScanTriton(torch.autograd.Function):
         if not decay_grad:
             grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, reads, d_out, d_zz, final, g_shape,
                                  _border_stride(launches, span, chunk))
-            return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
+            return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None, None)
         n_spans = states.shape[0] - 1
         ints = _sizes(q, v, ll, span)
         d_states = slots(n_spans, final, at_end=True)
@@ -217,7 +220,7 @@ class SoeScanTriton(torch.autograd.Function):
             d_log_lam = (dll.flatten(0, 1).sum(0) + dll_chunks.sum(0) + boundary.sum((0, 3))).to(dtypes[4])
         dg0, db0 = unpack(d_states[0], g_shape)
         grads = (dq, dk, dv, dcoef, d_log_lam, dg0, db0)
-        return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None)
+        return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None, None)
 
 
 def _border_stride(launches: dict, span: int, chunk: int) -> int:

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from kernels._common import Launch, triton_type
+from kernels.soe import FAST_REACH
 from kernels.soe.gpu.backward import (
     coef_grads_kernel,
     key_grads_kernel,
@@ -249,6 +250,7 @@ def soe_launches(
     dtype: torch.dtype,
     capability: int,
     decay_grad: bool = True,
+    fast_terms: int = 0,
 ) -> tuple[int, dict[str, Launch]]:
     """(chunk length of the backward's walks, launches) of one scan for q, k, v, coef of ``dtype`` and value
     width ``width`` on a GPU of compute capability ``capability``, in the order they run. The backward
@@ -262,7 +264,8 @@ def soe_launches(
     over ``phase_spans`` spans at a time (their grids here those of a full phase). ``decay_grad``:
     whether the backward makes the decays' gradient (not for decays that are buffers, as VORT's: the key
     launch then adds the pairs inside each chunk to the normalisers' share, and the coefficient kernel
-    only sums the shares)."""
+    only sums the shares). ``fast_terms``: the leading terms known to be fast (kernels.soe_scan), whose chunk
+    walks may run in pieces (`fast_pieces`)."""
     tiles = TILES[capability >= 90]
     bt = chunk_block(chunk_size, capability)
     bf, bv = max(16, triton.next_power_of_2(feat)), max(16, triton.next_power_of_2(width))
@@ -291,11 +294,15 @@ def soe_launches(
 
     fc = forward_chunk(span, bt, triton.cdiv(seq_len, bt))
     sbf, sbd = state_blocks(batch * heads * n_terms, bf, bv)
-    walks = batch * heads * n_terms * triton.cdiv(feat, sbf) * triton.cdiv(width, sbd)
-    walk_shaped = _shaped(walk_shape(tiles, tiles.states_walk, (sbf, sbd), (bf, bv), walks))
     stride = triton.cdiv(span * bt, fc)
     per_phase = chunk_phase(batch * heads * n_terms, feat * (width + 1), dtype.itemsize, stride,
                             triton.cdiv(seq_len, fc))  # fmt: skip
+    blocks = triton.cdiv(feat, sbf) * triton.cdiv(width, sbd)
+    warm = triton.cdiv(FAST_REACH, fc)
+    fast, parts = fast_pieces(batch * heads, n_terms, fast_terms, blocks, (sbf, sbd) == (bf, bv), per_phase, warm)
+    slow = batch * heads * (n_terms - fast) * blocks
+    walks = slow + batch * heads * fast * parts * blocks
+    walk_shaped = _shaped(walk_shape(tiles, tiles.states_walk, (sbf, sbd), (bf, bv), slow))
     # the chunk kernels take the shape as constants: masks and address arithmetic fold at compile time
     shape = {"H": heads, "F": feat, "DV": width, "W": feat * (width + 1)}
     forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype)} | shape
@@ -305,7 +312,8 @@ def soe_launches(
         "fwd_states": Launch(
             chunk_states_kernel, {"k": operand, "v": operand} | base | {"reads": operand, "states": "fp32"},
             fwd_ints | {"STRIDE": "i32", "C0": "i32", "N": "i32"},
-            forward | {"BF": sbf, "BD": sbd, "BORDERS": True, "NORMS_BY_PRODUCT": tiles.norms_by_product},
+            forward | {"BF": sbf, "BD": sbd, "BORDERS": True, "NORMS_BY_PRODUCT": tiles.norms_by_product,
+                       "FAST": fast, "PARTS": parts, "WARM": warm},
             (walks, 1, 1), **walk_shaped,
             wide=frozenset(("k", "v", "coef", "reads", "states")),
         ),
@@ -318,7 +326,7 @@ def soe_launches(
     }  # fmt: skip
     if not decay_grad:
         chunked = forward | {"BD": bv, "GN": gn}
-        return bt, launches | _chunk_backward(launches, operand, fwd_ints | {"C0": "i32"}, chunked, tiles)
+        return bt, launches | _chunk_backward(launches, operand, fwd_ints | {"C0": "i32"}, chunked, tiles, slow)
     launches |= {
         "bwd_states": walk(state_grads_kernel, {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32",
                                                 "docs": "i32", "states": "fp32"}, ints, dict(by_value), value_grid),
@@ -348,6 +356,22 @@ def soe_launches(
     return bt, {name: launches[name] for name in order}
 
 
+def fast_pieces(rows: int, n_terms: int, fast_terms: int, blocks: int, whole: bool, chunks: int,
+                warm: int) -> tuple[int, int]:  # fmt: skip
+    """(FAST, PARTS) of the chunk state walks over ``rows`` = batch x heads, ``n_terms`` terms and ``blocks``
+    state blocks a term, whose phases have ``chunks`` chunks: (0, 1) (every term walked whole) unless all
+    the walks would take more than TARGET_PROGRAMS programs (two an H100 SM at the walks' shape) and the
+    slow terms' fit in them; then the ``fast_terms`` fast terms' walks are cut into PARTS pieces (a program
+    each, walked from ``warm`` chunks before its first) of at least 4 x warm chunks, at most 16: the slow
+    walks run at their uncrowded shape in one wave, the pieces in the room around them. vort-350m's 16
+    heads x 18 terms are 288 walks, which had to run at the crowded shape, three an SM; its 224 slow
+    ones fit, and its 4 fast ones are cut in 16."""
+    slow = rows * (n_terms - fast_terms) * blocks
+    if not whole or fast_terms == 0 or rows * n_terms * blocks <= TARGET_PROGRAMS or slow > TARGET_PROGRAMS:
+        return 0, 1
+    return fast_terms, max(1, min(16, chunks // (4 * warm)))
+
+
 def walk_shape(tiles: Tiles, shape: Shape, block: tuple[int, int], whole: tuple[int, int], programs: int) -> Shape:
     """A chunk state walk's shape: where its programs hold the whole padded state (``block`` == ``whole``,
     as at every 18-term config) of at least 8 elements a thread, ``shape`` for at most TARGET_PROGRAMS of
@@ -366,7 +390,7 @@ def _shaped(shape: Shape) -> dict[str, int | None]:
 
 
 def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, str], constexprs: dict,
-                    tiles: Tiles) -> dict[str, Launch]:  # fmt: skip
+                    tiles: Tiles, slow_walks: int) -> dict[str, Launch]:  # fmt: skip
     """The chunk-parallel backward (kernels/soe/gpu/chunk_grads.py), for decays that need no gradient:
     "bwd_reads" (the forward's chunk walk again, for the state entering every chunk), "bwd_chunk_states"
     (the reverse walk: the gradient of the state leaving every chunk), "bwd_chunk_queries" (dq) and
@@ -383,13 +407,13 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
     state_in = {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32", "docs": "i32"}
     walk = forward["fwd_states"]  # the backward's walks have its programs (its rerun, its shape too)
     block, whole = (walk.constexprs["BF"], walk.constexprs["BD"]), (constexprs["BF"], constexprs["BD"])
-    grads_shape = walk_shape(tiles, tiles.grads_walk, block, whole, walk.grid[0])
+    grads_shape = walk_shape(tiles, tiles.grads_walk, block, whole, slow_walks)
     out = {
         "bwd_reads": dataclasses.replace(walk, constexprs=walk.constexprs | {"BORDERS": False}),
         "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"},
                                    ints | {"N": "i32"},
                                    {k: walk.constexprs[k] for k in ("BT", "BF", "BD", "PRECISION", "NORMS_BY_PRODUCT",
-                                                                    "H", "F", "DV", "W")},
+                                                                    "H", "F", "DV", "W", "FAST", "PARTS", "WARM")},
                                    walk.grid, **_shaped(grads_shape),
                                    wide=frozenset(("q", "d_out", "d_z", "d_reads"))),
         "bwd_chunk_queries": chunk_launch(chunk_query_grads_kernel,
