@@ -107,12 +107,15 @@ def meta_model(cfg: ModelConfig) -> torch.nn.Module:
     return build_model(triton_config(cfg)).to(torch.bfloat16).to("meta")
 
 
-def capture_step(model: torch.nn.Module, batch: int, seq_len: int, target: int) -> list[tuple[Launch, tuple]]:
+def capture_step(model: torch.nn.Module, batch: int, seq_len: int, target: int,
+                 documents: bool = False) -> list[tuple[Launch, tuple]]:  # fmt: skip
     """The launches of one forward and backward of ``model`` (on meta) over [batch, seq_len] tokens on
-    a GPU of compute capability ``target``."""
+    a GPU of compute capability ``target``; with ``documents``, of packed documents whose starts reset the
+    memory (data.doc_boundaries), which the scans' kernels read (other compilations than without)."""
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    doc_start = torch.zeros(batch, seq_len, dtype=torch.bool, device="meta") if documents else None
     with capture_launches(target) as launches, _meta_autocast():
-        hidden, _state = model.hidden_states(ids)
+        hidden, _state = model.hidden_states(ids, doc_start=doc_start)
         hidden.float().sum().backward()
     model.zero_grad(set_to_none=True)
     return list(launches)
@@ -136,8 +139,8 @@ def capture_entering(cfg: ModelConfig, batch: int, seq_len: int, dtype: torch.dt
 
 
 def capture_config(name: str, cfg: ModelConfig, targets: tuple[int, ...]) -> list[Captured]:
-    """Every launch of a training step of config ``name`` at every shape of SHAPES on every target
-    (empty for a config without a scan)."""
+    """Every launch of a training step of config ``name`` at every shape of SHAPES on every target, and
+    at the "fill" shape with document starts (shape "documents") (empty for a config without a scan)."""
     scan = family(cfg.kind).scan_shape(cfg)
     if scan is None:
         return []
@@ -155,4 +158,7 @@ def capture_config(name: str, cfg: ModelConfig, targets: tuple[int, ...]) -> lis
                 entering = capture_entering(cfg, batch, seq_len, dtype, target)
                 found += [Captured(name, "soe", shape, target, *x) for x in entering]
             out += found
+    for target in targets:  # the "fill" run again with document starts
+        found = capture_step(model, *SHAPES["fill"], target, documents=True)
+        out += [Captured(name, scan.kernel, "documents", target, *x) for x in found]
     return out

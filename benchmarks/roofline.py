@@ -110,8 +110,8 @@ ACCESS: dict[str, dict[str, dict[str, str]]] = {
         | dict.fromkeys(("reads", "d_out", "d_z", "dq"), ONCE),
         **{f"bwd_chunk_{made}": dict.fromkeys(("q", "k", "v", "coef"), ONCE) | {"log_lam": DECAYS, "docs": DOCS}
            | dict.fromkeys(("d_reads", "d_out", "d_z"), ONCE)
-           | {out: ONCE if out == grad else UNUSED for out in ("dk", "dv", "dcoef")}
-           for made, grad in (("keys", "dk"), ("values", "dv"), ("coefs", "dcoef"))},
+           | {out: ONCE if out in made_grads else UNUSED for out in ("dk", "dv", "dcoef")}
+           for made, made_grads in (("keys_values", ("dk", "dv")), ("coefs", ("dcoef",)))},
         "bwd_pass": _PASS,
         "bwd_queries": {"q": ONCE, "k": ONCE, "v": SHARED} | _WALK_IN | {"states": STATE, "d_out": SHARED,
                                                                         "d_z": SHARED, "dq": ONCE, "dll": PARTIAL},
@@ -158,7 +158,7 @@ def _soe_flops(name: str, c: dict, named: dict) -> int:
         return 2 * bt * c["BF"] * (c["BD"] + 16 * c.get("NORMS_BY_PRODUCT", False))  # the normalisers' product
     if name == "bwd_chunk_queries":  # dO V^T, (dP * Wc) K, the kernel matrix, a read per term
         return 2 * bt * bt * (c["BF"] + c["BD"]) + mask + named["S"] * 2 * bt * c["BF"] * c["BD"]
-    if name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
+    if name in ("bwd_chunk_keys_values", "bwd_chunk_coefs"):
         # dO V^T and the kernel matrix; the scores for dv or dcoef; dk = (dP * Wc)^T Q and V dH_s^T per
         # term; dv = (S * Wc)^T dO and K dH_s per term; dcoef: the pairs spread by the decay table, and
         # K dH_s per term unless dv made it
@@ -228,9 +228,12 @@ def launch_names(scan: str, captured: Sequence[tuple[Launch, tuple]]) -> list[st
             x = next(named[n] for n in ("q", "x", "k") if n in named)
             b, t, h, f = x.shape
             made = {}  # both backwards: the walks (decays with a gradient) and the chunk-parallel one; 16: any
-            # requested chunk gives the walks' chunk of 16 tokens (launches.chunk_block)
+            # requested chunk gives the walks' chunk of 16 tokens (launches.chunk_block); the scan's fast terms
+            # and resets as the launch says them (its walks' FAST; RESETS), where it says them
+            options = {"fast_terms": launch.constexprs.get("FAST", 0), "resets": launch.constexprs.get("RESETS", True)}
             for decay_grad in (True, False):
-                made |= soe_launches(b, t, h, named["S"], f, named["DV"], 16, x.dtype, CAPABILITY, decay_grad)[1]
+                made |= soe_launches(b, t, h, named["S"], f, named["DV"], 16, x.dtype, CAPABILITY, decay_grad,
+                                     **options)[1]
         elif scan == "phasor" and "L" in named:
             values = args[0]  # the increments or their read gradients, [B, T, levels, width]
             b, t, levels, width = values.shape

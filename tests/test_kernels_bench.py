@@ -128,7 +128,7 @@ def test_roofline_models_the_span_kernels_and_the_walks(capsys, tmp_path):
     runs = {k["kernel"]: k["runs"] for k in built.values() if not k["kernel"].endswith("torch_sums")}
     phases = runs.pop("soe_bwd_reads") + 1
     assert runs == dict.fromkeys(("soe_fwd_states", "soe_fwd", "soe_bwd_chunk_states", "soe_bwd_chunk_queries",
-                                  "soe_bwd_chunk_keys", "soe_bwd_chunk_values", "soe_bwd_chunk_coefs"), phases)
+                                  "soe_bwd_chunk_keys_values", "soe_bwd_chunk_coefs"), phases)
     step = steps[("vort-125m", roofline.BUILT)]
     assert step["io_floor_ms"] < step["flop_floor_ms"] < step["scan_ms"]
     assert steps[("vort-125m", roofline.SPAN)]["io_floor_ms"] is None

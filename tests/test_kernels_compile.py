@@ -262,10 +262,16 @@ def test_capture_records_without_launching():
 def test_captured_launches_are_the_models():
     """A tiny VORT config's forward and backward on meta: the scan's launches read the model's tokens
     (1 x 65,536 at the "fill" shape), in the dtype its scan is handed under bf16, and the entering read
-    is there too."""
+    is there too; the "fill" run again with document starts, whose chunk kernels read the document numbers
+    (RESETS), where the others do not."""
     cfg = shipped_configs()["vort-tiny"]
     caps = capture_config("vort-tiny", cfg, (80,))
-    assert {c.shape for c in caps} == set(SHAPES)
+    assert {c.shape for c in caps} == {*SHAPES, "documents"}
+    resets: dict[str, set[bool]] = {}
+    for c in caps:
+        if "RESETS" in c.launch.constexprs:
+            resets.setdefault(c.shape, set()).add(c.launch.constexprs["RESETS"])
+    assert resets == {**{shape: {False} for shape in SHAPES}, "documents": {True}}
     fill = [c for c in caps if c.shape == "fill"]
     tensors = [a for c in fill for a in c.args if isinstance(a, torch.Tensor)]
     assert any(a.shape[:2] == SHAPES["fill"] for a in tensors)

@@ -164,7 +164,9 @@ def test_soe_triton_without_a_decay_gradient(monkeypatch, per_span, target, phas
         monkeypatch.setattr(launches, "READS_BYTES", phased * 2 * 2 * 18 * 6 * 10 * 4)
         monkeypatch.setattr(launches, "KEPT_BYTES", 0)
     names = soe_launches(2, 70, 2, 18, 6, 9, 16, torch.float32, target, decay_grad=False)[1].keys()
-    assert {"bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"} <= names
+    made = {"bwd_chunk_keys_values", "bwd_chunk_coefs"} if target >= 90 else {"bwd_chunk_keys", "bwd_chunk_values",
+                                                                               "bwd_chunk_coefs"}
+    assert made <= names
 
     if per_span < 4:
         _spans_of(monkeypatch, 2, 70, 2, 16, per_span, 18, 6, 9)
@@ -311,6 +313,29 @@ def test_soe_forward_keeps_its_last_phase_chunk_states_for_the_backward(monkeypa
     phases = sum(walks)  # the forward's walks, one a phase, store the span borders; the backward's do not
     assert phases == (1 if not phased else forward // 2) and phases > (1 if phased else 0)
     assert walks.count(False) == phases - 1
+
+
+@pytest.mark.parametrize("with_reset", [False, True])
+def test_soe_chunk_kernels_read_document_numbers_only_with_resets(with_reset):
+    """A scan without document starts runs the chunk-parallel kernels without RESETS (they read no document
+    numbers, and no [B, T] zeros are made for them); with starts, with (the values of both paths are checked
+    against the reference by the tests above, which run with and without resets)."""
+    from kernels._common import capture_launches
+    from kernels.soe.gpu.function import SoeScanTriton
+
+    meta = {"device": "meta", "dtype": torch.bfloat16, "requires_grad": True}
+    q, k, v = (torch.zeros(1, 1024, 2, 64, **meta) for _ in range(3))
+    coef = torch.zeros(1, 1024, 2, 18, **meta)
+    log_lam = torch.zeros(2, 18, device="meta")
+    g0, b0 = torch.zeros(1, 2, 18, 64, 64, device="meta"), torch.zeros(1, 2, 18, 64, device="meta")
+    reset = torch.zeros(1, 1024, dtype=torch.bool, device="meta") if with_reset else None
+    with capture_launches(90) as made:
+        o, z, _g, _b = SoeScanTriton.apply(q, k, v, coef, log_lam, g0, b0, 16, reset)
+        torch.autograd.backward((o, z), (torch.zeros_like(o), torch.zeros_like(z)))
+    chunked = [(launch, args) for launch, args in made if launch.kernel.__name__.startswith("chunk_")]
+    assert len(chunked) >= 6 and {launch.constexprs["RESETS"] for launch, _args in chunked} == {with_reset}
+    docs = {args[launch.kernel.arg_names.index("docs")].numel() for launch, args in chunked}
+    assert docs == ({1024} if with_reset else {0})
 
 
 @pytest.mark.parametrize(("target", "spans"), [(1, 1), (4, 5)])

@@ -77,7 +77,7 @@ def state_grads_kernel(
     for i in range(0, n_here):
         start = (p * SPAN + n_here - 1 - i) * BT
         base = token_base(b, h, start, seq_len, H)
-        mask_t, n, reads, _writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
+        mask_t, n, reads, _writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT, True)
         qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
         dc = load_tile(d_out, base, H, DV, offs_d, mask_t, BT)
         dz = tl.load(d_z + base + tl.arange(0, BT) * H, mask=in_first_block(mask_t, vb), other=0.0).to(tl.float32)
@@ -159,7 +159,7 @@ def value_grads_kernel(
         start = (p * SPAN + n_here - 1 - i) * BT
         base = token_base(b, h, start, seq_len, H)
         share = token_base(b, h, start - phase_start, PHASE_T, H)
-        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT, True)
         to_end = tl.maximum(n.to(tl.float32) - 1.0 - pos, 0.0)
         qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
         kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
@@ -215,7 +215,7 @@ def _norm_grads_walk(
         start = (p * SPAN + n_here - 1 - i) * BT
         base = token_base(b, h, start, seq_len, H)
         share = token_base(b, h, start - phase_start, PHASE_T, H)
-        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT, True)
         qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
         kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
         dzc = tl.load(d_z + base + tl.arange(0, BT) * H, mask=mask_t, other=0.0).to(tl.float32)
@@ -282,7 +282,7 @@ def _key_grads_walk(
     for i in range(0, n_here):
         start = (p * SPAN + n_here - 1 - i) * BT
         base = token_base(b, h, start, seq_len, H)
-        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT, True)
         qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
         vc = load_tile(v, base, H, DV, offs_v, mask_t, BT)
         doc = load_tile(d_out, base, H, DV, offs_v, mask_t, BT)
@@ -348,7 +348,7 @@ def query_grads_kernel(
     for i in range(0, n_here):
         start = (p * SPAN + i) * BT
         base = token_base(b, h, start, seq_len, H)
-        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+        mask_t, n, reads, writes, carry, linked = chunk_masks(docs, b, start, seq_len, BT, True)
         centred = (start + tl.arange(0, BT)).to(tl.float32) - centre
         qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
         kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
@@ -412,7 +412,7 @@ def coef_grads_kernel(
     h = bh % H
     start = c * BT
     base = token_base(b, h, start, seq_len, H)
-    mask_t, _n, _reads, _writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+    mask_t, _n, _reads, _writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT, True)
     terms = tl.arange(0, GN)
     share = token_base(b, h, start - C0 * BT, PHASE_T, H)
     rows_total = PHASE_T * BH

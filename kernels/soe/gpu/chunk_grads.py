@@ -44,7 +44,7 @@ def chunk_state_grads_kernel(
     q, d_out, d_z, log_lam, docs, d_reads, d_edges,
     seq_len, BH, S, C0, N, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, NORMS_BY_PRODUCT: tl.constexpr,
-    FAST: tl.constexpr, PARTS: tl.constexpr, WARM: tl.constexpr,
+    FAST: tl.constexpr, PARTS: tl.constexpr, WARM: tl.constexpr, RESETS: tl.constexpr,
 ):  # fmt: skip
     """Term s's state gradient walked over chunks C0 .. C0 + N - 1 (a phase) in reverse, from the gradient
     of the state leaving the phase (slot 1 of ``d_edges``, [2, B*H*S, W] fp32): slot c - C0 of ``d_reads``
@@ -84,7 +84,7 @@ def chunk_state_grads_kernel(
         tl.store(d_reads + here + b_offs, db.to(d_reads.dtype.element_ty), mask=_owned(b_store, c < hi, FAST))
         start = c * BT
         base = token_base(b, h, start, seq_len, H)
-        mask_t, n, reads, _writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
+        mask_t, n, reads, _writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT, RESETS)
         qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
         dc = load_tile(d_out, base, H, DV, offs_d, mask_t, BT)
         dz = tl.load(d_z + base + tl.arange(0, BT) * H, mask=mask_t, other=0.0).to(tl.float32)
@@ -104,13 +104,13 @@ def chunk_state_grads_kernel(
 @triton.jit
 def _chunk_pairs(q, k, v, coef, log_lam, docs, d_out, d_z, b, h, start, seq_len, H, S, F, DV,
                  BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr,
-                 PRECISION: tl.constexpr):  # fmt: skip
+                 PRECISION: tl.constexpr, RESETS: tl.constexpr):  # fmt: skip
     """The chunk's tiles and its pairs' common factors: (base, mask_t, n, reads, writes, linked, qc, kc,
     vc, dc, dz, Wc, dP) with dP = dO V^T + dz (the gradient of every pair's score weight)."""
     offs_f = tl.arange(0, BF)
     offs_d = tl.arange(0, BD)
     base = token_base(b, h, start, seq_len, H)
-    mask_t, n, reads, writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+    mask_t, n, reads, writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT, RESETS)
     qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
     kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
     vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
@@ -127,6 +127,7 @@ def chunk_query_grads_kernel(
     q, k, v, coef, log_lam, docs, reads, d_out, d_z, dq,
     seq_len, BH, S, C0, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
+    RESETS: tl.constexpr,
 ):  # fmt: skip
     """dq of one chunk c (C0 + program / BH, slot c - C0 of ``reads``) of one batch x head: (dP * Wc) K over the
     chunk's pairs, plus sum_s lam_s^(i+1) (dO_i G_s^T + dz_i b_s) for the tokens that read the state entering
@@ -135,7 +136,8 @@ def chunk_query_grads_kernel(
     c, bh = C0 + pid // BH, pid % BH
     b, h = bh // H, bh % H
     base, mask_t, _n, reads_in, _w, _l, _q, kc, _v, dc, dz, wc, d_p = _chunk_pairs(
-        q, k, v, coef, log_lam, docs, d_out, d_z, b, h, c * BT, seq_len, H, S, F, DV, BT, BF, BD, GN, PRECISION
+        q, k, v, coef, log_lam, docs, d_out, d_z, b, h, c * BT, seq_len, H, S, F, DV, BT, BF, BD, GN, PRECISION,
+        RESETS,
     )
     dq_c = tl.dot((d_p * wc).to(kc.dtype), kc, input_precision=PRECISION)
     offs_f = tl.arange(0, BF)
@@ -162,7 +164,7 @@ def chunk_key_value_grads_kernel(
     q, k, v, coef, log_lam, docs, d_reads, d_out, d_z, dk, dv, dcoef,
     seq_len, BH, S, C0, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
-    KEYS: tl.constexpr, VALUES: tl.constexpr, COEFS: tl.constexpr,
+    KEYS: tl.constexpr, VALUES: tl.constexpr, COEFS: tl.constexpr, RESETS: tl.constexpr,
 ):  # fmt: skip
     """dk (KEYS), dv (VALUES) or dcoef (COEFS) of one chunk c (C0 + program / BH, slot c - C0 of
     ``d_reads``) of one batch x head, a launch each (together the sm_80 compile spilled, and on sm_90
@@ -175,7 +177,8 @@ def chunk_key_value_grads_kernel(
     c, bh = C0 + pid // BH, pid % BH
     b, h = bh // H, bh % H
     base, mask_t, n, _r, writes, linked, qc, kc, vc, dc, _dz, wc, d_p = _chunk_pairs(
-        q, k, v, coef, log_lam, docs, d_out, d_z, b, h, c * BT, seq_len, H, S, F, DV, BT, BF, BD, GN, PRECISION
+        q, k, v, coef, log_lam, docs, d_out, d_z, b, h, c * BT, seq_len, H, S, F, DV, BT, BF, BD, GN, PRECISION,
+        RESETS,
     )
     scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
     terms = tl.arange(0, GN)

@@ -116,6 +116,7 @@ def chunk_states_kernel(
     seq_len, BH, S, STRIDE, C0, N, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, BORDERS: tl.constexpr,
     NORMS_BY_PRODUCT: tl.constexpr, FAST: tl.constexpr, PARTS: tl.constexpr, WARM: tl.constexpr,
+    RESETS: tl.constexpr,
 ):  # fmt: skip
     """Term s's state block, value columns vb * BD.., walked over chunks C0 .. C0 + N - 1 (a phase; C0 a
     multiple of STRIDE) from the state entering chunk C0, slot C0 / STRIDE of ``states`` ([spans + 1,
@@ -164,7 +165,7 @@ def chunk_states_kernel(
             tl.store(reads + here + b_offs, bn.to(reads.dtype.element_ty), mask=_owned(b_store, c >= lo, FAST))
             start = c * BT
             base = token_base(b, h, start, seq_len, H)
-            mask_t, n, _reads, writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT)
+            mask_t, n, _reads, writes, carry, _linked = chunk_masks(docs, b, start, seq_len, BT, RESETS)
             kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
             vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)
             cs = tl.load(coef + (base + tl.arange(0, BT) * H) * S + s, mask=mask_t, other=0.0).to(tl.float32)
@@ -191,6 +192,7 @@ def chunk_output_kernel(
     q, k, v, coef, log_lam, docs, reads, out, z,
     seq_len, BH, S, C0, H: tl.constexpr, F: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
     BT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, GN: tl.constexpr, PRECISION: tl.constexpr,
+    RESETS: tl.constexpr,
 ):  # fmt: skip
     """o and z of one chunk c (C0 + program / BH) of one batch x head: sum_j (q_i . k_j) Wc[i, j] (v_j, 1)
     over the chunk's linked pairs, plus sum_s lam_s^(i+1) q_i (G_s, b_s) for the tokens that read the state
@@ -203,7 +205,7 @@ def chunk_output_kernel(
     offs_f = tl.arange(0, BF)
     offs_d = tl.arange(0, BD)
     base = token_base(b, h, start, seq_len, H)
-    mask_t, _n, reads_in, _writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT)
+    mask_t, _n, reads_in, _writes, _carry, linked = chunk_masks(docs, b, start, seq_len, BT, RESETS)
     qc = load_tile(q, base, H, F, offs_f, mask_t, BT)
     kc = load_tile(k, base, H, F, offs_f, mask_t, BT)
     vc = load_tile(v, base, H, DV, offs_d, mask_t, BT)

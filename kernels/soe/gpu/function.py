@@ -11,7 +11,7 @@ import triton
 
 from kernels._common import check_triton_inputs, device_capability, document_numbers
 from kernels.soe.gpu.forward import chunk_output_kernel
-from kernels.soe.gpu.launches import soe_launches, walk_span
+from kernels.soe.gpu.launches import key_value_launches, soe_launches, walk_span
 from kernels.span import span_carry
 
 
@@ -45,23 +45,24 @@ def pass_sizes(states: torch.Tensor, terms_per_row: int) -> tuple[int, int, int,
 def _operands(q, k, v, coef, log_lam, chunk_size: int, reset,
               fast_terms: int) -> tuple[tuple[torch.Tensor, ...], tuple]:  # fmt: skip
     """(q, k, v, coef, log_lam, document numbers) as the kernels read them, with the launches, the span size
-    and the chunk of this scan."""
+    and the chunk of this scan. Without ``reset`` the document numbers are an empty tensor: the chunk-parallel
+    kernels then read none (RESETS), and only the span walks' backward makes the zeros it reads."""
     batch, seq_len = q.shape[:2]
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     coef = coef.to(q.dtype).contiguous()
     ll = log_lam.float().contiguous()
-    launches, span, chunk = _geometry(q, v, log_lam, chunk_size, fast_terms)
-    docs = document_numbers(reset, batch, seq_len, q.device)
+    launches, span, chunk = _geometry(q, v, log_lam, chunk_size, fast_terms, reset is not None)
+    docs = q.new_empty(0, dtype=torch.int32) if reset is None else document_numbers(reset, batch, seq_len, q.device)
     return (q, k, v, coef, ll, docs), (launches, span, chunk)
 
 
-def _geometry(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int,
-              fast_terms: int = 0) -> tuple[dict, int, int]:  # fmt: skip
+def _geometry(q: torch.Tensor, v: torch.Tensor, log_lam: torch.Tensor, chunk_size: int, fast_terms: int = 0,
+              resets: bool = True) -> tuple[dict, int, int]:  # fmt: skip
     """The launches, the span size (in chunks) and the chunk of a scan of these operands."""
     batch, seq_len, heads, feat = q.shape
     sizes = (batch, seq_len, heads, log_lam.shape[-1], feat, v.shape[-1])
     capability = device_capability(q)
-    chunk, launches = soe_launches(*sizes, chunk_size, q.dtype, capability, fast_terms=fast_terms)
+    chunk, launches = soe_launches(*sizes, chunk_size, q.dtype, capability, fast_terms=fast_terms, resets=resets)
     return launches, walk_span(*sizes, chunk, capability), chunk
 
 
@@ -165,7 +166,8 @@ class SoeScanTriton(torch.autograd.Function):
         capability = device_capability(q)
         decay_grad = ctx.needs_input_grad[4]
         chunk, launches = soe_launches(
-            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad, fast_terms
+            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad, fast_terms,
+            docs.numel() > 0,
         )
         if d_g is None and d_b is None:  # the final state went unused (training without a carried state)
             final = torch.zeros(g_shape[0] * g_shape[1] * g_shape[2], g_shape[3] * (g_shape[4] + 1), dtype=f32,
@@ -177,6 +179,8 @@ class SoeScanTriton(torch.autograd.Function):
             grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, reads, d_out, d_zz, final, g_shape,
                                  _border_stride(launches, span, chunk))
             return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None, None)
+        if docs.numel() == 0:  # no resets: the span walks read zeros
+            docs = document_numbers(None, batch, seq_len, dev)
         n_spans = states.shape[0] - 1
         ints = _sizes(q, v, ll, span)
         d_states = slots(n_spans, final, at_end=True)
@@ -271,7 +275,7 @@ def _chunk_grads(launches: dict, inputs: tuple, states: torch.Tensor, kept_reads
             launches["bwd_reads"].run(k, v, coef, ll, docs, reads, states, *rows, stride, c0, n)
         launches["bwd_chunk_states"].run(q, d_out, d_z, ll, docs, d_reads, d_edges[j : j + 2], *rows, c0, n)
         phase.run(*inputs, reads, d_out, d_z, dq, *rows, c0)
-        for name in ("bwd_chunk_keys", "bwd_chunk_values", "bwd_chunk_coefs"):
+        for name in key_value_launches(launches):
             dataclasses.replace(launches[name], grid=phase.grid).run(*inputs, d_reads, d_out, d_z, dk, dv, dcoef,
                                                                      *rows, c0)  # fmt: skip
     dg0, db0 = unpack(d_edges[0], g_shape)

@@ -57,9 +57,13 @@ class Tiles:
     The chunk kernels (VORT's decays, which need no gradient), each its own Shape: the three state walks
     (the forward's and its rerun in the backward without the span borders in ``states_walk``, the
     state-gradient walk in ``grads_walk``) when their programs hold the whole state and number at most
-    TARGET_PROGRAMS (two an H100 SM), all three in ``crowded_walk`` when there are more, in ``split_walk``
-    when they hold a block of the state (`walk_shape`); the outputs, and the chunk-parallel dq, dk, dv and
-    dcoef (a launch each: sm_80 spilled 16-144 bytes with them in one or two). ``norms_by_product``: whether
+    TARGET_PROGRAMS (two an H100 SM), all three in ``crowded_walk`` when there are more (the state-gradient
+    walk of a scan without document starts in ``crowded_grads_walk``), in ``split_walk`` when they hold a
+    block of the state (`walk_shape`); the outputs, and the chunk-parallel dq, dk, dv and dcoef
+    (``key_value_grads``: the gradients each launch makes and its Shape; on sm_90 dk and dv in one
+    launch, which reads the state gradients and makes the pairs' common factors once for both: 0.38 ms a
+    vort-125m layer at 16,384 tokens against 0.25 + 0.25; dcoef with them took 0.88; on sm_80 a launch each,
+    which spilled 16-144 bytes in one or two). ``norms_by_product``: whether
     the two walks add the normalisers (and their gradient) by a product with ones (with dz) on the tensor
     cores rather than a sum across the threads (on sm_80 the forward walk spilled 120 bytes at 128
     registers).
@@ -72,7 +76,10 @@ class Tiles:
     warps, 2 stages in 64 (0.49 against 0.61 ms at 8 warps, 2 stages in 128); more walks than that take
     8 warps in 80 registers, three an SM, one wave for vort-350m's 288 (its forward walk 0.40 against 0.53
     ms at 65,536 tokens, where 16 warps take a second wave for the last 24; its state-gradient walk 0.50
-    ms, and 0.41 with 2 stages, which spilled 32 bytes at 80 registers). The chunk-parallel kernels run 4
+    ms, and 0.41 with 2 stages, which spilled 32 bytes at 80 registers; without document numbers to read
+    it fits 2 stages in 80, and spilled 48 bytes at 1). Since the fast terms' walks run in pieces
+    (`fast_pieces`), vort-350m's slow walks fit two an SM at batch 1; the crowded shapes serve runs whose
+    slow walks alone exceed TARGET_PROGRAMS (a batch of several sequences). The chunk-parallel kernels run 4
     warps, capped where that keeps three or four programs an SM."""
 
     chunk: int
@@ -84,11 +91,10 @@ class Tiles:
     states_walk: Shape
     grads_walk: Shape
     crowded_walk: Shape
+    crowded_grads_walk: Shape
     outputs: Shape
     query_grads: Shape
-    key_grads: Shape
-    value_grads: Shape
-    coef_grads: Shape
+    key_value_grads: tuple[tuple[tuple[str, ...], Shape], ...]
     split_walk: Shape
     norms_by_product: bool = False
 
@@ -98,12 +104,16 @@ class Tiles:
 _SM80_GRADS = Shape(8, 1)
 TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coef_warps=4,
                       states_walk=Shape(8, 1, 128), grads_walk=Shape(8, 1, 128), crowded_walk=Shape(8, 1, 128),
-                      outputs=Shape(4, 1), query_grads=_SM80_GRADS, key_grads=_SM80_GRADS,
-                      value_grads=_SM80_GRADS, coef_grads=_SM80_GRADS, split_walk=Shape(8, 1, 128)),
+                      crowded_grads_walk=Shape(8, 1, 128),
+                      outputs=Shape(4, 2), query_grads=_SM80_GRADS,
+                      key_value_grads=((("KEYS",), _SM80_GRADS), (("VALUES",), _SM80_GRADS), (("COEFS",), _SM80_GRADS)),
+                      split_walk=Shape(8, 1, 128)),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4,
                      states_walk=Shape(16, 1, 64), grads_walk=Shape(16, 2, 64), crowded_walk=Shape(8, 1, 80),
-                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 2, 168), key_grads=Shape(4, 2, 128),
-                     value_grads=Shape(4, 2, 168), coef_grads=Shape(4, 2, 168), split_walk=Shape(8, 1, 128),
+                     crowded_grads_walk=Shape(8, 2, 80),
+                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 2, 168),
+                     key_value_grads=((("KEYS", "VALUES"), Shape(4, 2)), (("COEFS",), Shape(4, 2, 168))),
+                     split_walk=Shape(8, 1, 128),
                      norms_by_product=True)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
 FORWARD_CHUNKS = (64, 32, 16)  # the forward's chunk: the largest of these that divides the backward's span
@@ -251,6 +261,7 @@ def soe_launches(
     capability: int,
     decay_grad: bool = True,
     fast_terms: int = 0,
+    resets: bool = True,
 ) -> tuple[int, dict[str, Launch]]:
     """(chunk length of the backward's walks, launches) of one scan for q, k, v, coef of ``dtype`` and value
     width ``width`` on a GPU of compute capability ``capability``, in the order they run. The backward
@@ -265,7 +276,8 @@ def soe_launches(
     whether the backward makes the decays' gradient (not for decays that are buffers, as VORT's: the key
     launch then adds the pairs inside each chunk to the normalisers' share, and the coefficient kernel
     only sums the shares). ``fast_terms``: the leading terms known to be fast (kernels.soe_scan), whose chunk
-    walks may run in pieces (`fast_pieces`)."""
+    walks may run in pieces (`fast_pieces`). ``resets``: whether the scan has document starts (without, the
+    chunk-parallel kernels read no document numbers: RESETS)."""
     tiles = TILES[capability >= 90]
     bt = chunk_block(chunk_size, capability)
     bf, bv = max(16, triton.next_power_of_2(feat)), max(16, triton.next_power_of_2(width))
@@ -305,7 +317,7 @@ def soe_launches(
     walk_shaped = _shaped(walk_shape(tiles, tiles.states_walk, (sbf, sbd), (bf, bv), slow))
     # the chunk kernels take the shape as constants: masks and address arithmetic fold at compile time
     shape = {"H": heads, "F": feat, "DV": width, "W": feat * (width + 1)}
-    forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype)} | shape
+    forward = {"BT": fc, "BF": bf, "PRECISION": precision(dtype), "RESETS": resets} | shape
     fwd_ints = {"seq_len": "i32", "BH": "i32", "S": "i32"}
     d_state_in = qkv | base | {"d_states": "fp32", "d_out": operand}
     launches = {
@@ -372,16 +384,23 @@ def fast_pieces(rows: int, n_terms: int, fast_terms: int, blocks: int, whole: bo
     return fast_terms, max(1, min(16, chunks // (4 * warm)))
 
 
-def walk_shape(tiles: Tiles, shape: Shape, block: tuple[int, int], whole: tuple[int, int], programs: int) -> Shape:
+def walk_shape(tiles: Tiles, shape: Shape, block: tuple[int, int], whole: tuple[int, int], programs: int,
+               crowded: Shape | None = None) -> Shape:  # fmt: skip
     """A chunk state walk's shape: where its programs hold the whole padded state (``block`` == ``whole``,
     as at every 18-term config) of at least 8 elements a thread, ``shape`` for at most TARGET_PROGRAMS of
-    them and ``tiles.crowded_walk`` for more; else ``tiles.split_walk``: the register caps were chosen
-    for whole states of the 125m and 350m configs, and m5-125m's five terms, walked in 32 x 32 blocks
-    to fill the GPU, spilled 48 bytes at 16 warps in 64 registers on sm_90, the tiny configs' 16 x 16
-    states 84 bytes in the state-gradient walk at 16 warps, 2 stages."""
+    them and ``crowded`` (by default ``tiles.crowded_walk``) for more; else ``tiles.split_walk``: the
+    register caps were chosen for whole states of the 125m and 350m configs, and m5-125m's five terms,
+    walked in 32 x 32 blocks to fill the GPU, spilled 48 bytes at 16 warps in 64 registers on sm_90, the
+    tiny configs' 16 x 16 states 84 bytes in the state-gradient walk at 16 warps, 2 stages."""
     if block != whole or block[0] * block[1] < 8 * 32 * shape.warps:
         return tiles.split_walk
-    return shape if programs <= TARGET_PROGRAMS else tiles.crowded_walk
+    return shape if programs <= TARGET_PROGRAMS else crowded or tiles.crowded_walk
+
+
+def key_value_launches(launches: dict[str, Launch]) -> list[str]:
+    """The names of the launches of ``launches`` that make dk, dv and dcoef (`Tiles.key_value_grads`), in
+    order."""
+    return [name for name, launch in launches.items() if launch.kernel is chunk_key_value_grads_kernel]
 
 
 def _shaped(shape: Shape) -> dict[str, int | None]:
@@ -394,8 +413,9 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
     """The chunk-parallel backward (kernels/soe/gpu/chunk_grads.py), for decays that need no gradient:
     "bwd_reads" (the forward's chunk walk again, for the state entering every chunk), "bwd_chunk_states"
     (the reverse walk: the gradient of the state leaving every chunk), "bwd_chunk_queries" (dq) and
-    "bwd_chunk_keys", "bwd_chunk_values" and "bwd_chunk_coefs" (dk, dv, dcoef), each one program per
-    chunk x batch x head."""
+    dk, dv and dcoef in `Tiles.key_value_grads`' launches ("bwd_chunk_keys_values" and "bwd_chunk_coefs" on
+    sm_90, "bwd_chunk_keys", "bwd_chunk_values" and "bwd_chunk_coefs" on sm_80), each one program per chunk x
+    batch x head."""
     chunks = forward["fwd"].grid
     reads = dict.fromkeys(("q", "k", "v", "coef"), operand) | {"log_lam": "fp32", "docs": "i32"}
     grads_in = {"d_out": operand, "d_z": "fp32"}
@@ -407,21 +427,23 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
     state_in = {"q": operand, "d_out": operand, "d_z": "fp32", "log_lam": "fp32", "docs": "i32"}
     walk = forward["fwd_states"]  # the backward's walks have its programs (its rerun, its shape too)
     block, whole = (walk.constexprs["BF"], walk.constexprs["BD"]), (constexprs["BF"], constexprs["BD"])
-    grads_shape = walk_shape(tiles, tiles.grads_walk, block, whole, slow_walks)
+    crowded = tiles.crowded_walk if constexprs["RESETS"] else tiles.crowded_grads_walk
+    grads_shape = walk_shape(tiles, tiles.grads_walk, block, whole, slow_walks, crowded)
     out = {
         "bwd_reads": dataclasses.replace(walk, constexprs=walk.constexprs | {"BORDERS": False}),
         "bwd_chunk_states": Launch(chunk_state_grads_kernel, state_in | {"d_reads": operand, "d_edges": "fp32"},
                                    ints | {"N": "i32"},
                                    {k: walk.constexprs[k] for k in ("BT", "BF", "BD", "PRECISION", "NORMS_BY_PRODUCT",
-                                                                    "H", "F", "DV", "W", "FAST", "PARTS", "WARM")},
+                                                                    "H", "F", "DV", "W", "FAST", "PARTS", "WARM",
+                                                                    "RESETS")},
                                    walk.grid, **_shaped(grads_shape),
                                    wide=frozenset(("q", "d_out", "d_z", "d_reads"))),
         "bwd_chunk_queries": chunk_launch(chunk_query_grads_kernel,
                                           reads | {"reads": operand} | grads_in | {"dq": operand}, tiles.query_grads),
     }  # fmt: skip
     key_value = reads | {"d_reads": operand} | grads_in | {"dk": operand, "dv": operand, "dcoef": operand}
-    parts = {"KEYS": tiles.key_grads, "VALUES": tiles.value_grads, "COEFS": tiles.coef_grads}
-    for made, shape in parts.items():
-        out[f"bwd_chunk_{made.lower()}"] = chunk_launch(chunk_key_value_grads_kernel, key_value, shape,
-                                                        {p: p == made for p in parts})
+    for made, shape in tiles.key_value_grads:
+        out["bwd_chunk_" + "_".join(p.lower() for p in made)] = chunk_launch(
+            chunk_key_value_grads_kernel, key_value, shape, {p: p in made for p in ("KEYS", "VALUES", "COEFS")}
+        )
     return out

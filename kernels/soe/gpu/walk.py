@@ -89,18 +89,25 @@ def store_tile(ptr, base, H, width, cols, mask_t, x, BT: tl.constexpr):
 
 
 @triton.jit
-def chunk_masks(docs, b, start, seq_len, BT: tl.constexpr):
+def chunk_masks(docs, b, start, seq_len, BT: tl.constexpr, RESETS: tl.constexpr):
     """The chunk's document masks (kernels.span.chunk_documents): tokens inside the sequence, its length
     n, ``reads`` (the token reads the entering state), ``writes`` (it reaches the leaving state),
     ``carry`` (1.0 when the entering state passes through the chunk, 0.0 when a reset cuts it) and
-    ``linked`` [BT, BT] (i >= j and the same document)."""
+    ``linked`` [BT, BT] (i >= j and the same document). Without RESETS (a scan with no document starts)
+    ``docs`` is not read: one document, and the three loads and the comparisons per chunk are gone."""
     offs = tl.arange(0, BT)
     mask_t = start + offs < seq_len
-    doc, entering, last = chunk_documents(docs, b, start, seq_len, BT)
     n = tl.minimum(seq_len - start, BT)
-    carry = (entering == last).to(tl.float32)
-    linked = (offs[:, None] >= offs[None, :]) & (doc[:, None] == doc[None, :])
-    return mask_t, n, doc == entering, mask_t & (doc == last), carry, linked
+    if RESETS:
+        doc, entering, last = chunk_documents(docs, b, start, seq_len, BT)
+        carry = (entering == last).to(tl.float32)
+        linked = (offs[:, None] >= offs[None, :]) & (doc[:, None] == doc[None, :])
+        reads, writes = doc == entering, mask_t & (doc == last)
+    else:
+        carry = 1.0
+        linked = offs[:, None] >= offs[None, :]
+        reads, writes = mask_t, mask_t
+    return mask_t, n, reads, writes, carry, linked
 
 
 @triton.jit
