@@ -39,6 +39,18 @@ class Fp32Tables(nn.Module):
 
 
 
+def track_fast_terms(memory: nn.Module) -> None:
+    """Set ``memory.fast_terms``, the leading terms of its fixed decays ``log_lambda`` that decay below 2^-30
+    within kernels.soe.FAST_REACH tokens (what kernels.soe_scan takes as ``fast_terms``), now and again
+    whenever a state dict is loaded into it (a checkpoint's decays are the ones it trained with)."""
+
+    def count(module: nn.Module, _keys: Any = None) -> None:
+        module.fast_terms = kernels.fast_term_count(module.log_lambda)
+
+    count(memory)
+    memory.register_load_state_dict_post_hook(count)
+
+
 class OrderRouter(nn.Module):
     """alpha_t in [delta, 1] per head from two shallow probes of the layer input.
 
@@ -88,7 +100,7 @@ class VariableOrderMemory(Fp32Tables):
         self.n_heads, self.n_bins = config.n_heads, cfg.alpha_bins
         log_lambda, coef, banks = certified_kernel(bank_orders(cfg), cfg.soe_horizon, cfg.soe_eps).as_tensors()
         self.register_buffer("log_lambda", tempered(log_lambda, cfg))
-        self.fast_terms = kernels.fast_term_count(self.log_lambda)  # the scan's fast terms (kernels.soe_scan)
+        track_fast_terms(self)
         self.register_buffer("bank_coef", coef)
         self.register_buffer("banks", banks)
         self.router = OrderRouter(config.d_model, config.n_heads, cfg)
@@ -136,7 +148,7 @@ class FixedOrderMemory(Fp32Tables):
         self.n_heads = config.n_heads
         log_lambda, coef, _ = certified_kernel((cfg.pl_alpha,), cfg.soe_horizon, cfg.soe_eps).as_tensors()
         self.register_buffer("log_lambda", tempered(log_lambda, cfg))
-        self.fast_terms = kernels.fast_term_count(self.log_lambda)
+        track_fast_terms(self)
         self.register_buffer("coef", coef[0].clone())
 
     @property
@@ -184,7 +196,7 @@ class MixtureMemory(Fp32Tables):
         self.n_heads = config.n_heads
         timescales = torch.tensor(config.vort.m5_timescales, dtype=torch.float64)
         self.register_buffer("log_lambda", (-1.0 / timescales).float())
-        self.fast_terms = kernels.fast_term_count(self.log_lambda)
+        track_fast_terms(self)
         self.raw_weight = nn.Parameter(torch.full((config.n_heads, timescales.numel()), math.log(math.e - 1.0)))
 
     @property

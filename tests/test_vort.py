@@ -441,7 +441,13 @@ def test_the_scan_is_told_the_fast_terms_of_the_fixed_decays(monkeypatch: pytest
     monkeypatch.setattr(kernels, "soe_scan", lambda *a, **k: seen.append(k["fast_terms"]) or scan(*a, **k))
     model = build_model(tiny("vort"))
     model(torch.randint(0, 32, (1, 12)))
-    assert seen == [model.blocks[0].mixer.memory.fast_terms] * len(model.blocks)
+    fast = model.blocks[0].mixer.memory.fast_terms
+    assert fast > 0 and seen == [fast] * len(model.blocks)
+    # a checkpoint's decays are counted again: its first term slowed down, no term is fast
+    state = model.state_dict()
+    state["blocks.0.mixer.memory.log_lambda"][0] = -1e-3
+    model.load_state_dict(state)
+    assert model.blocks[0].mixer.memory.fast_terms == 0 and model.blocks[1].mixer.memory.fast_terms == fast
 
 
 @pytest.mark.parametrize("kind", [*VORT_KINDS, "transformer"])
