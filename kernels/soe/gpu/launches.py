@@ -60,7 +60,9 @@ class Tiles:
     TARGET_PROGRAMS (two an H100 SM), all three in ``crowded_walk`` when there are more (the state-gradient
     walk of a scan without document starts in ``crowded_grads_walk``), in ``split_walk`` when they hold a
     block of the state (`walk_shape`); the outputs, and the chunk-parallel dq, dk, dv and dcoef
-    (``key_value_grads``: the gradients each launch makes and its Shape; on sm_90 dk and dv in one
+    (``key_value_grads``: the gradients each launch makes and its Shape with and without document starts; on
+    sm_90 dcoef takes 128 registers without them, 0.26 against 0.33 ms a vort-125m layer, and 168 with them,
+    where 128 spilled 16 bytes at vort-350m; dk and dv in one
     launch, which reads the state gradients and makes the pairs' common factors once for both: 0.38 ms a
     vort-125m layer at 16,384 tokens against 0.25 + 0.25; dcoef with them took 0.88; on sm_80 a launch each,
     which spilled 16-144 bytes in one or two). ``norms_by_product``: whether
@@ -94,7 +96,7 @@ class Tiles:
     crowded_grads_walk: Shape
     outputs: Shape
     query_grads: Shape
-    key_value_grads: tuple[tuple[tuple[str, ...], Shape], ...]
+    key_value_grads: tuple[tuple[tuple[str, ...], Shape, Shape], ...]
     split_walk: Shape
     norms_by_product: bool = False
 
@@ -106,13 +108,14 @@ TILES = {False: Tiles(chunk=16, block=8, feature_block=8, warps=8, stages=1, coe
                       states_walk=Shape(8, 1, 128), grads_walk=Shape(8, 1, 128), crowded_walk=Shape(8, 1, 128),
                       crowded_grads_walk=Shape(8, 1, 128),
                       outputs=Shape(4, 2), query_grads=_SM80_GRADS,
-                      key_value_grads=((("KEYS",), _SM80_GRADS), (("VALUES",), _SM80_GRADS), (("COEFS",), _SM80_GRADS)),
+                      key_value_grads=tuple(((p,), _SM80_GRADS, _SM80_GRADS) for p in ("KEYS", "VALUES", "COEFS")),
                       split_walk=Shape(8, 1, 128)),
          True: Tiles(chunk=16, block=16, feature_block=8, warps=8, stages=1, coef_warps=4,
                      states_walk=Shape(16, 1, 64), grads_walk=Shape(16, 2, 64), crowded_walk=Shape(8, 1, 80),
                      crowded_grads_walk=Shape(8, 2, 80),
-                     outputs=Shape(4, 2, 168), query_grads=Shape(4, 2, 168),
-                     key_value_grads=((("KEYS", "VALUES"), Shape(4, 2)), (("COEFS",), Shape(4, 2, 168))),
+                     outputs=Shape(4, 2), query_grads=Shape(4, 2, 168),
+                     key_value_grads=((("KEYS", "VALUES"), Shape(4, 2), Shape(4, 2)),
+                                      (("COEFS",), Shape(4, 2, 168), Shape(4, 2, 128))),
                      split_walk=Shape(8, 1, 128),
                      norms_by_product=True)}  # fmt: skip
 INTS = ("seq_len", "BH", "H", "S", "F", "DV", "W", "SPAN")
@@ -442,8 +445,9 @@ def _chunk_backward(forward: dict[str, Launch], operand: str, ints: dict[str, st
                                           reads | {"reads": operand} | grads_in | {"dq": operand}, tiles.query_grads),
     }  # fmt: skip
     key_value = reads | {"d_reads": operand} | grads_in | {"dk": operand, "dv": operand, "dcoef": operand}
-    for made, shape in tiles.key_value_grads:
+    for made, with_resets, without in tiles.key_value_grads:
         out["bwd_chunk_" + "_".join(p.lower() for p in made)] = chunk_launch(
-            chunk_key_value_grads_kernel, key_value, shape, {p: p in made for p in ("KEYS", "VALUES", "COEFS")}
+            chunk_key_value_grads_kernel, key_value, with_resets if constexprs["RESETS"] else without,
+            {p: p in made for p in ("KEYS", "VALUES", "COEFS")},
         )
     return out
