@@ -165,10 +165,9 @@ class SoeScanTriton(torch.autograd.Function):
         d_out, d_zz = given(d_o, v.shape, q.dtype), given(d_z, q.shape[:3], f32)
         capability = device_capability(q)
         decay_grad = ctx.needs_input_grad[4]
-        chunk, launches = soe_launches(
-            batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability, decay_grad, fast_terms,
-            docs.numel() > 0,
-        )
+        resets = docs.numel() > 0  # the forward saved no document numbers for a scan without resets (_operands)
+        chunk, launches = soe_launches(batch, seq_len, heads, n_terms, feat, width, chunk_size, q.dtype, capability,
+                                       decay_grad, fast_terms=fast_terms, resets=resets)
         if d_g is None and d_b is None:  # the final state went unused (training without a carried state)
             final = torch.zeros(g_shape[0] * g_shape[1] * g_shape[2], g_shape[3] * (g_shape[4] + 1), dtype=f32,
                                 device=dev)
@@ -179,7 +178,7 @@ class SoeScanTriton(torch.autograd.Function):
             grads = _chunk_grads(launches, (q, k, v, coef, ll, docs), states, reads, d_out, d_zz, final, g_shape,
                                  _border_stride(launches, span, chunk))
             return (*(g if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None, None)
-        if docs.numel() == 0:  # no resets: the span walks read zeros
+        if not resets:  # the span walks read zeros
             docs = document_numbers(None, batch, seq_len, dev)
         n_spans = states.shape[0] - 1
         ints = _sizes(q, v, ll, span)
