@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.interface as interface
 from model import IGNORE_INDEX, build_model
@@ -83,3 +84,40 @@ def test_bf16_matches_plain_bf16_loss() -> None:
     for got, want in zip(g_chunked, g_plain, strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+
+class _Products(TorchDispatchMode):
+    """Counts the matrix products run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.matmul)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("needs", ["both", "hidden", "weight"])
+def test_gradient_made_in_the_forward_and_only_scaled_after(monkeypatch: pytest.MonkeyPatch, needs: str) -> None:
+    """The chunks' products run once, in the forward (the head's logits and, for each input that needs a
+    gradient, its product); the backward runs none, and each gradient still equals the plain loss's."""
+    monkeypatch.setattr(interface, "LOSS_CHUNK_ELEMENTS", 16 * 50)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(70, 12, generator=gen, dtype=torch.float64, requires_grad=needs != "weight")
+    weight = torch.randn(50, 12, generator=gen, dtype=torch.float64, requires_grad=needs != "hidden")
+    labels = torch.randint(0, 50, (70,), generator=gen)
+    wanted = [t for t in (hidden, weight) if t.requires_grad]
+    chunks = 5  # 70 tokens in chunks of 16
+    with _Products() as forward:
+        loss = chunked_cross_entropy(hidden, weight, labels)
+    with _Products() as backward:
+        grads = torch.autograd.grad(loss * 0.3, wanted)
+    assert forward.count == chunks * (1 + len(wanted))
+    assert backward.count == 0
+    plain = torch.autograd.grad(_plain_sum(hidden, weight, labels) * 0.3, wanted)
+    for got, want in zip(grads, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with _Products() as no_grad, torch.no_grad():
+        chunked_cross_entropy(hidden, weight, labels)
+    assert no_grad.count == chunks  # evaluation makes no gradient
