@@ -18,7 +18,9 @@ import torch
 from benchmarks.launch_capture import capture_step, meta_model
 from kernels._common import capture_launches
 from kernels.features import features_torch, positive_features
+from kernels.norm import rms_norm, rms_norm_torch
 from kernels.parallel import _SoeStateCorrection
+from kernels.swiglu import swiglu, swiglu_torch
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, resets, soe_inputs, soe_run
 from model import build_model
 from model.blocks import rotary_tables
@@ -52,11 +54,12 @@ def check_production(
     tiles: dict[str, int] = PRODUCTION,
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
 ) -> list[dict]:
-    """Each scan, the entering-state read and the fused feature map at the production tiles (12 heads, 18
-    terms, 64-wide features and values; PMNet's 4 levels of a 4-ary tree, 64 wide), with document starts and
-    initial states, in fp32 and bf16, against float64 on the same rounded inputs (the SOE scan's chunked float64
-    path, which the tests hold to the sequential reference; the phasor scan's sequential reference; the
-    entering read's float64 torch form). ``tiles`` and ``dtypes`` shrink it for the interpreter tests."""
+    """Each scan, the entering-state read, the fused feature map, RMS norm and SwiGLU gate at the production
+    tiles (12 heads, 18 terms, 64-wide features and values, rows of heads x values; PMNet's 4 levels of a 4-ary
+    tree, 64 wide), with document starts and initial states, in fp32 and bf16, against float64 on the same
+    rounded inputs (the SOE scan's chunked float64 path, which the tests hold to the sequential reference; the
+    phasor scan's sequential reference; the entering read's float64 torch form; the fused ops' composite forms).
+    ``tiles`` and ``dtypes`` shrink it for the interpreter tests."""
     from kernels.soe.triton import SoeEnteringTriton
 
     h, s, f, d = (tiles[k] for k in ("heads", "terms", "feat", "width"))
@@ -69,6 +72,9 @@ def check_production(
                 dtype=torch.float64), "b_in": torch.randn(2, h, s, f, generator=gen, dtype=torch.float64)}
     features = {"x": torch.randn(2, seq_len, h, d, generator=gen, dtype=torch.float64),
                 "weight": torch.randn(h, f, d, generator=gen, dtype=torch.float64)}
+    norm = [torch.randn(2, seq_len, h * d, generator=gen, dtype=torch.float64),
+            1.0 + 0.2 * torch.randn(h * d, generator=gen, dtype=torch.float64)]
+    gate_up = [3.0 * torch.randn(2, seq_len, 2 * h * d, generator=gen, dtype=torch.float64)]
     rows = []
     for dtype in dtypes:
         fwd_tol, grad_tol = TOLERANCES[dtype]
@@ -88,7 +94,27 @@ def check_production(
         rows.append(_row("soe_entering", dtype, [rel_err(a, b) for a, b in zip(outs, ref)],
                          [rel_err(grads[n], ref_grads[n]) for n in grads], fwd_tol, grad_tol))
         rows.append(_features_row(features, dtype, device, fwd_tol, grad_tol))
+        rows.append(_fused_row("rms_norm", lambda x, w: rms_norm(x, w, 1e-5, "triton"),
+                               lambda x, w: rms_norm_torch(x, w, 1e-5), norm, dtype, device, fwd_tol, grad_tol))
+        rows.append(_fused_row("swiglu", lambda x: swiglu(x, "triton"), swiglu_torch, gate_up, dtype, device,
+                               fwd_tol, grad_tol))
     return rows
+
+
+def _fused_row(case: str, fused: Callable, composite: Callable, inputs: list[torch.Tensor], dtype: torch.dtype,
+               device: str, fwd_tol: float, grad_tol: float) -> dict:
+    """A fused op (on ``device``) against its composite form in float64 on the same inputs rounded to ``dtype``:
+    the output and every input's gradient of a fixed random linear loss."""
+    rounded = [t.to(dtype) for t in inputs]
+    got_in = [t.to(device).clone().requires_grad_() for t in rounded]
+    got = fused(*got_in)
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (got.double() * g.to(device)).sum().backward()
+    want_in = [t.double().requires_grad_() for t in rounded]
+    want = composite(*want_in)
+    (want * g).sum().backward()
+    return _row(case, dtype, [rel_err(got.detach().cpu(), want.detach())],
+                [rel_err(a.grad.cpu(), b.grad) for a, b in zip(got_in, want_in)], fwd_tol, grad_tol)
 
 
 def _features_row(inputs: dict[str, torch.Tensor], dtype: torch.dtype, device: str, fwd_tol: float,

@@ -103,8 +103,14 @@ def triton_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def meta_model(cfg: ModelConfig) -> torch.nn.Module:
-    """The model of ``cfg`` with the Triton scan backend, in bf16, on the meta device."""
-    return build_model(triton_config(cfg)).to(torch.bfloat16).to("meta")
+    """The model of ``cfg`` with the Triton scan backend, in bf16, on the meta device; its modules that pick
+    a backend by device ("auto": Triton for CUDA tensors, as RMSNorm's fused norm) set to Triton, as a GPU
+    runs them."""
+    model = build_model(triton_config(cfg)).to(torch.bfloat16).to("meta")
+    for module in model.modules():
+        if getattr(module, "backend", None) == "auto":
+            module.backend = "triton"
+    return model
 
 
 def capture_step(model: torch.nn.Module, batch: int, seq_len: int, target: int,

@@ -17,23 +17,24 @@ from kernels import document_numbers
 from kernels._common import scans_as_ops
 from kernels.features import rotate
 from kernels.library import SCAN_OPS
+from kernels.norm import rms_norm
 from kernels.parallel import exchange_with_neighbours
+from kernels.swiglu import swiglu
 from model.config import ModelConfig
 from model.interface import CausalLM, LMHead, LMOutput, SequenceParallel
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in fp32 whatever the input dtype."""
+    """Root-mean-square layer norm, computed in fp32 whatever the input dtype (kernels.rms_norm)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.backend = "auto"  # kernels.rms_norm's: one fused Triton op for CUDA tensors, composite ops on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.backend)
 
 
 class SwiGLU(nn.Module):
@@ -44,10 +45,10 @@ class SwiGLU(nn.Module):
         hidden = max(64, round(dim * ratio * 2 / 3 / 64) * 64)
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
+        self.backend = "auto"  # kernels.swiglu's: one fused Triton op for CUDA tensors, composite ops on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x), self.backend))
 
 
 class ShortConvolution(nn.Module):

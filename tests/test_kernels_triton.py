@@ -666,6 +666,8 @@ def test_gpu_script_check_runs_under_the_interpreter():
         ("phasor", "float32"),
         ("soe_entering", "float32"),
         ("features", "float32"),
+        ("rms_norm", "float32"),
+        ("swiglu", "float32"),
     ]
     assert all(r["passed"] for r in results), results
 
