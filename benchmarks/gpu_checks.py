@@ -19,6 +19,7 @@ from benchmarks.launch_capture import capture_step, meta_model
 from kernels._common import capture_launches
 from kernels.features import features_torch, positive_features
 from kernels.norm import rms_norm, rms_norm_torch
+from kernels.order import order_coefficients, order_coefficients_torch
 from kernels.parallel import _SoeStateCorrection
 from kernels.swiglu import swiglu, swiglu_torch
 from kernels.testing import angle_err, phasor_inputs, phasor_run, rel_err, resets, soe_inputs, soe_run
@@ -54,12 +55,12 @@ def check_production(
     tiles: dict[str, int] = PRODUCTION,
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
 ) -> list[dict]:
-    """Each scan, the entering-state read, the fused feature map, RMS norm and SwiGLU gate at the production
-    tiles (12 heads, 18 terms, 64-wide features and values, rows of heads x values; PMNet's 4 levels of a 4-ary
-    tree, 64 wide), with document starts and initial states, in fp32 and bf16, against float64 on the same
-    rounded inputs (the SOE scan's chunked float64 path, which the tests hold to the sequential reference; the
-    phasor scan's sequential reference; the entering read's float64 torch form; the fused ops' composite forms).
-    ``tiles`` and ``dtypes`` shrink it for the interpreter tests."""
+    """Each scan, the entering-state read, the fused feature map, RMS norm, SwiGLU gate and order coefficients at
+    the production tiles (12 heads, 18 terms, 64-wide features and values, rows of heads x values, 256 classes and
+    8 banks; PMNet's 4 levels of a 4-ary tree, 64 wide), with document starts and initial states, in fp32 and
+    bf16, against float64 on the same rounded inputs (the SOE scan's chunked float64 path, which the tests hold
+    to the sequential reference; the phasor scan's sequential reference; the entering read's float64 torch
+    form; the fused ops' composite forms). ``tiles`` and ``dtypes`` shrink it for the interpreter tests."""
     from kernels.soe.triton import SoeEnteringTriton
 
     h, s, f, d = (tiles[k] for k in ("heads", "terms", "feat", "width"))
@@ -75,6 +76,13 @@ def check_production(
     norm = [torch.randn(2, seq_len, h * d, generator=gen, dtype=torch.float64),
             1.0 + 0.2 * torch.randn(h * d, generator=gen, dtype=torch.float64)]
     gate_up = [3.0 * torch.randn(2, seq_len, 2 * h * d, generator=gen, dtype=torch.float64)]
+    order = [2.0 * torch.randn(2, seq_len, 256, generator=gen, dtype=torch.float64),
+             torch.rand(2, seq_len, generator=gen, dtype=torch.float64),
+             torch.linspace(-2.0, 2.0, h, dtype=torch.float64), torch.full((h,), 2.0, dtype=torch.float64),
+             torch.full((h,), 2.0, dtype=torch.float64)]
+    order_tables = (torch.linspace(0.1, 1.0, 8, dtype=torch.float64),
+                    torch.randn(8, s, generator=gen, dtype=torch.float64))
+    order_on_device = tuple(t.float().to(device) for t in order_tables)
     rows = []
     for dtype in dtypes:
         fwd_tol, grad_tol = TOLERANCES[dtype]
@@ -97,6 +105,9 @@ def check_production(
         rows.append(_fused_row("rms_norm", lambda x, w: rms_norm(x, w, 1e-5, "triton"),
                                lambda x, w: rms_norm_torch(x, w, 1e-5), norm, dtype, device, fwd_tol, grad_tol))
         rows.append(_fused_row("swiglu", lambda x: swiglu(x, "triton"), swiglu_torch, gate_up, dtype, device,
+                               fwd_tol, grad_tol))
+        rows.append(_fused_row("order", lambda *a: order_coefficients(*a, *order_on_device, 0.1, "triton")[0],
+                               lambda *a: order_coefficients_torch(*a, *order_tables, 0.1)[0], order, dtype, device,
                                fwd_tol, grad_tol))
     return rows
 

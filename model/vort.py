@@ -201,7 +201,8 @@ class VortLayer(nn.Module):
                                                output_final_state=True, chunk_size=self.chunk_size,
                                                backend=self.backend, reset=doc_start,
                                                fast_terms=self.memory.fast_terms)
-        y = self.readout(num.to(dt), den.to(dt), x).to(x.dtype)
+        # num stays in the run's dtype: its quotient by the fp32 den is fp32 all the same, without a copy of num
+        y = self.readout(num, den.to(dt), x).to(x.dtype)
         return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], next_offset(offset, T, doc_start))
 
     def extra_forward_flops(self) -> float:

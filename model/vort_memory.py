@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.order import orders
 from model.config import ModelConfig, VortConfig
-from model.soe import interpolate_coefficients
 from model.soe.tables import bank_orders, certified_kernel, tempered
 
 
@@ -76,18 +76,21 @@ class OrderRouter(nn.Module):
         self.entity_gain = nn.Parameter(torch.full((n_heads,), 2.0))
         self.bias = nn.Parameter(torch.linspace(-2.0, 2.0, n_heads) if n_heads > 1 else torch.zeros(1))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d] -> (alpha [B, T, H], entropy [B, T] in [0, 1], entity score [B, T])."""
+    def probes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> the predictive probe's logits [B, T, P] (in x's dtype) and the entity score [B, T]
+        (in the work dtype)."""
         # the probes' products take x in the run's dtype (bf16 on the tensor cores, fp32 accumulation); the
         # softmax, entropy and gates that follow run in fp32
         dt = kernels.work_dtype(x.dtype)
         logits = x @ self.probe_down.to(x.dtype) @ self.probe_up.to(x.dtype)
-        logp = torch.log_softmax(logits.to(dt), dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1) / math.log(logp.shape[-1])
         entity = torch.sigmoid((x @ self.entity_weight.to(x.dtype)).to(dt) + self.entity_bias.to(dt))
-        logit = (self.bias.to(dt) + self.entropy_gain.to(dt) * (1.0 - entropy)[..., None]
-                 + self.entity_gain.to(dt) * (2.0 * entity - 1.0)[..., None])
-        alpha = self.delta + (1.0 - self.delta) * torch.sigmoid(logit)
+        return logits, entity
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> (alpha [B, T, H], entropy [B, T] in [0, 1], entity score [B, T]), composite (the
+        memory makes alpha and its coefficients in one op, kernels.order_coefficients)."""
+        logits, entity = self.probes(x)
+        alpha, entropy = orders(logits, entity, self.bias, self.entropy_gain, self.entity_gain, self.delta)
         return alpha, entropy, entity
 
 
@@ -104,6 +107,7 @@ class VariableOrderMemory(Fp32Tables):
         self.register_buffer("bank_coef", coef)
         self.register_buffer("banks", banks)
         self.router = OrderRouter(config.d_model, config.n_heads, cfg)
+        self.backend = "auto"  # kernels.order_coefficients': one fused Triton op for CUDA tensors, composite on CPU
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self.entity_score: torch.Tensor | None = None  # with its graph, for the auxiliary loss
 
@@ -113,8 +117,10 @@ class VariableOrderMemory(Fp32Tables):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, d] -> (coef [B, T, H, S], log_lam [H, S])."""
-        alpha, _, entity = self.router(x)
-        coef = interpolate_coefficients(alpha, self.banks.to(alpha.dtype), self.bank_coef.to(alpha.dtype))
+        logits, entity = self.router.probes(x)
+        r = self.router
+        coef, alpha, _entropy = kernels.order_coefficients(logits, entity, r.bias, r.entropy_gain, r.entity_gain,
+                                                           self.banks, self.bank_coef, r.delta, self.backend)
         self._last = (alpha.detach(), entity.detach())
         self.entity_score = entity
         return coef, self.log_lambda.to(alpha.dtype).expand(self.n_heads, -1)

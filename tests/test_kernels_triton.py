@@ -668,6 +668,7 @@ def test_gpu_script_check_runs_under_the_interpreter():
         ("features", "float32"),
         ("rms_norm", "float32"),
         ("swiglu", "float32"),
+        ("order", "float32"),
     ]
     assert all(r["passed"] for r in results), results
 

@@ -224,13 +224,14 @@ def make_op(func: Any, args: tuple, kwargs: dict, out: Any) -> Op:
 
 _ROOT = Path(__file__).resolve().parents[2]
 _PACKAGES = {str(_ROOT / p) + "/": p  # longest first
-             for p in ("kernels/features", "kernels/norm", "kernels/swiglu", "kernels", "model", "pretrain")}
+             for p in ("kernels/features", "kernels/norm", "kernels/swiglu", "kernels/order", "kernels", "model",
+                       "pretrain")}
 
 
 def origin_of(filename: str) -> str:
     """The package of this project that the source file ``filename`` is in: "kernels/features" (the fused
-    feature map), "kernels/norm" (the fused RMS norm), "kernels/swiglu" (the fused gate), "kernels" (the
-    scans), "model", "pretrain"; "" for none."""
+    feature map), "kernels/norm" (the fused RMS norm), "kernels/swiglu" (the fused gate), "kernels/order"
+    (the fused order coefficients), "kernels" (the scans), "model", "pretrain"; "" for none."""
     return next((package for prefix, package in _PACKAGES.items() if filename.startswith(prefix)), "")
 
 

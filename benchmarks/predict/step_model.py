@@ -3,8 +3,8 @@ ops by the step model's rules, beside fla's chunk retention on the same work.
 
 `predict_step` captures the step (benchmarks.predict.step.capture_step_ops), prices it and splits out the
 scans: their launches and the aten ops their autograd Functions make (kernels and ops whose source is in
-kernels/ but not kernels/features/, kernels/norm/ or kernels/swiglu/: the fused feature map, norm and gate are
-part of the step, not of the scans). "compiled" is
+kernels/ but not kernels/features/, norm/, swiglu/ or order/: the fused feature map, norm, gate and order
+coefficients are part of the step, not of the scans). "compiled" is
 the same step with its memory ops fused as torch.compile fuses them (benchmarks.predict.price.fused_memory, a
 first-order model of inductor). fla's retention runs the same layers
 on the same tokens with every SOE term of a head as a head of its own (B, T, heads x terms, features; values

@@ -9,7 +9,8 @@ S and measuring the error over every lag; ``cache``: ``build_kernel`` with check
 ``KernelTables``); ``cli``: ``python -m model.soe``.
 """
 
-from model.soe.banks import BankError, bank_layout_error, equidistributed_banks, interpolate_coefficients, uniform_banks
+from kernels.order import interpolate_coefficients
+from model.soe.banks import BankError, bank_layout_error, equidistributed_banks, uniform_banks
 from model.soe.bounded_rates import m_term_fit_error, span_fit_error
 from model.soe.cache import CACHE_ENV, CACHE_VERSION, build_kernel, clear_memory_cache, default_cache_dir
 from model.soe.certificate import (

@@ -1,5 +1,5 @@
-"""Bank orders: the layer's differentiable interpolation of coefficients between neighbouring banks, and
-the error that quantising alpha to a bank layout costs (Theorem 4.1)."""
+"""Bank orders: the error that quantising alpha to a bank layout costs (Theorem 4.1); the layer's
+differentiable interpolation between neighbouring banks is kernels.order.interpolate_coefficients."""
 
 from __future__ import annotations
 
@@ -10,23 +10,6 @@ import numpy as np
 import torch
 
 from model.soe.weights import gl_weights
-
-
-def interpolate_coefficients(alpha: torch.Tensor, banks: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """Per-token coefficients by linear interpolation between the two neighbouring banks.
-
-    alpha: [...] orders (clamped to [banks[0], banks[-1]]); banks: [K] increasing; coef: [K, S].
-    Returns [..., S].  Differentiable in alpha (piecewise linear) and in coef; the interpolated
-    kernel is the same linear blend of the two bank kernels, which is what ``bank_layout_error``
-    measures.
-    """
-    a = alpha.clamp(banks[0], banks[-1])
-    if banks.numel() == 1:
-        return coef[0].expand(*a.shape, coef.shape[-1])
-    idx = torch.searchsorted(banks, a.detach().contiguous(), right=True).clamp(1, banks.numel() - 1)
-    left, right = banks[idx - 1], banks[idx]
-    theta = ((a - left) / (right - left)).unsqueeze(-1)
-    return coef[idx - 1] * (1.0 - theta) + coef[idx] * theta
 
 
 @dataclass(frozen=True)
