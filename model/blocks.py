@@ -311,8 +311,8 @@ class StackedLM(CausalLM):
             if doc_start is not None:
                 sequence_parallel = documents_across_pieces(doc_start, sequence_parallel)
         x = self.embed(input_ids)
-        extra = self.block_inputs(x)
         states = state if state is not None else [None] * len(self.blocks)
+        extra = self.block_inputs(x, states[0], sequence_parallel, doc_start)
         new_states = []
         for block, block_state in zip(self.blocks, states, strict=True):
             if self.activation_checkpointing and self.training:
@@ -324,9 +324,12 @@ class StackedLM(CausalLM):
             new_states.append(block_state)
         return self.norm(x), new_states
 
-    def block_inputs(self, embedded: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Keyword inputs every block gets besides the residual stream, from the token embeddings
-        [B, T, d]: none here; a family whose blocks read the tokens themselves names them."""
+    def block_inputs(self, embedded: torch.Tensor, first_state: Any, sequence_parallel: SequenceParallel | None,
+                     doc_start: torch.Tensor | None) -> dict[str, Any]:
+        """Keyword inputs every block gets besides the residual stream, made once a call: from the token
+        embeddings [B, T, d], the first block's carried state (None without), the sequence-parallel piece and
+        the document starts. None here; a family whose blocks read the tokens themselves, or share a table
+        that depends only on positions, names them."""
         return {}
 
     def matmul_params(self) -> int:

@@ -153,7 +153,8 @@ class PMNet(StackedLM):
         for memory in self.memories():  # after StackedLM's generic init: the memory starts as a no-op
             memory.init_weights()
 
-    def block_inputs(self, embedded: torch.Tensor) -> dict[str, torch.Tensor]:
+    def block_inputs(self, embedded: torch.Tensor, first_state: Any, sequence_parallel: SequenceParallel | None,
+                     doc_start: torch.Tensor | None) -> dict[str, Any]:
         """Under `route_input: embedding` every block gets the token embeddings, which route its memory."""
         return {"embedded": embedded} if self.config.pmnet.route_input == "embedding" else {}
 

@@ -172,17 +172,19 @@ class VortLayer(nn.Module):
         state: VortState | None = None,
         sequence_parallel: SequenceParallel | None = None,
         doc_start: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, VortState]:
         """x [B, T, d] at positions offset.. (the carried state's, or the sequence-parallel piece's);
         with ``doc_start`` the scan's state (carried or entering from earlier pieces) is zeroed at each
-        document start and positions restart."""
+        document start and positions restart. ``rotary``: the rotary tables of these positions
+        (`VortLayer.rotary_tables`), made once for all layers by VortLM; made here without."""
         B, T, _ = x.shape
         sp = sequence_parallel
         offset = call_offset(None if state is None else state.offset, sp)
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         cos = sin = None  # the rotary tables: the feature map rotates q and k first
         if self.rotary:
-            cos, sin = rotary_tables(token_positions(offset, T, doc_start, x.device), self.head_dim, self.rope_base)
+            cos, sin = rotary if rotary is not None else self.rotary_tables(offset, T, doc_start, x.device)
         dt = kernels.work_dtype(x.dtype)
         temperature = self.temperature(dt)  # q, k [B, T, H, D] get norm sqrt(temperature)
         scale = math.sqrt(temperature) if isinstance(temperature, float) else temperature.sqrt()[:, None]
@@ -204,6 +206,12 @@ class VortLayer(nn.Module):
         # num stays in the run's dtype: its quotient by the fp32 den is fp32 all the same, without a copy of num
         y = self.readout(num, den.to(dt), x).to(x.dtype)
         return self.out(y.reshape(B, T, -1)), VortState(final[0], final[1], next_offset(offset, T, doc_start))
+
+    def rotary_tables(self, offset: Offset, length: int, doc_start: torch.Tensor | None,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables (cos, sin) of ``length`` tokens from ``offset`` (within their documents under
+        ``doc_start``)."""
+        return rotary_tables(token_positions(offset, length, doc_start, device), self.head_dim, self.rope_base)
 
     def extra_forward_flops(self) -> float:
         """Forward FLOPs per token not covered by 6 x parameters: fixed features and the chunked scan.
@@ -243,12 +251,13 @@ class VortBlock(nn.Module):
         state: VortState | None,
         sequence_parallel: SequenceParallel | None = None,
         doc_start: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, VortState]:
         h, conv = self.mix_norm(x), None
         if self.short_conv is not None:
             offset = call_offset(None if state is None else state.offset, sequence_parallel)
             h, conv = self.short_conv(h, None if state is None else state.conv, sequence_parallel, doc_start, offset)
-        h, state = self.mixer(h, state, sequence_parallel, doc_start)
+        h, state = self.mixer(h, state, sequence_parallel, doc_start, rotary)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), state._replace(conv=conv)
 
@@ -265,6 +274,16 @@ class VortLM(StackedLM):
             return ("model.vort.entity_aux_weight > 0 is not supported with sequence parallelism (its word-boundary "
                     "labels look across the piece border); set it to 0 or use sequence_parallel: 1")
         return None
+
+    def block_inputs(self, embedded: torch.Tensor, first_state: VortState | None,
+                     sequence_parallel: SequenceParallel | None, doc_start: torch.Tensor | None) -> dict[str, Any]:
+        """The rotary tables of the call's positions, made once for every layer (and not again in their
+        recompute under activation checkpointing): each layer's would be the same, as all carry one offset."""
+        if not self.config.vort.rotary:
+            return {}
+        offset = call_offset(None if first_state is None else first_state.offset, sequence_parallel)
+        layer = self.blocks[0].mixer
+        return {"rotary": layer.rotary_tables(offset, embedded.shape[1], doc_start, embedded.device)}
 
     @classmethod
     def scan_shape(cls, config: ModelConfig) -> ScanShape:

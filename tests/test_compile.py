@@ -173,11 +173,12 @@ def test_a_block_compiles_to_one_graph_forward_and_backward(kind: str, with_docs
     ids, doc_start = _batch(model, with_docs)
     x = model.embed(ids).detach().requires_grad_()
     block = model.blocks[0]
-    extra = model.block_inputs(x)
+    extra = model.block_inputs(x, None, None, doc_start)
     state = None
     if with_state:
         with torch.no_grad():
             _, state = block(x, None, None, doc_start, **extra)  # the state after one window, carried
+        extra = model.block_inputs(x, state, None, doc_start)  # what the model gives the next window
 
     def run(fn: Callable) -> list[torch.Tensor]:
         out, new_state = fn(x, state, None, doc_start, **extra)
@@ -203,7 +204,7 @@ def test_a_checkpointed_block_compiles_to_one_graph(kind: str) -> None:
     model = _model(kind)
     ids, doc_start = _batch(model, True)
     x = model.embed(ids).detach().requires_grad_()
-    block, extra = model.blocks[0], model.block_inputs(x)
+    block, extra = model.blocks[0], model.block_inputs(x, None, None, doc_start)
     with dynamo.config.patch(**DYNAMO_SETTINGS):
         _no_breaks(lambda *a: checkpoint(block, *a, use_reentrant=False, **extra), x, None, None, doc_start)
 

@@ -547,3 +547,30 @@ def test_layer_on_the_triton_path_matches_the_reference() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_rotary_tables_are_made_once_a_call_and_change_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                               documents: bool) -> None:
+    """VortLM makes the rotary tables once for all its layers (one cos and one sin a forward, not one a layer);
+    the logits are those of layers that each make their own, with and without document starts, and carried
+    across two calls."""
+    from benchmarks.predict.ops import capture_ops
+    from model.vort import VortLM
+
+    torch.manual_seed(3)
+    model = build_model(tiny("vort"))
+    assert len(model.blocks) > 1 and model.config.vort.rotary
+    ids = torch.randint(0, 32, (2, 24))
+    doc_start = (torch.arange(24) % 10 == 3).expand(2, 24).clone() if documents else None
+
+    def two_calls() -> torch.Tensor:
+        first = model(ids[:, :13], doc_start=None if doc_start is None else doc_start[:, :13])
+        second = model(ids[:, 13:], first.state, doc_start=None if doc_start is None else doc_start[:, 13:])
+        return torch.cat([first.logits, second.logits], 1)
+
+    ops = capture_ops(lambda: model(ids, doc_start=doc_start))
+    assert sum(op.name.startswith("aten.cos") for op in ops) == 1
+    shared = two_calls()
+    monkeypatch.setattr(VortLM, "block_inputs", lambda self, *args: {})
+    assert torch.equal(shared, two_calls())
