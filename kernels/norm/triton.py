@@ -55,7 +55,7 @@ def rms_norm_backward_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, rows, eps, D:
     dx = (g - n * along[:, None]) * inv[:, None]
     tl.store(dx_ptr + at, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     col = tl.arange(0, BD)
-    tl.store(dw_ptr + tl.program_id(0) * D + col, tl.sum(dy * n, 0), mask=col < D)
+    tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * D + col, tl.sum(dy * n, 0), mask=col < D)
 
 
 def norm_launch(name: str, rows: int, dim: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> Launch:
