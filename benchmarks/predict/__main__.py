@@ -106,8 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from benchmarks.predict.measure import measure_step, plan_seconds
 
             _announce(plan_seconds(out["step_ms"], 2))
-            scans = {r["name"] for r in out["launches"] if not r["name"].startswith(("aten ", "host "))}
-            out["measured"] = measure_step(cfg, args.batch, args.tokens, checkpointing, scans)
+            # the scans' kernels as scan_ms counts them (not the fused feature map, norm, gate or order kernels)
+            out["measured"] = measure_step(cfg, args.batch, args.tokens, checkpointing, set(out["scan_kernels"]))
     else:
         parser.error(f"unknown target {args.what!r}: expected fla:<op> or step")
     print(json.dumps(out, indent=None if args.json else 1))

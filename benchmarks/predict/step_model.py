@@ -58,4 +58,5 @@ def predict_step(cfg: ModelConfig, batch: int, tokens: int, checkpointing: bool 
     }
     if breakdown:
         out["launches"] = [vars(r) | {"seconds": round(r.seconds * 1e3, 4)} for r in whole.breakdown(c)]
+        out["scan_kernels"] = sorted({launch.name for launch in step.launches if launch.origin == "kernels"})
     return out
