@@ -73,6 +73,9 @@ def check_production(
                 dtype=torch.float64), "b_in": torch.randn(2, h, s, f, generator=gen, dtype=torch.float64)}
     features = {"x": torch.randn(2, seq_len, h, d, generator=gen, dtype=torch.float64),
                 "weight": torch.randn(h, f, d, generator=gen, dtype=torch.float64)}
+    cos, sin = rotary_tables(torch.arange(seq_len), d, 10_000.0)  # the feature map's, fp32 weight and tables
+    features_args = (features["weight"].float().double(), 1.4, cos.double(), sin.double())
+    features_on_device = (features["weight"].float().to(device), 1.4, cos.to(device), sin.to(device))
     norm = [torch.randn(2, seq_len, h * d, generator=gen, dtype=torch.float64),
             1.0 + 0.2 * torch.randn(h * d, generator=gen, dtype=torch.float64)]
     gate_up = [3.0 * torch.randn(2, seq_len, 2 * h * d, generator=gen, dtype=torch.float64)]
@@ -101,7 +104,9 @@ def check_production(
                                    torch.float64, "cpu")
         rows.append(_row("soe_entering", dtype, [rel_err(a, b) for a, b in zip(outs, ref)],
                          [rel_err(grads[n], ref_grads[n]) for n in grads], fwd_tol, grad_tol))
-        rows.append(_features_row(features, dtype, device, fwd_tol, grad_tol))
+        rows.append(_fused_row("features", lambda x: positive_features(x, *features_on_device, "triton"),
+                               lambda x: features_torch(x, *features_args), [features["x"]], dtype, device, fwd_tol,
+                               grad_tol))
         rows.append(_fused_row("rms_norm", lambda x, w: rms_norm(x, w, 1e-5, "triton"),
                                lambda x, w: rms_norm_torch(x, w, 1e-5), norm, dtype, device, fwd_tol, grad_tol))
         rows.append(_fused_row("swiglu", lambda x: swiglu(x, "triton"), swiglu_torch, gate_up, dtype, device,
@@ -126,24 +131,6 @@ def _fused_row(case: str, fused: Callable, composite: Callable, inputs: list[tor
     (want * g).sum().backward()
     return _row(case, dtype, [rel_err(got.detach().cpu(), want.detach())],
                 [rel_err(a.grad.cpu(), b.grad) for a, b in zip(got_in, want_in)], fwd_tol, grad_tol)
-
-
-def _features_row(inputs: dict[str, torch.Tensor], dtype: torch.dtype, device: str, fwd_tol: float,
-                  grad_tol: float) -> dict:
-    """The fused feature map (kernels/features), rotary rotation included, against the composite map in
-    float64 on the same rounded x: phi and dx of a fixed random linear loss."""
-    x, weight = inputs["x"].to(dtype), inputs["weight"].float()
-    g = torch.randn(*x.shape[:-1], weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    got_x = x.to(device).clone().requires_grad_()
-    cos, sin = rotary_tables(torch.arange(x.shape[1]), x.shape[-1], 10_000.0)
-    got = positive_features(got_x, weight.to(device), 1.4, cos.to(device), sin.to(device), backend="triton")
-    (got.double() * g.to(device)).sum().backward()
-    want_x = x.double().detach().requires_grad_()
-    want = features_torch(want_x, weight.double(), 1.4, cos.double(), sin.double())
-    (want * g).sum().backward()
-    return _row("features", dtype, [rel_err(got.detach().cpu(), want.detach())], [rel_err(got_x.grad.cpu(),
-                                                                                          want_x.grad)],
-                fwd_tol, grad_tol)
 
 
 def _row(case: str, dtype: torch.dtype, fwd: list[float], grad: list[float], fwd_tol: float, grad_tol: float) -> dict:
