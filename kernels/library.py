@@ -45,9 +45,32 @@ a dispatch mode that must see the aten ops inside a scan runs the function itsel
 
 
 FUSED_OPS: dict[Any, Callable[..., Any]] = {}
-"""kernels/'s other custom ops (the fused feature map, kernels/features), forward and backward, and the Python
-function each runs: activation checkpointing recomputes them as it does elementwise work, and a dispatch mode
-that must see the aten ops and launches inside one runs the function itself, as for SCAN_OPS."""
+"""kernels/'s other custom ops (the fused feature map, norm, gate and order coefficients: `fused_op`), forward and
+backward, and the Python function each runs: activation checkpointing recomputes them as it does elementwise
+work, and a dispatch mode that must see the aten ops and launches inside one runs the function itself, as for
+SCAN_OPS."""
+
+
+def fused_op(name: str, forward: Callable[..., Any], schema: str, fake: Callable[..., Any],
+             backward: Callable[..., Any], backward_schema: str, backward_fake: Callable[..., Any],
+             setup_context: Callable[..., None], gradients: Callable[..., Any]) -> Any:
+    """Register the fused op ``recurrent::<name>`` running ``forward`` and its backward op
+    ``recurrent::<name>_backward`` running ``backward``, each with its fake implementation and a meta kernel
+    that runs the function itself (meta tensors launch as a device does, for the benchmarks to capture), the
+    autograd of ``setup_context`` and ``gradients(ctx, backward_op, *grads)``, both in FUSED_OPS; return the
+    forward op."""
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", forward, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    op.register_kernel("meta", forward)
+    backward_op = torch.library.custom_op(f"{NAMESPACE}::{name}_backward", backward, mutates_args=(),
+                                          schema=backward_schema)
+    backward_op.register_fake(backward_fake)
+    backward_op.register_kernel("meta", backward)
+    op.register_autograd(lambda ctx, *grads: gradients(ctx, backward_op, *grads), setup_context=setup_context)
+    ops = getattr(torch.ops, NAMESPACE)
+    FUSED_OPS[getattr(ops, name).default] = forward
+    FUSED_OPS[getattr(ops, f"{name}_backward").default] = backward
+    return op
 
 
 class _Ctx:

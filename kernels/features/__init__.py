@@ -24,12 +24,14 @@ as a device does, for benchmarks/launch_capture.py and the step model to capture
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kernels._common import resolve_backend, work_dtype
-from kernels.library import FUSED_OPS, NAMESPACE
+from kernels.library import fused_op
 
 EPS = 1e-12  # F.normalize's floor on the norm
 
@@ -84,31 +86,20 @@ def _backward(x: Tensor, weight: Tensor, d_phi: Tensor, scale: float, cos: Tenso
     return backward(x, weight, d_phi, scale, cos, sin, EPS)
 
 
-positive_features_op = torch.library.custom_op(
-    f"{NAMESPACE}::positive_features", _forward, mutates_args=(),
-    schema="(Tensor x, Tensor weight, float scale, Tensor? cos, Tensor? sin) -> Tensor")
-positive_features_op.register_fake(lambda x, weight, scale, cos, sin: x.new_empty(*x.shape[:-1], weight.shape[1]))
-positive_features_op.register_kernel("meta", _forward)  # meta tensors launch as a device does (captured)
-
-_backward_op = torch.library.custom_op(
-    f"{NAMESPACE}::positive_features_backward", _backward, mutates_args=(),
-    schema="(Tensor x, Tensor weight, Tensor d_phi, float scale, Tensor? cos, Tensor? sin) -> Tensor")
-_backward_op.register_fake(
-    lambda x, weight, d_phi, scale, cos, sin: torch.empty_like(x, memory_format=torch.contiguous_format))
-_backward_op.register_kernel("meta", _backward)
-
-
 def _setup(ctx, inputs: tuple, output: Tensor) -> None:
     x, weight, scale, cos, sin = inputs
     ctx.save_for_backward(x, weight, cos, sin)
     ctx.scale = scale
 
 
-def _gradients(ctx, d_phi: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+def _gradients(ctx, backward_op: Any, d_phi: Tensor) -> tuple[Tensor | None, None, None, None, None]:
     x, weight, cos, sin = ctx.saved_tensors
-    return _backward_op(x, weight, d_phi, ctx.scale, cos, sin), None, None, None, None
+    return backward_op(x, weight, d_phi, ctx.scale, cos, sin), None, None, None, None
 
 
-positive_features_op.register_autograd(_gradients, setup_context=_setup)
-FUSED_OPS[getattr(torch.ops, NAMESPACE).positive_features.default] = _forward
-FUSED_OPS[getattr(torch.ops, NAMESPACE).positive_features_backward.default] = _backward
+positive_features_op = fused_op(
+    "positive_features", _forward, "(Tensor x, Tensor weight, float scale, Tensor? cos, Tensor? sin) -> Tensor",
+    lambda x, weight, scale, cos, sin: x.new_empty(*x.shape[:-1], weight.shape[1]),
+    _backward, "(Tensor x, Tensor weight, Tensor d_phi, float scale, Tensor? cos, Tensor? sin) -> Tensor",
+    lambda x, weight, d_phi, scale, cos, sin: torch.empty_like(x, memory_format=torch.contiguous_format),
+    _setup, _gradients)

@@ -15,11 +15,13 @@ does, for benchmarks/launch_capture.py and the step model to capture them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from kernels._common import resolve_backend
-from kernels.library import FUSED_OPS, NAMESPACE
+from kernels.library import fused_op
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str = "auto") -> Tensor:
@@ -52,30 +54,21 @@ def _backward(x: Tensor, weight: Tensor, dy: Tensor, eps: float) -> tuple[Tensor
     return backward(x, weight, dy, eps)
 
 
-rms_norm_op = torch.library.custom_op(f"{NAMESPACE}::rms_norm", _forward, mutates_args=(),
-                                      schema="(Tensor x, Tensor weight, float eps) -> Tensor")
-rms_norm_op.register_fake(lambda x, weight, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
-rms_norm_op.register_kernel("meta", _forward)  # meta tensors launch as a device does (captured)
-
-_backward_op = torch.library.custom_op(f"{NAMESPACE}::rms_norm_backward", _backward, mutates_args=(),
-                                       schema="(Tensor x, Tensor weight, Tensor dy, float eps) -> (Tensor, Tensor)")
-_backward_op.register_fake(lambda x, weight, dy, eps: (torch.empty_like(x, memory_format=torch.contiguous_format),
-                                                       torch.empty_like(weight)))
-_backward_op.register_kernel("meta", _backward)
-
-
 def _setup(ctx, inputs: tuple, output: Tensor) -> None:
     x, weight, eps = inputs
     ctx.save_for_backward(x, weight)
     ctx.eps = eps
 
 
-def _gradients(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+def _gradients(ctx, backward_op: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
     x, weight = ctx.saved_tensors
-    dx, dw = _backward_op(x, weight, dy, ctx.eps)
+    dx, dw = backward_op(x, weight, dy, ctx.eps)
     return dx, dw, None
 
 
-rms_norm_op.register_autograd(_gradients, setup_context=_setup)
-FUSED_OPS[getattr(torch.ops, NAMESPACE).rms_norm.default] = _forward
-FUSED_OPS[getattr(torch.ops, NAMESPACE).rms_norm_backward.default] = _backward
+rms_norm_op = fused_op(
+    "rms_norm", _forward, "(Tensor x, Tensor weight, float eps) -> Tensor",
+    lambda x, weight, eps: torch.empty_like(x, memory_format=torch.contiguous_format),
+    _backward, "(Tensor x, Tensor weight, Tensor dy, float eps) -> (Tensor, Tensor)",
+    lambda x, weight, dy, eps: (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)),
+    _setup, _gradients)

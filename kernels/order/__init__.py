@@ -23,12 +23,13 @@ does, for benchmarks/launch_capture.py and the step model to capture them.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from kernels._common import resolve_backend, work_dtype
-from kernels.library import FUSED_OPS, NAMESPACE
+from kernels.library import fused_op
 
 
 def interpolate_coefficients(alpha: Tensor, banks: Tensor, coef: Tensor) -> Tensor:
@@ -107,31 +108,20 @@ def _outputs(logits: Tensor, gate: Tensor, bias: Tensor, entropy_gain: Tensor, g
     return make(*lead, bias.shape[0], table.shape[1]), make(*lead, bias.shape[0]), make(*lead)
 
 
-_INPUTS = "Tensor logits, Tensor gate, Tensor bias, Tensor entropy_gain, Tensor gate_gain, Tensor banks, Tensor table"
-order_coefficients_op = torch.library.custom_op(f"{NAMESPACE}::order_coefficients", _forward, mutates_args=(),
-                                                schema=f"({_INPUTS}, float delta) -> (Tensor, Tensor, Tensor)")
-order_coefficients_op.register_fake(_outputs)
-order_coefficients_op.register_kernel("meta", _forward)  # meta tensors launch as a device does (captured)
-
-_backward_op = torch.library.custom_op(
-    f"{NAMESPACE}::order_coefficients_backward", _backward, mutates_args=(),
-    schema=f"({_INPUTS}, float delta, Tensor d_coef) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-_backward_op.register_fake(lambda logits, gate, bias, eg, gg, banks, table, delta, d_coef: tuple(
-    torch.empty_like(t, memory_format=torch.contiguous_format) for t in (logits, gate, bias, eg, gg)))
-_backward_op.register_kernel("meta", _backward)
-
-
 def _setup(ctx, inputs: tuple, output: tuple) -> None:
     *tensors, ctx.delta = inputs
     ctx.save_for_backward(*tensors)
     ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _gradients(ctx, d_coef: Tensor, _d_alpha: Tensor | None, _d_entropy: Tensor | None) -> tuple:
-    grads = _backward_op(*ctx.saved_tensors, ctx.delta, d_coef)
-    return (*grads, None, None, None)
+def _gradients(ctx, backward_op: Any, d_coef: Tensor, _d_alpha: Tensor | None, _d_entropy: Tensor | None) -> tuple:
+    return (*backward_op(*ctx.saved_tensors, ctx.delta, d_coef), None, None, None)
 
 
-order_coefficients_op.register_autograd(_gradients, setup_context=_setup)
-FUSED_OPS[getattr(torch.ops, NAMESPACE).order_coefficients.default] = _forward
-FUSED_OPS[getattr(torch.ops, NAMESPACE).order_coefficients_backward.default] = _backward
+_INPUTS = "Tensor logits, Tensor gate, Tensor bias, Tensor entropy_gain, Tensor gate_gain, Tensor banks, Tensor table"
+order_coefficients_op = fused_op(
+    "order_coefficients", _forward, f"({_INPUTS}, float delta) -> (Tensor, Tensor, Tensor)", _outputs,
+    _backward, f"({_INPUTS}, float delta, Tensor d_coef) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    lambda logits, gate, bias, eg, gg, banks, table, delta, d_coef: tuple(
+        torch.empty_like(t, memory_format=torch.contiguous_format) for t in (logits, gate, bias, eg, gg)),
+    _setup, _gradients)

@@ -16,12 +16,14 @@ benchmarks/launch_capture.py and the step model to capture them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kernels._common import resolve_backend
-from kernels.library import FUSED_OPS, NAMESPACE
+from kernels.library import fused_op
 
 
 def swiglu(gate_up: Tensor, backend: str = "auto") -> Tensor:
@@ -57,26 +59,17 @@ def _half(gate_up: Tensor) -> Tensor:
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-swiglu_op = torch.library.custom_op(f"{NAMESPACE}::swiglu", _forward, mutates_args=(),
-                                    schema="(Tensor gate_up) -> Tensor")
-swiglu_op.register_fake(_half)
-swiglu_op.register_kernel("meta", _forward)  # meta tensors launch as a device does (captured)
-
-_backward_op = torch.library.custom_op(f"{NAMESPACE}::swiglu_backward", _backward, mutates_args=(),
-                                       schema="(Tensor gate_up, Tensor dh) -> Tensor")
-_backward_op.register_fake(lambda gate_up, dh: torch.empty_like(gate_up, memory_format=torch.contiguous_format))
-_backward_op.register_kernel("meta", _backward)
-
-
 def _setup(ctx, inputs: tuple, output: Tensor) -> None:
     ctx.save_for_backward(inputs[0])
 
 
-def _gradients(ctx, dh: Tensor) -> Tensor:
+def _gradients(ctx, backward_op: Any, dh: Tensor) -> Tensor:
     (gate_up,) = ctx.saved_tensors
-    return _backward_op(gate_up, dh)
+    return backward_op(gate_up, dh)
 
 
-swiglu_op.register_autograd(_gradients, setup_context=_setup)
-FUSED_OPS[getattr(torch.ops, NAMESPACE).swiglu.default] = _forward
-FUSED_OPS[getattr(torch.ops, NAMESPACE).swiglu_backward.default] = _backward
+swiglu_op = fused_op(
+    "swiglu", _forward, "(Tensor gate_up) -> Tensor", _half,
+    _backward, "(Tensor gate_up, Tensor dh) -> Tensor",
+    lambda gate_up, dh: torch.empty_like(gate_up, memory_format=torch.contiguous_format),
+    _setup, _gradients)
